@@ -1,0 +1,177 @@
+"""Typed experiment configuration: YAML file + dotted ``key=value`` overrides.
+
+Every section forbids unknown keys, so a misspelled key fails at load time with its
+full dotted path, before any process or engine starts.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONFIGS_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key or file and the fix."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(BaseModel):
+    """``arch`` + ``preset`` (a file in configs/models/) + any preset field as an override.
+
+    Extra keys are allowed here and validated against the architecture's own typed
+    config when the model is resolved (``pipeline.models.registry``).
+    """
+
+    model_config = ConfigDict(extra="allow")
+    arch: str
+    preset: str | None = None
+
+
+class MlmConfig(Strict):
+    probability: float = Field(0.15, gt=0, lt=1)  # share of tokens selected for prediction
+    mask_fraction: float = Field(0.8, ge=0, le=1)  # of the selected: replaced by [MASK]
+    random_fraction: float = Field(0.1, ge=0, le=1)  # of the selected: a random token
+    static: bool = False  # True: one fixed mask per sample (seeded), as original BERT
+    whole_word: bool = False
+
+
+class NspConfig(Strict):
+    random_next_probability: float = Field(0.5, ge=0, le=1)
+    short_seq_probability: float = Field(0.1, ge=0, le=1)
+
+
+class ClmConfig(Strict):
+    reset_position_ids: bool = False  # positions restart at each document
+    block_cross_document_attention: bool = False  # tokens attend only within their document
+
+
+class ObjectiveSection(Strict):
+    kind: str = "mlm+nsp"  # mlm, mlm+nsp, clm, ... (validated by pipeline.objectives)
+    mlm: MlmConfig = MlmConfig()
+    nsp: NspConfig = NspConfig()
+    clm: ClmConfig = ClmConfig()
+
+
+class DataSection(Strict):
+    path: str
+    seq_len: int = Field(128, gt=8)
+    workers: int = Field(2, ge=0)
+    verify_checksums: bool = True
+    on_bad_shard: Literal["error", "skip"] = "error"
+
+
+class TrainSection(Strict):
+    max_steps: int = Field(1000, gt=0)
+    micro_batch_size: int = Field(32, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    lr: float = Field(1.0e-4, gt=0)
+    min_lr_ratio: float = Field(0.0, ge=0, le=1)
+    weight_decay: float = Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1.0e-8
+    grad_clip: float = Field(1.0, ge=0)
+    warmup_steps: int = Field(100, ge=0)
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    seed: int = 1234
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    activation_checkpointing: bool = False
+    log_every: int = Field(10, gt=0)
+    eval_every: int = Field(200, ge=0)
+    eval_batches: int = Field(20, gt=0)
+    save_every: int = Field(200, ge=0)
+    bundle_every: int = Field(
+        1, ge=0
+    )  # log a model bundle every N checkpoints (0: only at the end)
+    keep_last: int = Field(3, gt=0)
+    max_nonfinite_in_row: int = Field(5, gt=0)
+    resume: Literal["auto", "never"] = "auto"
+    out_dir: str = "runs/default"
+
+
+class MlflowSection(Strict):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or the local store in the cwd
+    # `register` in YAML; renamed in Python because BaseModel has a `register` attribute.
+    register_model: bool = Field(True, alias="register")
+    alias: str = "current"
+
+
+class ExperimentConfig(Strict):
+    name: str
+    model: ModelSection
+    objective: ObjectiveSection = ObjectiveSection()
+    data: DataSection
+    train: TrainSection = TrainSection()
+    deepspeed: str | dict[str, Any] = "configs/deepspeed/zero2.json"
+    mlflow: MlflowSection = MlflowSection()
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """``a.b.c=value`` -> (["a", "b", "c"], value parsed as YAML so 1e-4, true, [1,2] work)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} is not of the form dotted.key=value")
+    key, raw = item.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {item!r} has an empty key part")
+    return key.split("."), yaml.safe_load(raw) if raw != "" else ""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        path, value = parse_override(item)
+        node = raw
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  unknown key '{key}' (check its spelling; see configs/ for valid keys)")
+        elif e["type"] == "missing":
+            lines.append(f"  missing key '{key}'")
+        else:
+            lines.append(f"  key '{key}': {e['msg']}")
+    return "\n".join(lines)
+
+
+def validate_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
+    try:
+        return ExperimentConfig.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None
+
+
+def read_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return raw
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Load and validate an experiment config; raise ConfigError naming the bad key."""
+    raw = apply_overrides(read_yaml(path), list(overrides or []))
+    return validate_dict(raw, str(path))

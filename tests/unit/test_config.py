@@ -1,0 +1,26 @@
+import pytest
+
+from pipeline.config import ConfigError, apply_overrides, load_config, validate_dict
+
+BASE = {"name": "x", "model": {"arch": "bert", "preset": "bert-tiny"}, "data": {"path": "d"}}
+
+
+def test_misspelled_key_is_named():
+    with pytest.raises(ConfigError, match="unknown key 'train.max_stpes'"):
+        validate_dict({**BASE, "train": {"max_stpes": 3}})
+
+
+def test_dotted_overrides_are_typed():
+    raw = apply_overrides(dict(BASE), ["train.max_steps=20", "train.lr=3e-4", "mlflow.register=false"])
+    cfg = validate_dict(raw)
+    assert cfg.train.max_steps == 20 and cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.mlflow.register_model is False
+
+
+def test_bad_value_names_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("name: x\nmodel: {arch: bert}\ndata: {path: d}\ntrain: {precision: fp8}\n")
+    with pytest.raises(ConfigError, match="train.precision"):
+        load_config(path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.yaml")
