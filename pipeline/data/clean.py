@@ -1,0 +1,80 @@
+"""Cleaning: unicode normalization, control characters, whitespace, length filters, language.
+
+All functions are pure and deterministic: the same text and config give the same result
+on every machine, so shards built twice are byte-identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import unicodedata
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+ZH_SHARE = 0.3  # a text is "zh" when CJK ideographs are at least this share of its letters
+
+# C0/C1 controls except tab and newline, lone surrogates (from JSON "\ud800" escapes,
+# which cannot be encoded as UTF-8) and invisible format characters that only split
+# words: BOM / zero-width no-break space, zero-width space, soft hyphen, word joiner.
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufeff\u200b\u00ad\u2060]")
+_NEWLINES = re.compile("\r\n?|[\x85\u2028\u2029]")  # normalized to \n before controls go
+_HSPACE = re.compile(r"[^\S\n]+")  # whitespace other than newline
+_SPACE_AROUND_NL = re.compile(r" ?\n ?")
+_BLANK_LINES = re.compile(r"\n{3,}")
+_CJK = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef]")
+_LETTER = re.compile(r"[^\W\d_]")  # letters of any script (CJK ideographs included)
+
+
+class CleanConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    normalization: Literal["NFKC", "NFC", "NFKD", "NFD", "none"] = "NFKC"
+    min_chars: int = Field(16, ge=0)  # after cleaning; shorter documents are rejected
+    max_chars: int = Field(4_000_000, gt=0)
+    fold_whitespace: bool = True  # runs of spaces/tabs -> one space, at most one blank line
+
+
+def clean(text: str, cfg: CleanConfig | None = None) -> str:
+    """Normalize, drop control characters, fold whitespace; paragraphs stay ("\\n\\n")."""
+    cfg = cfg or CleanConfig()
+    text = _NEWLINES.sub("\n", text)
+    text = _CONTROL.sub("", text)
+    if cfg.normalization != "none":
+        text = unicodedata.normalize(cfg.normalization, text)
+    if cfg.fold_whitespace:
+        text = _HSPACE.sub(" ", text)
+        text = _SPACE_AROUND_NL.sub("\n", text)
+        text = _BLANK_LINES.sub("\n\n", text)
+    return text.strip()
+
+
+def reject_reason(text: str, cfg: CleanConfig | None = None) -> str | None:
+    """Why a cleaned text is not kept (``too_short`` / ``too_long``), or None."""
+    cfg = cfg or CleanConfig()
+    if len(text) < max(cfg.min_chars, 1):
+        return "too_short"
+    if len(text) > cfg.max_chars:
+        return "too_long"
+    return None
+
+
+def cjk_share(text: str) -> float:
+    """Share of CJK ideographs among the letters of ``text`` (0.0 when it has none)."""
+    letters = len(_LETTER.findall(text))
+    return len(_CJK.findall(text)) / letters if letters else 0.0
+
+
+def language_of(text: str) -> Literal["zh", "other"]:
+    """``zh`` when CJK ideographs make up at least ZH_SHARE of the letters, else ``other``.
+
+    Counting letters (not characters) keeps punctuation, digits and spaces from diluting
+    the share, so Chinese text quoting English names or code is still ``zh``.
+    """
+    return "zh" if cjk_share(text) >= ZH_SHARE else "other"
+
+
+def dedup_key(text: str) -> bytes:
+    """16-byte hash of the cleaned text, for exact deduplication."""
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()

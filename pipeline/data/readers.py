@@ -1,0 +1,556 @@
+"""Corpus readers: files, folders, globs, pyarrow filesystem URIs and builtin corpora.
+
+Every reader streams. Text files are read line by line with a cap on the line length,
+so a 2 GB jsonl or a 200 MB one-line document never sits in memory whole: a document
+over ``max_doc_bytes`` is skipped to its end and reported as a ``too_long`` reject.
+Nothing is dropped silently: every document the source holds comes out as a
+``RawDocument`` with an ordinal, either with its text or with the reason it was rejected.
+
+Formats (by file name suffix):
+    .txt .txt.gz .txt.zst          documents separated by blank lines
+    .jsonl .jsonl.gz .jsonl.zst    one JSON object per line, text under ``text_field``
+    .parquet                       text column ``text_field``, read batch by batch
+Inputs: a file, a folder (recursive, sorted, only the suffixes above), a glob, a URI
+that ``pyarrow.fs.FileSystem.from_uri`` understands (``file:///data``, ``s3://b/k``),
+or ``builtin:python-docs`` / ``builtin:zh-sample``.
+
+Policy for NUL bytes: a document holding a NUL byte is rejected as ``nul_bytes``. Text
+corpora have no NULs; one means binary data or a wrong encoding (UTF-16 read as UTF-8),
+so the rest of the document cannot be trusted either.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob as globlib
+import gzip
+import hashlib
+import importlib
+import inspect
+import io
+import json
+import os
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import BinaryIO
+
+import pyarrow as pa
+import pyarrow.fs as pafs
+import pyarrow.parquet as pq
+
+from pipeline.config import ConfigError
+
+DEFAULT_MAX_DOC_BYTES = 16 << 20  # a document larger than this is a "too_long" reject
+_CHUNK = 1 << 20  # read size while skipping over the rest of an oversized line
+_PARQUET_BATCH_ROWS = 1024
+CORPORA_DIR = Path(__file__).resolve().parent / "corpora"
+BUILTINS = ("builtin:python-docs", "builtin:zh-sample")
+
+_FORMATS = (  # longest suffix first
+    (".jsonl.gz", "jsonl.gz"),
+    (".jsonl.zst", "jsonl.zst"),
+    (".txt.gz", "txt.gz"),
+    (".txt.zst", "txt.zst"),
+    (".jsonl", "jsonl"),
+    (".txt", "txt"),
+    (".parquet", "parquet"),
+)
+_TEXT_TYPES = (pa.string(), pa.large_string(), pa.binary(), pa.large_binary())
+
+
+class InputError(ConfigError):
+    """An input that cannot be read: the message names the path and what to do."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One readable unit of the corpus, in the order ``resolve_inputs`` gave it."""
+
+    uri: str  # absolute local path, a filesystem URI, or builtin:NAME
+    format: str  # txt, txt.gz, txt.zst, jsonl, jsonl.gz, jsonl.zst, parquet, builtin
+    size: int  # bytes on disk (builtin: bytes of UTF-8 text)
+    text_field: str = "text"
+
+
+@dataclass(frozen=True)
+class RawDocument:
+    source: str  # Source.uri
+    ordinal: int  # position of the document in its source, rejects included
+    text: str | None  # None when rejected
+    reject: str | None = None  # invalid_utf8, nul_bytes, too_long, bad_json, no_text
+    line: int | None = None  # 1-based line where the document starts (txt, jsonl)
+    detail: str | None = None  # why, for the message (e.g. the JSON error)
+
+
+# ---------------------------------------------------------------------------
+# Resolving inputs
+
+
+def format_of(name: str) -> str | None:
+    lower = name.lower()
+    for suffix, fmt in _FORMATS:
+        if lower.endswith(suffix):
+            return fmt
+    return None
+
+
+def _is_uri(item: str) -> bool:
+    return "://" in item
+
+
+def _has_glob(item: str) -> bool:
+    return any(c in item for c in "*?[")
+
+
+def _split_uri(uri: str) -> tuple[pafs.FileSystem, str]:
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as err:
+        raise InputError(f"input {uri!r}: cannot open this filesystem URI ({err})") from err
+
+
+def _uri_for(uri: str, path: str) -> str:
+    """The URI of ``path`` on the filesystem of ``uri`` (same scheme, same query)."""
+    scheme = uri.split("://", 1)[0]
+    query = uri.split("?", 1)[1] if "?" in uri else ""
+    return f"{scheme}://{path}" + (f"?{query}" if query else "")
+
+
+def _check_parquet(source: Source) -> None:
+    """Fail before anything starts when the text column is missing or not text."""
+    with _open_random_access(source) as f:
+        schema = pq.read_schema(f)
+    if source.text_field not in schema.names:
+        raise InputError(
+            f"{source.uri}: parquet file has no column {source.text_field!r}; columns found: "
+            f"{schema.names}. Pass the right one with --text-field."
+        )
+    kind = schema.field(source.text_field).type
+    if kind not in _TEXT_TYPES:
+        raise InputError(
+            f"{source.uri}: column {source.text_field!r} has type {kind}, expected a string column"
+        )
+
+
+def _local_source(path: str, text_field: str) -> Source:
+    fmt = format_of(path)
+    if fmt is None:
+        raise InputError(
+            f"input {path!r}: unknown format; expected one of "
+            f"{', '.join(s for s, _ in _FORMATS)} (or a folder of such files)"
+        )
+    try:
+        with open(path, "rb"):
+            pass
+        size = os.path.getsize(path)
+    except OSError as err:
+        raise InputError(f"input {path!r} cannot be read: {err.strerror}") from err
+    return Source(uri=os.path.abspath(path), format=fmt, size=size, text_field=text_field)
+
+
+def _expand_local(item: str, text_field: str) -> list[Source]:
+    if _has_glob(item):
+        paths = sorted(p for p in globlib.glob(item, recursive=True) if os.path.isfile(p))
+        sources = [_local_source(p, text_field) for p in paths if format_of(p)]
+        if not sources:
+            raise InputError(f"input glob {item!r} matches no readable corpus file")
+        return sources
+    if not os.path.exists(item):
+        raise InputError(f"input {item!r} does not exist (checked {os.path.abspath(item)})")
+    if os.path.isdir(item):
+        paths = sorted(
+            os.path.join(root, name)
+            for root, _, names in os.walk(item)
+            for name in names
+            if format_of(name) and not name.startswith(".")
+        )
+        if not paths:
+            raise InputError(f"input folder {item!r} holds no .txt/.jsonl(.gz/.zst)/.parquet files")
+        return [_local_source(p, text_field) for p in paths]
+    return [_local_source(item, text_field)]
+
+
+def _expand_uri(item: str, text_field: str) -> list[Source]:
+    base = item.split("?", 1)[0]
+    if _has_glob(base):
+        # Globs on remote filesystems: list the folder before the first wildcard, then
+        # match the whole path (fnmatch: here a * may cross folder boundaries).
+        from fnmatch import fnmatchcase
+
+        fs, pattern = _split_uri(item)
+        folder = pattern[: min(pattern.find(c) for c in "*?[" if c in pattern)].rsplit("/", 1)[0]
+        infos = fs.get_file_info(pafs.FileSelector(folder or "/", recursive=True))
+        paths = sorted(
+            i.path for i in infos if i.type == pafs.FileType.File and fnmatchcase(i.path, pattern)
+        )
+    else:
+        fs, path = _split_uri(item)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise InputError(f"input {item!r} does not exist")
+        if info.type == pafs.FileType.Directory:
+            infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            paths = sorted(i.path for i in infos if i.type == pafs.FileType.File)
+        else:
+            if format_of(path) is None:
+                raise InputError(f"input {item!r}: unknown format (see --help for the formats)")
+            paths = [path]
+    sources = []
+    for path in paths:
+        fmt = format_of(path)
+        if fmt is None or path.rsplit("/", 1)[-1].startswith("."):
+            continue
+        size = fs.get_file_info(path).size or 0
+        sources.append(Source(_uri_for(item, path), fmt, size, text_field))
+    if not sources:
+        raise InputError(f"input {item!r} holds no .txt/.jsonl(.gz/.zst)/.parquet files")
+    return sources
+
+
+def _builtin_source(item: str, text_field: str) -> Source:
+    if item == "builtin:python-docs":
+        size = sum(len(d.encode("utf-8")) for d in python_docs())
+        return Source(item, "builtin", size, text_field)
+    if item == "builtin:zh-sample":
+        return Source(item, "txt", (CORPORA_DIR / "zh_sample.txt").stat().st_size, text_field)
+    raise InputError(f"unknown builtin corpus {item!r}; known: {', '.join(BUILTINS)}")
+
+
+def resolve_inputs(inputs: list[str], text_field: str = "text") -> list[Source]:
+    """Expand the inputs into sources, in order; every path is checked before returning.
+
+    Raises ``InputError`` naming the first missing or unreadable input, so a job fails
+    before any work starts. A file named twice is read once (first occurrence).
+    """
+    if not inputs:
+        raise InputError("no inputs given: pass files, folders, globs, URIs or builtin:NAME")
+    sources: list[Source] = []
+    seen: set[str] = set()
+    for item in inputs:
+        item = str(item)
+        if item.startswith("builtin:"):
+            found = [_builtin_source(item, text_field)]
+        elif _is_uri(item):
+            found = _expand_uri(item, text_field)
+        else:
+            found = _expand_local(item, text_field)
+        for source in found:
+            if source.format == "parquet":
+                _check_parquet(source)
+            if source.uri not in seen:
+                seen.add(source.uri)
+                sources.append(source)
+    return sources
+
+
+# ---------------------------------------------------------------------------
+# Opening
+
+
+def _builtin_path(uri: str) -> str:
+    if uri == "builtin:zh-sample":
+        return str(CORPORA_DIR / "zh_sample.txt")
+    raise InputError(f"{uri}: not a file-backed source")
+
+
+def _open_raw(source: Source) -> BinaryIO:
+    if source.uri.startswith("builtin:"):
+        return open(_builtin_path(source.uri), "rb")
+    if _is_uri(source.uri):
+        fs, path = _split_uri(source.uri)
+        # compression=None: we decompress ourselves, the same way for every filesystem.
+        return io.BufferedReader(fs.open_input_stream(path, compression=None), _CHUNK)
+    return open(source.uri, "rb", buffering=_CHUNK)
+
+
+def _open_random_access(source: Source):
+    if _is_uri(source.uri):
+        fs, path = _split_uri(source.uri)
+        return fs.open_input_file(path)
+    return pa.OSFile(source.uri, "rb")
+
+
+def _open_text_stream(source: Source) -> BinaryIO:
+    """The decompressed byte stream of a txt/jsonl source; supports readline(limit)."""
+    raw = _open_raw(source)
+    if source.format.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    if source.format.endswith(".zst"):
+        import zstandard
+
+        reader = zstandard.ZstdDecompressor().stream_reader(
+            raw, read_across_frames=True, closefd=True
+        )
+        return io.BufferedReader(reader, _CHUNK)  # type: ignore[arg-type]
+    return raw
+
+
+# ---------------------------------------------------------------------------
+# Reading
+
+
+def _bounded_lines(stream: BinaryIO, limit: int) -> Iterator[bytes | None]:
+    """Lines (with their newline) of at most ``limit`` bytes; None for a longer line.
+
+    A longer line is consumed in chunks and never held whole.
+    """
+    while True:
+        line = stream.readline(limit + 1)
+        if not line:
+            return
+        if len(line) > limit and not line.endswith(b"\n"):
+            while (rest := stream.readline(_CHUNK)) and not rest.endswith(b"\n"):
+                pass
+            yield None
+        elif len(line) > limit:  # exactly limit+1 bytes ending in a newline: still too long
+            yield None
+        else:
+            yield line
+
+
+def _decode(data: bytes) -> tuple[str | None, str | None, str | None]:
+    """(text, reject, detail)"""
+    if b"\x00" in data:
+        return None, "nul_bytes", f"NUL byte at offset {data.index(0)}"
+    try:
+        return data.decode("utf-8"), None, None
+    except UnicodeDecodeError as err:
+        return None, "invalid_utf8", f"{err.reason} at byte {err.start}"
+
+
+def _strip_bom(line: bytes, first: bool) -> bytes:
+    return line[3:] if first and line.startswith(b"\xef\xbb\xbf") else line
+
+
+def _iter_txt(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
+    ordinal = 0
+    parts: list[bytes] = []
+    size = 0
+    too_long = False
+    start = 0
+
+    def flush() -> RawDocument:
+        if too_long:
+            return RawDocument(
+                source.uri, ordinal, None, "too_long", start, f"over {max_doc_bytes} bytes"
+            )
+        text, reject, detail = _decode(b"".join(parts))
+        if text is not None:
+            text = text.strip()
+        return RawDocument(source.uri, ordinal, text, reject, start, detail)
+
+    with _open_text_stream(source) as stream:
+        for number, line in enumerate(_bounded_lines(stream, max_doc_bytes), start=1):
+            if line is not None:
+                line = _strip_bom(line, number == 1)
+            if line is not None and not line.strip():  # blank line: end of a document
+                if parts or too_long:
+                    yield flush()
+                    ordinal += 1
+                parts, size, too_long = [], 0, False
+                continue
+            if not parts and not too_long:
+                start = number
+            if line is None or size + len(line) > max_doc_bytes:
+                too_long, parts, size = True, [], 0  # keep counting lines, drop the bytes
+            elif not too_long:
+                parts.append(line)
+                size += len(line)
+        if parts or too_long:
+            yield flush()
+
+
+def _iter_jsonl(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
+    ordinal = 0
+    field = source.text_field
+    with _open_text_stream(source) as stream:
+        for number, line in enumerate(_bounded_lines(stream, max_doc_bytes), start=1):
+            if line is None:
+                yield RawDocument(
+                    source.uri, ordinal, None, "too_long", number, f"over {max_doc_bytes} bytes"
+                )
+                ordinal += 1
+                continue
+            line = _strip_bom(line, number == 1)
+            if not line.strip():
+                continue
+            text, reject, detail = _decode(line)
+            if text is not None:
+                try:
+                    record = json.loads(text)
+                except json.JSONDecodeError as err:
+                    text, reject, detail = None, "bad_json", f"line {number}: {err.msg}"
+                else:
+                    value = record.get(field) if isinstance(record, dict) else None
+                    if isinstance(value, str):
+                        text = value
+                        if "\x00" in text:  # an escaped \u0000 inside the JSON string
+                            text, reject, detail = None, "nul_bytes", f"line {number}"
+                    else:
+                        text, reject = None, "no_text"
+                        detail = f"line {number}: no string field {field!r}"
+            yield RawDocument(source.uri, ordinal, text, reject, number, detail)
+            ordinal += 1
+
+
+def _iter_parquet(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
+    # Memory is bounded by one batch of the text column (plus the row group the
+    # parquet reader decodes it from), never by the file.
+    ordinal = 0
+    with _open_random_access(source) as f:
+        reader = pq.ParquetFile(f)
+        for batch in reader.iter_batches(
+            batch_size=_PARQUET_BATCH_ROWS, columns=[source.text_field], use_threads=False
+        ):
+            # As binary, so one undecodable value is one reject instead of an exception.
+            column = batch.column(0).cast(pa.large_binary())
+            for value in column.to_pylist():
+                if value is None:
+                    doc = RawDocument(source.uri, ordinal, None, "no_text", None, "null value")
+                elif len(value) > max_doc_bytes:
+                    doc = RawDocument(
+                        source.uri, ordinal, None, "too_long", None, f"over {max_doc_bytes} bytes"
+                    )
+                else:
+                    text, reject, detail = _decode(value)
+                    doc = RawDocument(source.uri, ordinal, text, reject, None, detail)
+                yield doc
+                ordinal += 1
+
+
+def _iter_builtin(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
+    for ordinal, text in enumerate(python_docs()):
+        yield RawDocument(source.uri, ordinal, text)
+
+
+_READERS = {
+    "txt": _iter_txt,
+    "txt.gz": _iter_txt,
+    "txt.zst": _iter_txt,
+    "jsonl": _iter_jsonl,
+    "jsonl.gz": _iter_jsonl,
+    "jsonl.zst": _iter_jsonl,
+    "parquet": _iter_parquet,
+    "builtin": _iter_builtin,
+}
+
+
+def iter_raw_documents(
+    source: Source, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+) -> Iterator[RawDocument]:
+    """The documents of one source, in file order, rejects included (with a reason)."""
+    if max_doc_bytes <= 0:
+        raise ValueError(f"max_doc_bytes must be positive, got {max_doc_bytes}")
+    try:
+        yield from _READERS[source.format](source, max_doc_bytes)
+    except (OSError, EOFError, pa.ArrowException) as err:
+        # A truncated gzip, a corrupt zstd frame or parquet footer: name the file.
+        raise InputError(f"{source.uri}: cannot read ({type(err).__name__}: {err})") from err
+
+
+def source_sha256(source: Source) -> str:
+    """sha256 of the source's bytes as stored (builtin: of its documents), streamed."""
+    h = hashlib.sha256()
+    if source.format == "builtin":
+        for text in python_docs():
+            h.update(text.encode("utf-8"))
+            h.update(b"\x00")
+        return h.hexdigest()
+    with _open_raw(source) as f:
+        while block := f.read(_CHUNK):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# builtin:python-docs — real English text every CPython 3.11 ships
+
+# Pure-Python stdlib modules and packages present in every CPython 3.11 install (no
+# optional C extension, nothing distributions split off such as tkinter, idlelib,
+# lib2to3, distutils or the test suite). Their docstrings are read with `ast`, so
+# nothing is imported and nothing depends on the platform.
+_DOC_MODULES = (
+    "abc argparse ast asyncio base64 bdb bisect calendar cmd code codecs codeop collections "
+    "colorsys compileall concurrent configparser contextlib copy copyreg csv dataclasses "
+    "datetime difflib dis doctest email enum filecmp fileinput fnmatch fractions ftplib "
+    "functools genericpath getopt gettext glob graphlib gzip hashlib heapq hmac html http "
+    "imaplib importlib inspect io ipaddress json keyword linecache locale logging mailbox "
+    "mimetypes modulefinder multiprocessing netrc numbers opcode operator optparse os "
+    "pathlib pdb pickle pickletools pkgutil platform plistlib poplib posixpath pprint "
+    "profile pstats py_compile pyclbr pydoc queue quopri random re reprlib rlcompleter "
+    "runpy sched secrets selectors shelve shlex shutil site smtplib socket socketserver "
+    "statistics string stringprep subprocess symtable sysconfig tabnanny tarfile tempfile "
+    "textwrap threading timeit token tokenize tomllib trace traceback tracemalloc types "
+    "typing unittest urllib uuid warnings wave weakref wsgiref xml xmlrpc zipapp zipfile "
+    "zipimport zoneinfo"
+).split()
+# Built into every interpreter; their docstrings come from the objects.
+_BUILTIN_MODULES = ("builtins", "gc", "itertools", "marshal", "math", "sys", "time")
+_SKIP_DIRS = {"test", "tests", "__pycache__", "idle_test"}
+
+
+def _module_files(stdlib: Path, name: str) -> list[Path]:
+    single = stdlib / f"{name}.py"
+    if single.is_file():
+        return [single]
+    package = stdlib / name
+    files = [
+        p
+        for p in package.rglob("*.py")
+        if not _SKIP_DIRS.intersection(p.relative_to(package).parts)
+    ]
+    return sorted(files, key=lambda p: p.relative_to(stdlib).as_posix())
+
+
+def _docs_of_source(data: bytes) -> list[str]:
+    """Module docstring, each top-level function's, each class's with its methods'."""
+    tree = ast.parse(data)
+    docs = [ast.get_docstring(tree) or ""]
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            docs.append(ast.get_docstring(node) or "")
+        elif isinstance(node, ast.ClassDef):
+            parts = [ast.get_docstring(node) or ""]
+            for member in node.body:
+                if isinstance(member, ast.FunctionDef | ast.AsyncFunctionDef):
+                    parts.append(ast.get_docstring(member) or "")
+            docs.append("\n\n".join(p for p in parts if p))
+    return docs
+
+
+def _docs_of_builtin(name: str) -> list[str]:
+    module = importlib.import_module(name)
+    docs = [inspect.getdoc(module) or ""]
+    for attr, value in sorted(vars(module).items()):
+        if attr.startswith("_") or not callable(value):
+            continue
+        parts = [inspect.cleandoc(value.__doc__) if isinstance(value.__doc__, str) else ""]
+        if inspect.isclass(value):
+            for member_name, member in sorted(vars(value).items()):
+                doc = getattr(member, "__doc__", None)
+                if not member_name.startswith("_") and callable(member) and isinstance(doc, str):
+                    parts.append(inspect.cleandoc(doc))
+        docs.append("\n\n".join(p for p in parts if p))
+    return docs
+
+
+@lru_cache(maxsize=1)
+def python_docs() -> tuple[str, ...]:
+    """The documents of ``builtin:python-docs``, in a fixed order (about 2 MB of English).
+
+    pydoc_data.topics (the language reference topics) first, then docstrings of the
+    builtin modules, then those of the pure-Python modules, modules sorted by name.
+    """
+    from pydoc_data.topics import topics
+
+    docs = [topics[key] for key in sorted(topics)]
+    for name in _BUILTIN_MODULES:
+        docs.extend(_docs_of_builtin(name))
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in sorted(_DOC_MODULES):
+        for path in _module_files(stdlib, name):
+            docs.extend(_docs_of_source(path.read_bytes()))
+    return tuple(d.strip() for d in docs if d and d.strip())

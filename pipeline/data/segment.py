@@ -1,0 +1,229 @@
+"""Segmentation: a cleaned document -> token ids with sentence ends and word starts.
+
+Sentences are found on the text (English ``. ! ?``, Chinese ``。！？；…``, with closing
+quotes and brackets, and paragraph breaks), words come from the tokenizer's
+pre-tokenizer (``Encoding.word_ids``) or, for Chinese, from jieba. Both are character
+positions first and are mapped to token offsets through ``Encoding.offsets``, so they
+work with any of the three tokenizer kinds (WordPiece splits CJK text into single
+characters, byte-level BPE and Unigram into multi-character pieces).
+
+A document longer than ``max_doc_tokens`` is split into pieces at sentence ends; a
+single sentence longer than that is cut at word starts (and a single word at the limit).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+from tokenizers import Encoding, Tokenizer
+
+# Chinese terminators end a sentence wherever they stand. NFKC (the default cleaning)
+# turns full-width ！？； into ASCII and … into "...", so ASCII terminators also end a
+# sentence when a CJK character follows at once; otherwise . ! ? need whitespace or
+# the end of the text after them (and a following lowercase letter means "e.g. this").
+_TERMINATOR = re.compile(r"(?:([。！？；…]+)|([.!?;]+))[\"'”’)\]}」』》〉）]*")
+_UNK_NAMES = ("[UNK]", "<unk>")
+_PARAGRAPH = re.compile(r"\n\s*\n")
+_CJK_CHAR = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef“‘「『《（]")
+
+
+@dataclass
+class Piece:
+    """A document, or one piece of a long one, ready for a shard."""
+
+    tokens: np.ndarray  # int32 token ids, no special tokens
+    sents: np.ndarray  # int32 sentence end offsets (exclusive), ascending, last == len(tokens)
+    words: np.ndarray  # int32 word start offsets, ascending, first == 0
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+def sentence_ends(text: str) -> list[int]:
+    """Character offsets (exclusive) where sentences end; the text's end is not listed."""
+    ends = []
+    n = len(text)
+    for m in _TERMINATOR.finditer(text):
+        end = m.end()
+        if end >= n:
+            continue
+        if m.group(2) is not None:  # ASCII terminator: look at what follows
+            nxt = text[end]
+            if _CJK_CHAR.match(nxt):
+                pass
+            elif m.group(2) == ";" or not nxt.isspace():
+                continue  # "3.11", "a;b", "x; y": not a sentence end
+            else:
+                rest = text[end : end + 8].lstrip()
+                if rest[:1].islower():
+                    continue  # "e.g. this", "i.e. that"
+        ends.append(end)
+    ends.extend(m.start() for m in _PARAGRAPH.finditer(text))
+    return sorted(set(e for e in ends if 0 < e < n))
+
+
+@lru_cache(maxsize=1)
+def _jieba():
+    """One private jieba tokenizer with the default dictionary, loaded quietly.
+
+    jieba's segmentation is deterministic for a fixed dictionary (Viterbi on the prefix
+    dictionary + HMM); a private instance is immune to ``jieba.add_word`` elsewhere.
+    """
+    import jieba
+
+    jieba.setLogLevel(logging.WARNING)
+    tokenizer = jieba.Tokenizer()
+    tokenizer.initialize()
+    return tokenizer
+
+
+def jieba_word_starts(text: str) -> list[int]:
+    """Character offsets where jieba words start.
+
+    Whitespace is not a word; a word preceded by whitespace starts at that whitespace,
+    because byte-level BPE ("Ġword") and Metaspace ("▁word") attach it to the next word.
+    """
+    starts, pos, space_from = [], 0, None
+    for word in _jieba().cut(text, HMM=True):
+        if word.isspace():
+            space_from = pos if space_from is None else space_from
+        else:
+            starts.append(pos if space_from is None else space_from)
+            space_from = None
+        pos += len(word)
+    return starts
+
+
+def _token_bounds(encoding: Encoding) -> tuple[np.ndarray, np.ndarray]:
+    """Start and end character offsets of the tokens, both non-decreasing."""
+    offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+    return offsets[:, 0], np.maximum.accumulate(offsets[:, 1]) if len(offsets) else offsets[:, 1]
+
+
+def _word_starts_from_ids(encoding: Encoding) -> np.ndarray:
+    ids = np.array([-1 if w is None else w for w in encoding.word_ids], dtype=np.int64)
+    if ids.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
+    return np.concatenate([[0], change])
+
+
+def _chars_to_tokens(token_starts: np.ndarray, chars: list[int]) -> np.ndarray:
+    """For each character offset, the index of the first token starting at or after it."""
+    return np.searchsorted(token_starts, np.asarray(chars, dtype=np.int64), side="left")
+
+
+def _chars_to_word_tokens(token_ends: np.ndarray, chars: list[int]) -> np.ndarray:
+    """For each word start, the first token reaching past it.
+
+    A token that straddles two words (BPE may merge across a jieba boundary) belongs to
+    the earlier word, so it never starts two words at once.
+    """
+    return np.searchsorted(token_ends, np.asarray(chars, dtype=np.int64), side="right")
+
+
+def _cut_points(n: int, sents: np.ndarray, words: np.ndarray, max_len: int) -> list[int]:
+    """Piece ends: the furthest sentence end within reach, else word start, else the limit."""
+    cuts, start = [], 0
+    while start < n:
+        limit = start + max_len
+        if limit >= n:
+            end = n
+        else:
+            i = int(np.searchsorted(sents, limit, side="right")) - 1
+            j = int(np.searchsorted(words, limit, side="right")) - 1
+            if i >= 0 and sents[i] > start:
+                end = int(sents[i])
+            elif j >= 0 and words[j] > start:
+                end = int(words[j])
+            else:
+                end = limit
+        cuts.append(end)
+        start = end
+    return cuts
+
+
+def _pieces(tokens: np.ndarray, sents: np.ndarray, words: np.ndarray, max_len: int) -> list[Piece]:
+    pieces, start = [], 0
+    for end in _cut_points(len(tokens), sents, words, max_len):
+        s = sents[(sents > start) & (sents < end)] - start
+        w = words[(words > start) & (words < end)] - start
+        pieces.append(
+            Piece(
+                tokens=tokens[start:end],
+                sents=np.append(s, end - start).astype(np.int32),
+                words=np.insert(w, 0, 0).astype(np.int32),
+            )
+        )
+        start = end
+    return pieces
+
+
+def segment_encoding(
+    text: str,
+    language: str,
+    encoding: Encoding,
+    max_doc_tokens: int,
+    specials: np.ndarray | None = None,
+    unk: int | None = None,
+) -> list[Piece]:
+    """Pieces of one document from its text and its encoding (``specials`` become ``unk``)."""
+    tokens = np.asarray(encoding.ids, dtype=np.int32)
+    n = len(tokens)
+    if n == 0:
+        return []
+    if unk is not None and specials is not None and len(specials):
+        if (tokens <= specials[-1]).any():  # specials have the lowest ids: usually a no-op
+            tokens[np.isin(tokens, specials)] = unk
+    starts, ends = _token_bounds(encoding)
+    sents = _chars_to_tokens(starts, sentence_ends(text))
+    sents = np.unique(np.append(sents[(sents > 0) & (sents < n)], n))
+    if language == "zh":
+        words = _chars_to_word_tokens(ends, jieba_word_starts(text))
+    else:
+        words = _word_starts_from_ids(encoding)
+    # A sentence start is always a word start.
+    words = np.unique(np.concatenate([[0], words[words < n], sents[:-1]]))
+    return _pieces(tokens, sents.astype(np.int64), words.astype(np.int64), max_doc_tokens)
+
+
+def process_documents(
+    texts: list[str], languages: list[str], tokenizer: Tokenizer, max_doc_tokens: int
+) -> list[list[Piece]]:
+    """``process_document`` for a batch: one ``encode_batch`` call (parallel in Rust)."""
+    if len(texts) != len(languages):
+        raise ValueError(f"{len(texts)} texts but {len(languages)} languages")
+    if max_doc_tokens <= 0:
+        raise ValueError(f"max_doc_tokens must be positive, got {max_doc_tokens}")
+    # Text that spells a special token ("<s>", "[MASK]") is text, not a control token.
+    tokenizer.encode_special_tokens = True
+    encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
+    specials, unk = _special_ids(tokenizer)
+    return [
+        segment_encoding(text, lang, enc, max_doc_tokens, specials, unk)
+        for text, lang, enc in zip(texts, languages, encodings, strict=True)
+    ]
+
+
+def _special_ids(tokenizer: Tokenizer) -> tuple[np.ndarray, int | None]:
+    """Ids of the special tokens other than unk, and the unk id.
+
+    A model can still reach a special piece from plain text (a Unigram model whose
+    alphabet lacks the characters of "[MASK]"); such ids become unk, so a document never
+    carries a control token the objectives would misread.
+    """
+    unk = next((i for name in _UNK_NAMES if (i := tokenizer.token_to_id(name)) is not None), None)
+    ids = [i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special and i != unk]
+    return np.asarray(sorted(ids), dtype=np.int32), unk
+
+
+def process_document(
+    text: str, language: str, tokenizer: Tokenizer, max_doc_tokens: int
+) -> list[Piece]:
+    """Tokenize one cleaned document and split it into pieces of <= max_doc_tokens tokens."""
+    return process_documents([text], [language], tokenizer, max_doc_tokens)[0]

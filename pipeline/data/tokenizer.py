@@ -1,0 +1,309 @@
+"""Tokenizer training: WordPiece (BERT), byte-level BPE (GPT-2/RoBERTa), Unigram (ALBERT/XLNet).
+
+The tokenizer is trained on a seeded sample of the cleaned corpus: every document gets a
+priority from a keyed hash of its text and the ``sample_docs`` documents with the
+lowest priorities are used (a bottom-k sample: independent of file order and of where
+a document sits, and the same on every run). Selecting it takes two streaming passes
+over the corpus that hold only priorities; the chosen texts go to a temporary file
+that the trainer passes re-read.
+
+Outputs, both with deterministic bytes (HF's trainers are not deterministic on their
+own for WordPiece and Unigram; see ``_continuation_tokens`` and ``_rescore_unigram``):
+  tokenizer.json       HF tokenizers format, no post-processor (objectives add specials)
+  tokenizer_meta.json  kind, vocab size, special tokens, the eight roles, sha256, spec
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+import tempfile
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from pipeline.data.clean import CleanConfig, clean, reject_reason
+from pipeline.data.readers import InputError, Source, iter_raw_documents, resolve_inputs
+from pipeline.data.shards import atomic_write_bytes
+
+TOKENIZER_FILE = "tokenizer.json"
+META_FILE = "tokenizer_meta.json"
+ROLES = ("pad", "unk", "cls", "sep", "mask", "bos", "eos", "eod")
+_SPECIAL_SCORE = -1.0e6  # log-probability of special pieces in a Unigram model
+
+# Special tokens in id order (they get ids 0..k-1) and which token plays each role.
+SPECIALS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "wordpiece": (
+        ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+        {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]",
+         "bos": "[CLS]", "eos": "[SEP]", "eod": "[SEP]"},
+    ),
+    "bpe": (
+        ["<s>", "<pad>", "</s>", "<unk>", "<mask>", "<|endoftext|>"],
+        {"pad": "<pad>", "unk": "<unk>", "cls": "<s>", "sep": "</s>", "mask": "<mask>",
+         "bos": "<s>", "eos": "</s>", "eod": "<|endoftext|>"},
+    ),
+    "unigram": (
+        ["<pad>", "<unk>", "[CLS]", "[SEP]", "[MASK]", "<eod>"],
+        {"pad": "<pad>", "unk": "<unk>", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]",
+         "bos": "[CLS]", "eos": "[SEP]", "eod": "<eod>"},
+    ),
+}  # fmt: skip
+
+
+class TokenizerSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["wordpiece", "bpe", "unigram"]
+    vocab_size: int = Field(gt=0)
+    lowercase: bool = False
+    sample_docs: int = Field(200_000, gt=0)
+    seed: int = 1234
+    text_field: str = "text"
+
+
+# ---------------------------------------------------------------------------
+# Sampling
+
+
+def _priority(seed: int, text: str) -> int:
+    key = seed.to_bytes(8, "little", signed=True)
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8, key=key).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _clean_documents(sources: list[Source], cfg: CleanConfig) -> Iterator[tuple[int, int, str]]:
+    """(source index, ordinal, cleaned text) of every kept document, in corpus order."""
+    for index, source in enumerate(sources):
+        for doc in iter_raw_documents(source):
+            if doc.text is None:
+                continue
+            text = clean(doc.text, cfg)
+            if reject_reason(text, cfg) is None:
+                yield index, doc.ordinal, text
+
+
+def sample_documents(
+    sources: list[Source], n: int, seed: int, cfg: CleanConfig | None = None
+) -> Iterator[str]:
+    """The ``n`` cleaned documents with the lowest seeded hash, yielded in corpus order.
+
+    Two passes: the first keeps the (priority, position) of the best n in a heap, the
+    second yields those documents' texts. Ties (duplicate texts) go by position.
+    """
+    cfg = cfg or CleanConfig()
+    heap: list[tuple[int, int, int]] = []  # max-heap via negation: (-priority, -src, -ord)
+    for index, ordinal, text in _clean_documents(sources, cfg):
+        item = (-_priority(seed, text), -index, -ordinal)
+        if len(heap) < n:
+            heapq.heappush(heap, item)
+        elif item > heap[0]:
+            heapq.heapreplace(heap, item)
+    chosen = {(-i, -o) for _, i, o in heap}
+    for index, ordinal, text in _clean_documents(sources, cfg):
+        if (index, ordinal) in chosen:
+            yield text
+
+
+def _write_sample(sources: list[Source], spec: TokenizerSpec, path: Path) -> int:
+    """Write the sample to a jsonl file (each trainer pass re-reads it); returns its size."""
+    n = 0
+    with open(path, "w", encoding="utf-8") as f:
+        for text in sample_documents(sources, spec.sample_docs, spec.seed):
+            f.write(json.dumps(text, ensure_ascii=False) + "\n")
+            n += 1
+    return n
+
+
+def _read_sample(path: Path) -> Iterator[str]:
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            yield json.loads(line)
+
+
+# ---------------------------------------------------------------------------
+# The three kinds
+
+
+def _pipeline(spec: TokenizerSpec) -> Tokenizer:
+    """An untrained tokenizer of the spec's kind: model, normalizer, pre-tokenizer, decoder."""
+    if spec.kind == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        # BertNormalizer puts spaces around CJK ideographs: Chinese becomes characters.
+        tok.normalizer = normalizers.BertNormalizer(
+            clean_text=True, handle_chinese_chars=True, lowercase=spec.lowercase
+        )
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        tok.decoder = decoders.WordPiece(prefix="##")
+    elif spec.kind == "bpe":
+        tok = Tokenizer(models.BPE())  # byte-level: every byte is in the alphabet, no unk
+        if spec.lowercase:
+            tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+    else:
+        tok = Tokenizer(models.Unigram())
+        if spec.lowercase:
+            tok.normalizer = normalizers.Lowercase()
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always")
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always")
+    tok.post_processor = None  # objectives add [CLS]/[SEP]/<s>; encode never does
+    return tok
+
+
+def _trainer(spec: TokenizerSpec, seeded: list[str]) -> trainers.Trainer:
+    specials = SPECIALS[spec.kind][0] + seeded
+    if spec.kind == "wordpiece":
+        return trainers.WordPieceTrainer(
+            vocab_size=spec.vocab_size,
+            min_frequency=2,
+            special_tokens=specials,
+            continuing_subword_prefix="##",
+            show_progress=False,
+        )
+    if spec.kind == "bpe":
+        return trainers.BpeTrainer(
+            vocab_size=spec.vocab_size,
+            min_frequency=2,
+            special_tokens=specials,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+    return trainers.UnigramTrainer(
+        vocab_size=spec.vocab_size,
+        special_tokens=specials,
+        unk_token="<unk>",
+        max_piece_length=16,
+        show_progress=False,
+    )
+
+
+def _continuation_tokens(tok: Tokenizer, texts: Iterable[str]) -> list[str]:
+    """``##c`` for every character c that occurs inside a word, sorted.
+
+    tokenizers 0.23's WordPiece trainer creates these tokens while iterating a hash map,
+    so their ids, and through merge tie-breaking even the merges, change from run to
+    run (huggingface/tokenizers#1794). Handing them to the trainer up front, sorted,
+    fixes their ids; they are removed from the added tokens again after training.
+    """
+    chars: set[str] = set()
+    for text in texts:
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)):
+            chars.update(word[1:])
+    return sorted("##" + c for c in chars)
+
+
+def _drop_added(tok: Tokenizer, contents: set[str]) -> Tokenizer:
+    """The tokenizer without the added tokens ``contents`` (they stay in the model vocab)."""
+    data = json.loads(tok.to_str())
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] not in contents]
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def _rescore_unigram(tok: Tokenizer, specials: list[str], texts: Iterable[str]) -> Tokenizer:
+    """Deterministic scores and ids for a trained Unigram model.
+
+    The Unigram trainer sums its EM statistics in hash-map order, so its scores differ in
+    the last digits from run to run and pieces of equal score swap ids. The piece set is
+    kept; each piece's score becomes the log relative frequency of the piece in the
+    Viterbi segmentation of the sample (integer counts, the same on every run), and ids
+    go by count, then piece. Special pieces get a score no segmentation picks (the
+    trainer gives them 0.0, the best possible, so the text "[MASK]" would become the
+    mask token).
+    """
+    model = json.loads(tok.to_str())["model"]
+    pieces = [piece for piece, _ in model["vocab"]]
+    counts = dict.fromkeys(pieces, 0)
+    tok.encode_special_tokens = True
+
+    def count(batch: list[str]) -> None:
+        for enc in tok.encode_batch(batch, add_special_tokens=False):
+            for piece in enc.tokens:
+                counts[piece] += 1
+
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == 256:
+            count(batch)
+            batch = []
+    count(batch)
+    total = sum(counts.values()) + len(pieces)
+    others = sorted((p for p in pieces if p not in specials), key=lambda p: (-counts[p], p))
+    vocab = [(p, _SPECIAL_SCORE) for p in specials]
+    vocab += [(p, math.log((counts[p] + 0.5) / total)) for p in others]
+    tok.model = models.Unigram(vocab, unk_id=specials.index("<unk>"), byte_fallback=False)
+    return tok
+
+
+def _meta(tok: Tokenizer, spec: TokenizerSpec, json_bytes: bytes) -> dict:
+    specials, roles = SPECIALS[spec.kind]
+    ids = {token: tok.token_to_id(token) for token in specials}
+    if list(ids.values()) != list(range(len(specials))):
+        raise RuntimeError(f"special tokens did not get the first ids: {ids}")
+    return {
+        "kind": spec.kind,
+        "vocab_size": tok.get_vocab_size(with_added_tokens=True),
+        "lowercase": spec.lowercase,
+        "special_tokens": ids,
+        "roles": {role: ids[roles[role]] for role in ROLES},
+        "sha256": hashlib.sha256(json_bytes).hexdigest(),
+        "spec": spec.model_dump(),
+    }
+
+
+# ---------------------------------------------------------------------------
+# Public entry points
+
+
+def train_tokenizer(inputs: list[str], spec: TokenizerSpec, output: str | Path) -> Path:
+    """Train on a seeded sample of ``inputs``; writes OUTPUT/tokenizer.json + meta; returns OUTPUT."""
+    sources = resolve_inputs(list(inputs), text_field=spec.text_field)
+    specials = SPECIALS[spec.kind][0]
+    with tempfile.TemporaryDirectory(prefix="plm-tokenizer-") as tmp:
+        sample = Path(tmp) / "sample.jsonl"
+        if _write_sample(sources, spec, sample) == 0:
+            raise InputError(
+                f"inputs {list(inputs)} hold no usable document (all empty, too short or rejected)"
+            )
+        tok = _pipeline(spec)
+        seeded = []
+        if spec.kind == "wordpiece":
+            seeded = _continuation_tokens(tok, _read_sample(sample))
+        tok.train_from_iterator(_read_sample(sample), trainer=_trainer(spec, seeded))
+        if seeded:
+            tok = _drop_added(tok, set(seeded))
+        if spec.kind == "unigram":
+            tok = _rescore_unigram(tok, specials, _read_sample(sample))
+    json_bytes = tok.to_str(pretty=True).encode("utf-8")
+    meta = _meta(tok, spec, json_bytes)
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out / TOKENIZER_FILE, json_bytes)
+    meta_bytes = (json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+    atomic_write_bytes(out / META_FILE, meta_bytes)
+    return out
+
+
+def load_tokenizer(directory: str | Path) -> tuple[Tokenizer, dict]:
+    """The tokenizer and its meta; checks the fingerprint so a swapped file is caught."""
+    directory = Path(directory)
+    tok_path, meta_path = directory / TOKENIZER_FILE, directory / META_FILE
+    for path in (tok_path, meta_path):
+        if not path.is_file():
+            raise InputError(f"{path} not found: train one with `plm data tokenizer`")
+    data = tok_path.read_bytes()
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
+        raise InputError(
+            f"{tok_path} does not match the sha256 in {meta_path}: the files come from "
+            "different trainings; retrain or copy both together"
+        )
+    tok = Tokenizer.from_str(data.decode("utf-8"))
+    tok.encode_special_tokens = True  # "<s>" in a document is text, not a control token
+    return tok, meta

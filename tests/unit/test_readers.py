@@ -1,0 +1,252 @@
+import gzip
+import hashlib
+import json
+import tracemalloc
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+from pipeline.data.readers import (
+    InputError,
+    iter_raw_documents,
+    python_docs,
+    resolve_inputs,
+    source_sha256,
+)
+
+DOCS = ["First document.\nIt has two lines.", "Second one, 第二个文档。", "Third!"]
+
+
+def read_all(inputs, **kw):
+    return [
+        d for s in resolve_inputs([str(i) for i in inputs], **kw) for d in iter_raw_documents(s)
+    ]
+
+
+def texts(inputs, **kw):
+    return [d.text for d in read_all(inputs, **kw)]
+
+
+def write_jsonl(path: Path, docs, field="text") -> bytes:
+    data = "".join(json.dumps({field: d, "id": i}) + "\n" for i, d in enumerate(docs)).encode()
+    if path.name.endswith(".gz"):
+        path.write_bytes(gzip.compress(data))
+    elif path.name.endswith(".zst"):
+        path.write_bytes(zstandard.ZstdCompressor().compress(data))
+    else:
+        path.write_bytes(data)
+    return data
+
+
+def test_txt_documents_are_separated_by_blank_lines(tmp_path):
+    path = tmp_path / "a.txt"
+    # BOM, CRLF, several blank lines and a whitespace-only line between documents.
+    path.write_bytes(
+        b"\xef\xbb\xbfFirst document.\r\nIt has two lines.\r\n\r\n\r\n"
+        + "Second one, 第二个文档。\n   \nThird!\n".encode()
+    )
+    docs = read_all([path])
+    assert [d.text.replace("\r\n", "\n") for d in docs] == DOCS
+    assert [d.ordinal for d in docs] == [0, 1, 2]
+    assert [d.line for d in docs] == [1, 5, 7]
+    assert all(d.reject is None and d.source == str(path) for d in docs)
+
+
+@pytest.mark.parametrize("name", ["c.jsonl", "c.jsonl.gz", "c.jsonl.zst"])
+def test_jsonl_plain_gzip_zstd_with_a_configurable_field(tmp_path, name):
+    write_jsonl(tmp_path / name, DOCS, field="content")
+    [source] = resolve_inputs([str(tmp_path / name)], text_field="content")
+    assert source.format == name[2:]
+    assert [d.text for d in iter_raw_documents(source)] == DOCS
+
+
+def test_txt_gz_and_zst(tmp_path):
+    body = "\n\n".join(DOCS).encode()
+    (tmp_path / "a.txt.gz").write_bytes(gzip.compress(body))
+    (tmp_path / "b.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(body))
+    assert texts([tmp_path / "a.txt.gz", tmp_path / "b.txt.zst"]) == DOCS + DOCS
+
+
+def test_parquet_reads_all_row_groups_in_order(tmp_path):
+    rows = [f"document number {i}" for i in range(2500)]
+    table = pa.table({"id": list(range(2500)), "body": rows})
+    pq.write_table(table, tmp_path / "t.parquet", row_group_size=700)
+    docs = read_all([tmp_path / "t.parquet"], text_field="body")
+    assert [d.text for d in docs] == rows
+    assert [d.ordinal for d in docs] == list(range(2500))
+
+
+def test_parquet_without_text_column_names_the_columns(tmp_path):
+    pq.write_table(pa.table({"id": [1], "body": ["x"]}), tmp_path / "t.parquet")
+    with pytest.raises(InputError, match=r"no column 'text'.*\['id', 'body'\]"):
+        resolve_inputs([str(tmp_path / "t.parquet")])
+
+
+def test_parquet_null_and_invalid_utf8_values_are_counted(tmp_path):
+    table = pa.table({"text": pa.array([b"ok", None, b"\xff\xfe"], type=pa.binary())})
+    pq.write_table(table, tmp_path / "t.parquet")
+    docs = read_all([tmp_path / "t.parquet"])
+    assert [(d.text, d.reject) for d in docs] == [
+        ("ok", None),
+        (None, "no_text"),
+        (None, "invalid_utf8"),
+    ]
+
+
+def test_folder_is_recursive_and_sorted_and_skips_other_files(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "z.txt").write_text("in b/z")
+    (tmp_path / "a.txt").write_text("in a")
+    write_jsonl(tmp_path / "b" / "c.jsonl.gz", ["in b/c"])
+    (tmp_path / "README.md").write_text("not a corpus file")
+    (tmp_path / ".hidden.txt").write_text("hidden")
+    assert texts([tmp_path]) == ["in a", "in b/c", "in b/z"]
+
+
+def test_glob(tmp_path):
+    for name in ["x2.txt", "x1.txt", "y.txt"]:
+        (tmp_path / name).write_text(name)
+    assert texts([tmp_path / "x*.txt"]) == ["x1.txt", "x2.txt"]
+    with pytest.raises(InputError, match="matches no"):
+        resolve_inputs([str(tmp_path / "nothing*.txt")])
+
+
+def test_file_uri_for_a_file_and_a_folder(tmp_path):
+    (tmp_path / "d").mkdir()
+    write_jsonl(tmp_path / "d" / "a.jsonl", DOCS)
+    pq.write_table(pa.table({"text": ["from parquet"]}), tmp_path / "d" / "b.parquet")
+    uri = f"file://{tmp_path}/d"
+    sources = resolve_inputs([uri])
+    assert [s.uri for s in sources] == [f"{uri}/a.jsonl", f"{uri}/b.parquet"]
+    assert [d.text for s in sources for d in iter_raw_documents(s)] == DOCS + ["from parquet"]
+    assert texts([f"{uri}/a.jsonl"]) == DOCS
+    local = resolve_inputs([str(tmp_path / "d" / "a.jsonl")])[0]
+    assert source_sha256(sources[0]) == source_sha256(local)
+    assert sources[0].size == local.size
+    with pytest.raises(InputError, match="does not exist"):
+        resolve_inputs([f"file://{tmp_path}/missing.jsonl"])
+
+
+def test_source_sha256_hashes_the_stored_bytes(tmp_path):
+    path = tmp_path / "c.jsonl.gz"
+    write_jsonl(path, DOCS)
+    [source] = resolve_inputs([str(path)])
+    assert source_sha256(source) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert source.size == path.stat().st_size
+
+
+def test_invalid_utf8_is_a_counted_reject_and_reading_goes_on(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"good one\n\nbad \xff\xfe here\n\nlast")
+    (tmp_path / "b.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "bad \xc3"}\n{"text": "ok2"}\n')
+    docs = read_all([tmp_path / "a.txt", tmp_path / "b.jsonl"])
+    assert [(d.text, d.reject) for d in docs] == [
+        ("good one", None),
+        (None, "invalid_utf8"),
+        ("last", None),
+        ("ok", None),
+        (None, "invalid_utf8"),
+        ("ok2", None),
+    ]
+    assert [d.ordinal for d in docs] == [0, 1, 2, 0, 1, 2]
+
+
+def test_nul_bytes_are_rejected_raw_or_escaped(tmp_path):
+    (tmp_path / "a.txt").write_bytes(b"fine\n\nbin\x00ary\n\nfine too")
+    (tmp_path / "b.jsonl").write_text('{"text": "nul \\u0000 escaped"}\n{"text": "ok"}\n')
+    docs = read_all([tmp_path / "a.txt", tmp_path / "b.jsonl"])
+    assert [d.reject for d in docs] == [None, "nul_bytes", None, "nul_bytes", None]
+
+
+def test_bad_json_and_missing_field_carry_the_line_number(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"text": "ok"}\n\n{"text": broken\n{"other": 1}\n[1, 2]\n')
+    docs = read_all([tmp_path / "a.jsonl"])
+    assert [d.reject for d in docs] == [None, "bad_json", "no_text", "no_text"]
+    assert docs[1].line == 3 and "line 3" in docs[1].detail
+    assert "line 4" in docs[2].detail and "'text'" in docs[2].detail
+
+
+def test_empty_files_give_no_documents(tmp_path):
+    (tmp_path / "e.txt").write_bytes(b"")
+    (tmp_path / "e.jsonl").write_bytes(b"\n\n")
+    (tmp_path / "e.jsonl.gz").write_bytes(gzip.compress(b""))
+    assert read_all([tmp_path]) == []
+
+
+def test_missing_path_fails_before_anything_starts(tmp_path):
+    (tmp_path / "ok.txt").write_text("fine")
+    missing = tmp_path / "nope" / "missing.jsonl"
+    with pytest.raises(InputError, match=str(missing)):
+        resolve_inputs([str(tmp_path / "ok.txt"), str(missing)])
+    with pytest.raises(InputError, match="unknown format"):
+        (tmp_path / "x.csv").write_text("a,b")
+        resolve_inputs([str(tmp_path / "x.csv")])
+    with pytest.raises(InputError, match="unknown builtin"):
+        resolve_inputs(["builtin:nope"])
+
+
+def test_truncated_gzip_names_the_file(tmp_path):
+    path = tmp_path / "t.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"text": "x"}\n' * 1000)[:-20])
+    [source] = resolve_inputs([str(path)])
+    with pytest.raises(InputError, match="t.jsonl.gz"):
+        list(iter_raw_documents(source))
+
+
+@pytest.mark.parametrize("name", ["big.txt", "big.jsonl"])
+def test_huge_single_line_document_is_rejected_with_bounded_memory(tmp_path, name):
+    path = tmp_path / name
+    size = 50 << 20
+    with open(path, "wb") as f:
+        f.write(b'{"text": "' if name.endswith("jsonl") else b"")
+        for _ in range(size >> 20):
+            f.write(b"x" * (1 << 20))
+        f.write(b'"}\n' if name.endswith("jsonl") else b"\n\n")
+        f.write(b'{"text": "after"}\n' if name.endswith("jsonl") else b"after\n")
+    [source] = resolve_inputs([str(path)])
+    tracemalloc.start()
+    try:
+        docs = list(iter_raw_documents(source, max_doc_bytes=1 << 20))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert [(d.reject, d.text) for d in docs] == [("too_long", None), (None, "after")]
+    assert peak < 8 << 20, f"peak {peak} bytes while reading a {size}-byte line"
+
+
+def test_multi_line_txt_document_over_the_cap_is_too_long(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("short\n\n" + "a line of text\n" * 1000 + "\nnext")
+    [source] = resolve_inputs([str(path)])
+    docs = list(iter_raw_documents(source, max_doc_bytes=1000))
+    assert [(d.ordinal, d.reject, d.text) for d in docs] == [
+        (0, None, "short"),
+        (1, "too_long", None),
+        (2, None, "next"),
+    ]
+    assert docs[1].line == 3
+
+
+def test_builtin_zh_sample():
+    [source] = resolve_inputs(["builtin:zh-sample"])
+    docs = list(iter_raw_documents(source))
+    assert len(docs) >= 30 and all(d.reject is None for d in docs)
+    assert all(d.source == "builtin:zh-sample" for d in docs)
+    assert sum(d.text.count("。") >= 2 for d in docs) >= 20  # multi-sentence paragraphs
+    assert source.size == sum(len(d.text.encode()) for d in docs) + 2 * (len(docs) - 1) + 1
+
+
+@pytest.mark.slow
+def test_builtin_python_docs_is_real_english_and_deterministic():
+    [source] = resolve_inputs(["builtin:python-docs"])
+    docs = list(iter_raw_documents(source))
+    assert source.size > 1_500_000 and len(docs) > 2000
+    assert [d.ordinal for d in docs[:3]] == [0, 1, 2]
+    joined = "\n".join(d.text for d in docs)
+    for phrase in ["Return the", "The ", " is a ", "argparse", "asynchronous"]:
+        assert phrase in joined
+    python_docs.cache_clear()
+    assert [d.text for d in iter_raw_documents(source)] == [d.text for d in docs]
+    assert len(source_sha256(source)) == 64
