@@ -1,0 +1,477 @@
+"""The resumable training stream: shards -> objective examples -> batches, by (seed, epoch, cursor).
+
+How an epoch is laid out (from the manifest and the shard indexes alone, no document read):
+
+* The split's non-empty documents get global ids in manifest order (shard by shard).
+  They are cut into *chunks* of ``chunk_docs`` consecutive documents of one shard.
+* Epoch ``e``: the chunks are put in a seeded random order and taken ``group_chunks``
+  at a time into *groups*; the documents of a group are shuffled (seeded). This is the
+  epoch's document order.
+* The objective cuts that order into units (``Objective.layout``): for mlm/nsp one unit
+  per window of <= seq_len tokens of a document, for clm block b of the eod-joined
+  document stream, located with a cumulative sum. Any unit is found in O(log n).
+* The units of each group are shuffled once more (seeded by (seed, epoch, group)): the
+  epoch's unit order. Global batch g is units [g*W*B, (g+1)*W*B) of it and rank r takes
+  [g*W*B + r*B, g*W*B + (r+1)*B), so every rank gets exactly floor(n_units / (W*B))
+  batches per epoch (the remainder is dropped; the next epoch reshuffles everything).
+
+Why groups rather than one permutation of all units: decoding a document from its tar
+member is the expensive step (webdataset's tar iterator + three .npy loads), and a
+document yields several units (windows) and serves as the random partner of others
+(NSP). Within a group, all of that happens while the document sits in a small LRU
+cache, so each document is decoded about once per epoch per process, instead of once
+per unit. A group spans ``chunk_docs * group_chunks`` (default 2048) documents drawn
+from 32 random places of the corpus: a seeded, seekable equivalent of webdataset's
+shard shuffling plus a shuffle buffer of that size.
+
+Determinism and resuming: batch (epoch, g) is a pure function of the manifest, the seed,
+the objective and (epoch, g); every example draws from its own Generator seeded by
+(seed, split, epoch, unit) (without the epoch when the objective is static, so a
+static example is the same in every epoch). So the state is just (epoch, next batch),
+saved as the global sample cursor; resuming computes batch g directly, reading only
+the documents it needs through the shard index (``DataDir.read`` seeks to the sample),
+and any number of loader workers gives the same batches: worker k of n builds batches
+k, k+n, ... and the main process puts them back in order.
+
+Checksums: with ``verify_checksums`` every shard of the split is hashed once when the
+stream is built (before any worker starts, so all ranks agree on the usable shards and
+hence on the number of batches). A bad shard raises ``ShardError`` naming it, or with
+``on_bad_shard="skip"`` is left out of the plan and counted (``skipped_shards``).
+
+The train split cycles epochs forever; any other split is one fixed pass (epoch 0's
+order, the same batches at every evaluation).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import warnings
+from collections import OrderedDict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from pipeline.config import ConfigError
+from pipeline.data.shards import N_TOKENS, DataDir, Document, ShardError, sha256_file
+from pipeline.objectives.base import Layout, Objective, Unit
+
+STATE_VERSION = 1
+# Seed-sequence salts, so the different random streams never coincide.
+_ORDER, _UNITS, _EXAMPLE = 11, 12, 13
+
+
+class _RngPool:
+    """One Generator per batch row, re-seeded in place for every example.
+
+    An example's Generator is numpy's PCG64 with state and increment taken from a
+    blake2b hash of its key (seed, salt, split, epoch, unit): as independent as
+    ``default_rng(key)`` would make it, but without a SeedSequence per example,
+    which would cost more than building the example.
+    """
+
+    def __init__(self):
+        self._generators: list[np.random.Generator] = []
+
+    def get(self, keys: list[list[int]]) -> list[np.random.Generator]:
+        while len(self._generators) < len(keys):
+            self._generators.append(np.random.Generator(np.random.PCG64(0)))
+        for generator, key in zip(self._generators, keys, strict=False):
+            digest = hashlib.blake2b(struct.pack(f"<{len(key)}q", *key), digest_size=32).digest()
+            generator.bit_generator.state = {
+                "bit_generator": "PCG64",
+                "state": {
+                    "state": int.from_bytes(digest[:16], "little"),
+                    "inc": int.from_bytes(digest[16:], "little") | 1,
+                },
+                "has_uint32": 0,
+                "uinteger": 0,
+            }
+        return self._generators[: len(keys)]
+
+
+class _EpochPlan:
+    """The epoch's document order, its units and the group boundaries in unit space."""
+
+    def __init__(self, core: _Core, epoch: int):
+        self.core, self.epoch = core, epoch
+        rng = np.random.default_rng([core.seed, _ORDER, core.split_salt, epoch])
+        chunks = rng.permutation(core.chunk_starts.shape[0])
+        sizes = core.chunk_stops[chunks] - core.chunk_starts[chunks]
+        first = np.repeat(core.chunk_starts[chunks] - np.cumsum(sizes) + sizes, sizes)
+        docs = first + np.arange(first.shape[0])  # global ids, chunk after chunk
+        group = np.repeat(np.arange(chunks.shape[0]) // core.group_chunks, sizes)
+        self.order = docs[np.lexsort((rng.random(docs.shape[0]), group))]
+        n_groups = int(group[-1]) + 1
+        self.group_starts = np.concatenate([[0], np.cumsum(np.bincount(group, minlength=n_groups))])
+        self.layout: Layout = core.objective.layout(self.order, core.lengths)
+        # The units of group k are [span_starts[k], span_starts[k + 1]).
+        bounds = np.asarray(self.layout.boundary(self.group_starts[:-1]), dtype=np.int64)
+        self.span_starts = np.append(bounds, self.layout.n_units)
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def locate(self, positions: np.ndarray) -> tuple[list[Unit], np.ndarray]:
+        """(units at these positions of the epoch's unit order, their groups)."""
+        groups = np.searchsorted(self.span_starts, positions, side="right") - 1
+        units = np.empty_like(positions)
+        for group in np.unique(groups).tolist():
+            inside = groups == group
+            start = int(self.span_starts[group])
+            units[inside] = start + self._perm(group)[positions[inside] - start]
+        return self.layout.units(units), groups
+
+    def _perm(self, group: int) -> np.ndarray:
+        perm = self._perms.get(group)
+        if perm is None:
+            seed = [self.core.seed, _UNITS, self.core.split_salt, self.epoch, group]
+            size = int(self.span_starts[group + 1] - self.span_starts[group])
+            perm = self._perms[group] = np.random.default_rng(seed).permutation(size)
+            if len(self._perms) > 8:
+                self._perms.popitem(last=False)
+        return perm
+
+    def pool(self, group: int) -> np.ndarray:
+        return self.order[self.group_starts[group] : self.group_starts[group + 1]]
+
+
+class _Core:
+    """Everything needed to build any batch; a copy lives in every loader worker."""
+
+    def __init__(
+        self,
+        data: DataDir,
+        split: str,
+        shards: list[str],
+        objective: Objective,
+        micro_batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        chunk_docs: int,
+        group_chunks: int,
+        cache_docs: int,
+        cycle: bool,
+    ):
+        self.data, self.shards, self.objective = data, shards, objective
+        self.split_salt = 0 if split == "train" else 1 + sum(split.encode())
+        self.B, self.seed, self.rank, self.W = micro_batch_size, seed, rank, world_size
+        self.group_chunks, self.cache_docs, self.cycle = group_chunks, cache_docs, cycle
+        # The document table: global id -> (shard, sample), token count. Empty documents
+        # produce no units, so they are left out.
+        shard_of, local, lengths, chunk_starts = [], [], [], []
+        n = 0
+        for s, name in enumerate(shards):
+            counts = data.index(name)[:, N_TOKENS]
+            keep = np.flatnonzero(counts > 0)
+            shard_of.append(np.full(keep.shape[0], s, dtype=np.int32))
+            local.append(keep)
+            lengths.append(counts[keep])
+            chunk_starts.append(n + np.arange(0, keep.shape[0], chunk_docs))
+            n += keep.shape[0]
+        if n == 0:
+            raise ShardError(f"{data.root}: split {split!r} has no non-empty documents")
+        self.shard_of = np.concatenate(shard_of)
+        self.local = np.concatenate(local).astype(np.int64)
+        self.lengths = np.concatenate(lengths).astype(np.int64)
+        self.chunk_starts = np.concatenate(chunk_starts).astype(np.int64)
+        # A chunk ends where the next begins or where its shard ends.
+        shard_ends = np.cumsum([x.shape[0] for x in local])
+        next_start = np.append(self.chunk_starts[1:], n)
+        self.chunk_stops = np.minimum(
+            next_start, shard_ends[self.shard_of[self.chunk_starts]]
+        ).astype(np.int64)
+        self.all_docs = np.arange(n, dtype=np.int64)
+        self._plans: OrderedDict[int, _EpochPlan] = OrderedDict()
+        self._cache: OrderedDict[int, Document] = OrderedDict()
+        self._rngs = _RngPool()
+        self.docs_read = 0
+        self.n_units = self.plan(0).layout.n_units
+        self.batches_per_epoch = self.n_units // (self.W * self.B)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_plans"], state["_cache"], state["docs_read"] = OrderedDict(), OrderedDict(), 0
+        state["_rngs"] = _RngPool()
+        return state
+
+    def plan(self, epoch: int) -> _EpochPlan:
+        epoch = epoch if self.cycle else 0
+        plan = self._plans.get(epoch)
+        if plan is None:
+            plan = self._plans[epoch] = _EpochPlan(self, epoch)
+            if len(self._plans) > 2:
+                self._plans.popitem(last=False)
+        return plan
+
+    def units(self, epoch: int, index: int) -> tuple[list[Unit], np.ndarray]:
+        first = (index * self.W + self.rank) * self.B
+        return self.plan(epoch).locate(np.arange(first, first + self.B))
+
+    def batch(self, epoch: int, index: int) -> dict[str, torch.Tensor]:
+        plan, objective = self.plan(epoch), self.objective
+        units, groups = self.units(epoch, index)
+        key = [self.seed, _EXAMPLE, self.split_salt, 0 if objective.static else epoch + 1]
+        rngs = self._rngs.get([key + list(unit.key) for unit in units])
+        docs = []
+        for unit, group, rng in zip(units, groups.tolist(), rngs, strict=True):
+            pool = self.all_docs if objective.static else plan.pool(group)
+            docs.append([self.read(d) for d in objective.needs(unit, rng, pool)])
+        return objective.make_batch(units, docs, rngs)
+
+    def read(self, doc_id: int) -> Document:
+        doc = self._cache.get(doc_id)
+        if doc is not None:
+            self._cache.move_to_end(doc_id)
+            return doc
+        shard, sample = self.shards[self.shard_of[doc_id]], int(self.local[doc_id])
+        doc = self.data.read(shard, sample)
+        self.docs_read += 1
+        where = f"{self.data.root / shard} sample {sample} ({doc.key})"
+        if doc.n_tokens != self.lengths[doc_id]:
+            raise ShardError(
+                f"{where} has {doc.n_tokens} tokens, its index says {self.lengths[doc_id]}; "
+                "re-run `plm data prepare --force`"
+            )
+        if int(doc.tokens.max()) >= self.objective.vocab_size:
+            raise ShardError(
+                f"{where} holds token id {int(doc.tokens.max())} >= the vocabulary size "
+                f"{self.objective.vocab_size}: the shards and the tokenizer do not match"
+            )
+        self._cache[doc_id] = doc
+        if len(self._cache) > self.cache_docs:
+            self._cache.popitem(last=False)
+        return doc
+
+
+class _WorkerBatches(IterableDataset):
+    """Batches at global positions first + k, first + k + n, ... for worker k of n."""
+
+    def __init__(self, core: _Core, first: int, stop: int | None):
+        self.core, self.first, self.stop = core, first, stop
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        info = get_worker_info()
+        k, n = (info.id, info.num_workers) if info is not None else (0, 1)
+        position = self.first + k
+        while self.stop is None or position < self.stop:
+            epoch, index = divmod(position, self.core.batches_per_epoch)
+            yield position, self.core.batch(epoch, index)
+            position += n
+
+
+class PretrainStream:
+    """Iterable of batch dicts (torch tensors) for one rank; see the module docstring.
+
+    ``chunk_docs``/``group_chunks``: locality of the shuffle (documents per chunk, chunks
+    per group); ``cache_docs``: decoded documents kept per process (default: two groups).
+    ``cycle``: cycle epochs forever (default for "train") or one fixed pass (other splits).
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path | DataDir,
+        split: str,
+        objective: Objective,
+        micro_batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        num_workers: int = 0,
+        verify_checksums: bool = True,
+        on_bad_shard: str = "error",
+        *,
+        cycle: bool | None = None,
+        chunk_docs: int = 64,
+        group_chunks: int = 32,
+        cache_docs: int | None = None,
+    ):
+        if micro_batch_size < 1:
+            raise ConfigError(f"train.micro_batch_size must be >= 1, got {micro_batch_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        if num_workers < 0:
+            raise ConfigError(f"data.workers must be >= 0, got {num_workers}")
+        if on_bad_shard not in ("error", "skip"):
+            raise ConfigError(f"data.on_bad_shard must be 'error' or 'skip', got {on_bad_shard!r}")
+        if seed < 0:
+            raise ConfigError(f"train.seed must be >= 0 for the data stream, got {seed}")
+        if chunk_docs < 1 or group_chunks < 1:
+            raise ValueError("chunk_docs and group_chunks must be >= 1")
+        self.data = data_dir if isinstance(data_dir, DataDir) else DataDir(data_dir)
+        self.split, self.objective, self.num_workers = split, objective, num_workers
+        self.seed, self.rank, self.world_size = seed, rank, world_size
+        self.micro_batch_size = micro_batch_size
+        self.cycle = split == "train" if cycle is None else cycle
+        self.skipped_shards: list[str] = []
+        good = self._check_shards(verify_checksums, on_bad_shard)
+        if not good:
+            raise ShardError(f"{self.data.root}: no usable shard left in split {split!r}")
+        cache = cache_docs if cache_docs is not None else 2 * chunk_docs * group_chunks
+        self._core = _Core(
+            self.data, split, good, objective, micro_batch_size, seed, rank, world_size,
+            chunk_docs, group_chunks, max(cache, 1), self.cycle,
+        )  # fmt: skip
+        if self._core.batches_per_epoch == 0:
+            raise ConfigError(
+                f"split {split!r} of {self.data.root} yields {self._core.n_units} "
+                f"{objective.kind} examples, fewer than one global batch of "
+                f"world_size * train.micro_batch_size = {world_size * micro_batch_size}; "
+                "lower train.micro_batch_size or data.seq_len, or add data"
+            )
+        self.epoch, self.batch = 0, 0  # the next batch to hand out
+        self._loader: DataLoader | None = None
+        self._loader_key: tuple[int, int | None] | None = None
+
+    # --- shards --------------------------------------------------------------------------
+    def _check_shards(self, verify: bool, on_bad: str) -> list[str]:
+        """The split's usable shards; bad ones raise or are skipped and counted."""
+        good = []
+        for entry in self.data.shards(self.split):
+            name = entry["name"]
+            problem = self._shard_problem(entry, verify)
+            if problem is None:
+                good.append(name)
+                continue
+            message = f"{self.data.root / name}: {problem}"
+            if on_bad == "error":
+                raise ShardError(
+                    f"{message}; re-run `plm data prepare --force`, or set "
+                    "data.on_bad_shard=skip to train without this shard"
+                )
+            warnings.warn(f"skipping bad shard {message}", stacklevel=3)
+            self.skipped_shards.append(name)
+        return good
+
+    def _shard_problem(self, entry: dict[str, Any], verify: bool) -> str | None:
+        path = self.data.root / entry["name"]
+        if not path.is_file():
+            return "missing"
+        if "bytes" in entry and path.stat().st_size != entry["bytes"]:
+            return f"{path.stat().st_size} bytes, the manifest says {entry['bytes']}"
+        if verify and sha256_file(path) != entry["sha256"]:
+            return "sha256 does not match the manifest (corrupted or changed)"
+        try:
+            rows = self.data.index(entry["name"])
+        except ShardError as err:
+            return str(err)
+        if len(rows) != entry["n_docs"]:
+            return f"index has {len(rows)} samples, the manifest says {entry['n_docs']}"
+        return None
+
+    @property
+    def n_skipped_shards(self) -> int:
+        return len(self.skipped_shards)
+
+    # --- sizes and direct access ---------------------------------------------------------
+    @property
+    def batches_per_epoch(self) -> int:
+        return self._core.batches_per_epoch
+
+    @property
+    def units_per_epoch(self) -> int:
+        return self._core.n_units
+
+    @property
+    def docs_read(self) -> int:
+        """Documents decoded in this process (not in loader workers)."""
+        return self._core.docs_read
+
+    def batch_at(self, epoch: int, index: int) -> dict[str, torch.Tensor]:
+        """Batch ``index`` of ``epoch`` for this rank, built directly (no iteration state)."""
+        return self._core.batch(epoch, index)
+
+    def document(self, doc_id: int) -> Document:
+        """A document by its global id (the ids in ``Unit.pieces``), through the cache."""
+        return self._core.read(doc_id)
+
+    def units_at(self, epoch: int, index: int) -> list[Unit]:
+        return self._core.units(epoch, index)[0]
+
+    # --- iteration -----------------------------------------------------------------------
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        bpe = self.batches_per_epoch
+        first = self.epoch * bpe + self.batch if self.cycle else 0
+        stop = None if self.cycle else bpe
+        source = (
+            self._in_process(first, stop)
+            if self.num_workers == 0
+            else self._from_workers(first, stop)
+        )
+        for position, batch in source:
+            if self.cycle:
+                self.epoch, self.batch = divmod(position + 1, bpe)
+            yield batch
+
+    def _in_process(self, first: int, stop: int | None):
+        position = first
+        while stop is None or position < stop:
+            yield position, self._core.batch(*divmod(position, self.batches_per_epoch))
+            position += 1
+
+    def _from_workers(self, first: int, stop: int | None):
+        if self._loader is None or self._loader_key != (first, stop):
+            self.close()
+            self._loader = DataLoader(
+                _WorkerBatches(self._core, first, stop),
+                batch_size=None,
+                num_workers=self.num_workers,
+                persistent_workers=True,
+                in_order=False,  # deliver as ready; the re-order below restores the order
+            )
+            self._loader_key = (first, stop)
+        pending: dict[int, dict[str, torch.Tensor]] = {}
+        expected = first
+        for position, batch in self._loader:  # re-order, whatever order workers deliver
+            pending[position] = batch
+            while expected in pending:
+                yield expected, pending.pop(expected)
+                expected += 1
+
+    def close(self) -> None:
+        """Stop the loader workers (they are persistent between passes otherwise)."""
+        self._loader, self._loader_key = None, None
+
+    # --- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "version": STATE_VERSION,
+            "split": self.split,
+            "seed": self.seed,
+            "objective": self.objective.kind,
+            "units_per_epoch": self.units_per_epoch,
+            "epoch": self.epoch,
+            "batch": self.batch,
+            # The global sample cursor within the epoch: lets a run resume on another
+            # world size or micro-batch size when the cursor falls on a batch boundary.
+            "samples": self.batch * self.world_size * self.micro_batch_size,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("version") != STATE_VERSION:
+            raise ValueError(
+                f"loader state version {state.get('version')!r}, expected {STATE_VERSION}"
+            )
+        for key, mine in (
+            ("split", self.split),
+            ("seed", self.seed),
+            ("objective", self.objective.kind),
+            ("units_per_epoch", self.units_per_epoch),
+        ):
+            if state[key] != mine:
+                raise ValueError(
+                    f"loader state was saved with {key}={state[key]!r}, this stream has "
+                    f"{mine!r}: resuming would not continue the same stream (same data, "
+                    "train.seed, objective and data.seq_len are needed)"
+                )
+        per_batch = self.world_size * self.micro_batch_size
+        if state["samples"] % per_batch:
+            raise ValueError(
+                f"loader state stopped after {state['samples']} samples of epoch "
+                f"{state['epoch']}, not a multiple of world_size * micro_batch_size = {per_batch}"
+            )
+        self.epoch, self.batch = int(state["epoch"]), state["samples"] // per_batch
+        self.close()

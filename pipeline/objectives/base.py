@@ -1,0 +1,147 @@
+"""What every pretraining objective shares: batch keys, units, layouts, the base class.
+
+An objective turns documents into training examples without doing any I/O itself.
+The loader (``pipeline.data.stream``) owns the I/O and asks the objective three
+things, always with the example's own seeded ``numpy.random.Generator``:
+
+1. ``layout(order, lengths)``: how an epoch's documents (in the epoch's order, known
+   from the shard indexes alone) are cut into *units*, one unit per example. The
+   layout maps a unit number to its ``Unit`` (which token ranges of which documents)
+   without reading any document, so the loader can seek straight to any batch.
+2. ``needs(unit, rng, pool)``: the global ids of the documents the example reads
+   (the unit's own ones, plus e.g. a random partner document for NSP drawn from ``pool``).
+3. ``make_example(unit, docs, rng)``: numpy arrays of one example; ``collate`` stacks
+   them into the batch of torch tensors the model and ``loss`` consume.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from pipeline.data.shards import Document
+
+# What the trainer passes to the model; everything else in a batch is a label.
+MODEL_INPUT_KEYS = ("input_ids", "token_type_ids", "attention_mask", "position_ids", "document_ids")
+IGNORE_INDEX = -100  # label of positions without a loss (torch's cross_entropy default)
+
+
+class Piece(NamedTuple):
+    """Tokens [start, stop) of one document, optionally followed by the end-of-document token."""
+
+    doc: int  # global document id (row of the loader's document table)
+    start: int
+    stop: int
+    eod: bool = False
+
+
+class Unit(NamedTuple):
+    """The source of one example. ``key`` identifies it independently of the epoch
+    (so static masking can seed on it); ``pieces`` are read in order.
+    (NamedTuples, not dataclasses: the loader creates one per example.)"""
+
+    key: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+    @property
+    def docs(self) -> list[int]:
+        return list(dict.fromkeys(p.doc for p in self.pieces))
+
+
+class Layout(ABC):
+    """An epoch's documents cut into units; built from token counts only."""
+
+    n_units: int
+
+    @abstractmethod
+    def boundary(self, positions: np.ndarray) -> np.ndarray:
+        """First unit of the documents at these positions of the epoch order (non-decreasing)."""
+
+    @abstractmethod
+    def unit(self, u: int) -> Unit:
+        """Unit number ``u`` (0 <= u < n_units) in layout order."""
+
+    def units(self, us: np.ndarray) -> list[Unit]:
+        return [self.unit(int(u)) for u in us]
+
+
+class WindowLayout(Layout):
+    """Each document cut into ``ceil(n / window)`` windows of near-equal length.
+
+    Equal cuts (sizes differ by at most one token, none longer than ``window``) avoid
+    the tiny tail window a plain ``[k*window, (k+1)*window)`` cut leaves behind.
+    """
+
+    def __init__(self, order: np.ndarray, lengths: np.ndarray, window: int):
+        self.order = order
+        self.n = lengths[order]
+        self.windows = -(-self.n // window)
+        self.cum = np.concatenate([[0], np.cumsum(self.windows)])
+        self.n_units = int(self.cum[-1])
+
+    def boundary(self, positions: np.ndarray) -> np.ndarray:
+        return self.cum[positions]
+
+    def unit(self, u: int) -> Unit:
+        i = int(np.searchsorted(self.cum, u, side="right")) - 1
+        w, k, n = u - int(self.cum[i]), int(self.windows[i]), int(self.n[i])
+        doc = int(self.order[i])
+        return Unit(key=(doc, w), pieces=(Piece(doc, n * w // k, n * (w + 1) // k),))
+
+    def units(self, us: np.ndarray) -> list[Unit]:  # the same, vectorized
+        i = np.searchsorted(self.cum, us, side="right") - 1
+        w, k, n = us - self.cum[i], self.windows[i], self.n[i]
+        cols = (self.order[i], w, n * w // k, n * (w + 1) // k)
+        return [
+            Unit(key=(d, x), pieces=(Piece(d, a, b),))
+            for d, x, a, b in zip(*(c.tolist() for c in cols), strict=True)
+        ]
+
+
+def special_table(vocab_size: int, special_ids: set[int]) -> np.ndarray:
+    """Boolean lookup: is this id a special token (never masked, never a random replacement)?"""
+    table = np.zeros(vocab_size, dtype=bool)
+    table[sorted(i for i in special_ids if 0 <= i < vocab_size)] = True
+    return table
+
+
+class Objective(ABC):
+    """Base of all objectives; see the module docstring for how the loader drives it."""
+
+    kind: str = ""
+    static: bool = False  # True: an example's randomness does not depend on the epoch
+
+    def __init__(self, seq_len: int, vocab_size: int):
+        self.seq_len = seq_len
+        self.vocab_size = vocab_size
+
+    @abstractmethod
+    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout: ...
+
+    def needs(self, unit: Unit, rng: np.random.Generator, pool: np.ndarray) -> list[int]:
+        return unit.docs
+
+    @abstractmethod
+    def make_example(
+        self, unit: Unit, docs: list[Document], rng: np.random.Generator
+    ) -> dict[str, np.ndarray]: ...
+
+    def make_batch(
+        self, units: list[Unit], docs: list[list[Document]], rngs: list[np.random.Generator]
+    ) -> dict[str, torch.Tensor]:
+        """The batch of these units; row i equals ``make_example(units[i], docs[i], rngs[i])``
+        (objectives may override this to vectorize across the batch)."""
+        return self.collate(
+            [self.make_example(u, d, r) for u, d, r in zip(units, docs, rngs, strict=True)]
+        )
+
+    def collate(self, examples: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+        return {k: torch.from_numpy(np.stack([e[k] for e in examples])) for k in examples[0]}
+
+    @abstractmethod
+    def loss(
+        self, outputs: dict[str, torch.Tensor], batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...

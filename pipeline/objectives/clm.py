@@ -1,0 +1,112 @@
+"""Causal language modelling (GPT): documents packed into fixed-length blocks.
+
+The epoch's documents, in the epoch's order, form one stream with the end-of-document
+token (``roles["eod"]``) after each document. Block ``b`` is stream tokens
+``[b*L, b*L + L + 1)`` with L = seq_len: inputs are the first L, ``labels`` the last L,
+i.e. **labels are already shifted** (labels[t] is the token after input_ids[t]) and
+the loss does not shift again. Every stream token is a target exactly once; the
+blocks overlap by the one token that is the last target of a block and the first
+input of the next. Nothing is padded.
+
+Options: ``reset_position_ids`` restarts positions at 0 after every end-of-document
+token (and at the block start); ``block_cross_document_attention`` emits
+``document_ids`` (0, 1, ... per document within the block; the eod token belongs to
+the document it ends) so the model attends only within a document.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch.nn.functional as F
+
+from pipeline.data.shards import Document
+from pipeline.objectives.base import IGNORE_INDEX, Layout, Objective, Piece, Unit
+
+
+class BlockLayout(Layout):
+    """Blocks of ``block`` (+1) tokens of the eod-joined stream; from token counts only."""
+
+    def __init__(self, order: np.ndarray, lengths: np.ndarray, block: int):
+        self.order, self.block = order, block
+        self.n = lengths[order]
+        self.cum = np.concatenate([[0], np.cumsum(self.n + 1)])  # stream offset of each doc
+        self.n_units = max(0, int(self.cum[-1] - 1) // block)
+
+    def boundary(self, positions: np.ndarray) -> np.ndarray:
+        return np.minimum(self.cum[positions] // self.block, self.n_units)
+
+    def unit(self, u: int) -> Unit:
+        lo = u * self.block
+        hi = lo + self.block + 1
+        first = int(np.searchsorted(self.cum, lo, side="right")) - 1
+        last = int(np.searchsorted(self.cum, hi - 1, side="right")) - 1
+        pieces = []
+        for i in range(first, last + 1):
+            start, n = int(self.cum[i]), int(self.n[i])
+            a, b = max(lo - start, 0), min(hi - start, n + 1)  # the eod sits at index n
+            pieces.append(Piece(int(self.order[i]), a, min(b, n), eod=b > n))
+        return Unit(key=(u,), pieces=tuple(pieces))
+
+
+def pack_block(
+    pieces: tuple[Piece, ...], docs: list[Document], eod_id: int, length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(token stream of ``length`` ids, document number 0, 1, ... of every position)."""
+    tokens = np.empty(length, dtype=np.int64)
+    segment = np.empty(length, dtype=np.int64)
+    t = 0
+    for k, (piece, doc) in enumerate(zip(pieces, docs, strict=True)):
+        n = piece.stop - piece.start
+        tokens[t : t + n] = doc.tokens[piece.start : piece.stop]
+        if piece.eod:
+            tokens[t + n] = eod_id
+            n += 1
+        segment[t : t + n] = k
+        t += n
+    if t != length:
+        raise AssertionError(f"block of {t} tokens, expected {length}")
+    return tokens, segment
+
+
+def reset_positions(segment: np.ndarray) -> np.ndarray:
+    """Positions that restart at 0 wherever the document number changes."""
+    idx = np.arange(segment.shape[0])
+    starts = np.concatenate([[True], segment[1:] != segment[:-1]])
+    return idx - np.maximum.accumulate(np.where(starts, idx, 0))
+
+
+class ClmObjective(Objective):
+    kind = "clm"
+
+    def __init__(self, cfg, roles: dict, vocab_size: int, seq_len: int, special_ids: set[int]):
+        super().__init__(seq_len, vocab_size)
+        self.clm = cfg.clm
+        self.eod_id = int(roles["eod"])
+
+    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
+        return BlockLayout(order, lengths, self.seq_len)
+
+    def make_example(self, unit: Unit, docs: list[Document], rng) -> dict[str, np.ndarray]:
+        L = self.seq_len
+        tokens, segment = pack_block(unit.pieces, docs, self.eod_id, L + 1)
+        segment = segment[:L]
+        example = {
+            "input_ids": tokens[:L],
+            "labels": tokens[1:],
+            "attention_mask": np.ones(L, dtype=np.int64),
+            "position_ids": reset_positions(segment)
+            if self.clm.reset_position_ids
+            else np.arange(L),
+        }
+        if self.clm.block_cross_document_attention:
+            example["document_ids"] = segment
+        return example
+
+    def loss(self, outputs, batch):
+        logits = outputs["logits"]
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(),
+            batch["labels"].reshape(-1),
+            ignore_index=IGNORE_INDEX,
+        )
+        return loss, {"lm_loss": loss.detach()}
