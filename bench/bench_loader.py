@@ -9,15 +9,23 @@ sentences of 8-40 tokens, a vocabulary of 30522), then times, in one process
 
 * ours, cold:   a whole epoch of PretrainStream (mlm+nsp) from the shards, every
                 document decoded from its tar member on first use (once per epoch, as
-                with any corpus size: the default cache holds two shuffle groups);
+                with any corpus size: the default cache holds two shuffle groups),
+                by DataDir.read (memory map + tarfile headers + numpy .npy headers);
+* ours, cold, webdataset reads: the same with each sample read the way DataDir.read did
+                before (open/seek/read, a webdataset tar stream per sample, np.load),
+                for the before/after comparison under the same load;
 * ours, cached: the same epoch again, documents already decoded: the objective's work
                 alone, the same footing as the collator, which gets token lists in memory;
+* decoding alone: every document read once in a random order by DataDir.read and by
+                the webdataset reader above (CPU microseconds per document);
 * HF:           transformers.DataCollatorForLanguageModeling(mlm_probability=0.15) on
                 the same windows as pre-tokenized lists `[CLS] window [SEP]` (no NSP).
 
 Our batches do more work than the collator's (NSP pairs with a random-document read,
-fixed seq_len padding, whole example construction). Prints one line per measure and the
-ratios; the median of the rounds is reported.
+fixed seq_len padding, whole example construction). Torch runs one thread, as in a
+DataLoader worker. Prints each measure's median rate per wall second and per CPU second
+of this process (the latter less disturbed by other processes on a shared machine), and
+the ratios to the collator taken within each round, then their median.
 """
 
 from __future__ import annotations
@@ -29,9 +37,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 from pipeline.config import ObjectiveSection
-from pipeline.data.shards import Document, ShardWriter, shard_name, write_manifest
+from pipeline.data.shards import (
+    DataDir,
+    Document,
+    ShardWriter,
+    _decode_with_webdataset,
+    shard_name,
+    write_manifest,
+)
 from pipeline.data.stream import PretrainStream
 from pipeline.objectives import build_objective
 
@@ -59,6 +75,16 @@ def build_data(root: Path, n_docs: int, seed: int = 0, per_shard: int = 2000) ->
     )
 
 
+class WebdatasetReads(DataDir):
+    """DataDir.read as it was: a fresh webdataset tar stream and np.load per sample."""
+
+    def read(self, shard: str, i: int) -> Document:
+        offset, size, _ = self.index(shard)[i].tolist()
+        with open(self.root / shard, "rb") as f:
+            f.seek(offset)
+            return _decode_with_webdataset(f.read(size), f"{shard}#{i}")
+
+
 def hf_collator():
     from tokenizers import Tokenizer, models
     from transformers import DataCollatorForLanguageModeling, PreTrainedTokenizerFast
@@ -76,11 +102,12 @@ def hf_collator():
     return DataCollatorForLanguageModeling(tokenizer, mlm=True, mlm_probability=0.15)
 
 
-def per_second(fn, n: int) -> float:
-    start = time.perf_counter()
+def per_second(fn, n: int) -> tuple[float, float]:
+    """Calls per second of wall time and per second of this process's CPU time."""
+    wall, cpu = time.perf_counter(), time.process_time()
     for i in range(n):
         fn(i)
-    return n / (time.perf_counter() - start)
+    return n / (time.perf_counter() - wall), n / (time.process_time() - cpu)
 
 
 def main() -> None:
@@ -90,20 +117,40 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
+    torch.set_num_threads(1)  # as in a DataLoader worker (and fair to the collator's CPU time)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         build_data(root, args.docs)
         objective = build_objective(ObjectiveSection(kind="mlm+nsp"), ROLES, VOCAB, args.seq_len)
         B = args.batch_size
         collator = hf_collator()
-        cold, cached, hf, reads = [], [], [], []
-        for epoch in range(args.rounds):  # a fresh stream and a new epoch per round
-            stream = PretrainStream(root, "train", objective, B, seed=1)
+        rates: dict[str, list[tuple[float, float]]] = {
+            "cold": [],
+            "cold_wds": [],
+            "cached": [],
+            "hf": [],
+        }
+        reads, decode = [], {"DataDir.read": [], "webdataset reads": []}
+        samples = [
+            (e["name"], i) for e in DataDir(root).shards("train") for i in range(e["n_docs"])
+        ]
+        for epoch in range(args.rounds):  # fresh streams and a new epoch per round
+            # the decoding alone: every document once, in a random order, CPU us per document
+            order = np.random.default_rng(epoch).permutation(len(samples))
+            for name, data in (
+                ("webdataset reads", WebdatasetReads(root)),
+                ("DataDir.read", DataDir(root)),
+            ):
+                _, cpu = per_second(lambda i, d=data, o=order: d.read(*samples[o[i]]), len(order))
+                decode[name].append(1e6 / cpu)
+            stream = PretrainStream(WebdatasetReads(root), "train", objective, B, seed=1)
             n = stream.batches_per_epoch
-            cold.append(per_second(lambda i, s=stream, e=epoch: s.batch_at(e, i), n))
+            rates["cold_wds"].append(per_second(lambda i, s=stream, e=epoch: s.batch_at(e, i), n))
+            stream = PretrainStream(root, "train", objective, B, seed=1)
+            rates["cold"].append(per_second(lambda i, s=stream, e=epoch: s.batch_at(e, i), n))
             reads.append(stream.docs_read / n)
             assert stream.docs_read == args.docs  # the cache held the epoch: no re-decoding
-            cached.append(per_second(lambda i, s=stream, e=epoch: s.batch_at(e, i), n))
+            rates["cached"].append(per_second(lambda i, s=stream, e=epoch: s.batch_at(e, i), n))
             # the collator's input: the same units' windows, pre-tokenized, in memory
             lists = []
             for b in range(n):
@@ -113,19 +160,35 @@ def main() -> None:
                     window = stream.document(piece.doc).tokens[piece.start : piece.stop]
                     rows.append({"input_ids": [ROLES["cls"], *window.tolist(), ROLES["sep"]]})
                 lists.append(rows)
-            hf.append(per_second(lambda i, x=lists: collator(x[i]), n))
-        c, w, h = (statistics.median(x) for x in (cold, cached, hf))
+            rates["hf"].append(per_second(lambda i, x=lists: collator(x[i]), n))
         print(
             f"setup: {args.docs} docs ({stream.units_per_epoch} windows), seq_len "
-            f"{args.seq_len}, batch {B}, {n} batches per epoch, {args.rounds} rounds (median)"
+            f"{args.seq_len}, batch {B}, {n} batches per epoch, "
+            f"{statistics.median(reads):.1f} docs decoded per batch cold; "
+            f"median of {args.rounds} rounds, batches/s per wall / per CPU second"
         )
+        names = {
+            "cold": "ours mlm+nsp, cold (DataDir.read)",
+            "cold_wds": "ours mlm+nsp, cold, webdataset reads",
+            "cached": "ours mlm+nsp, documents cached",
+            "hf": "HF DataCollatorForLanguageModeling",
+        }
         print(
-            f"ours mlm+nsp, cold (decoding shards): {c:8.1f} batches/s  "
-            f"({statistics.median(reads):.1f} docs decoded per batch)"
+            "decoding one document (CPU us, median): "
+            + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in decode.items())
         )
-        print(f"ours mlm+nsp, documents cached:       {w:8.1f} batches/s")
-        print(f"HF DataCollatorForLanguageModeling:   {h:8.1f} batches/s")
-        print(f"ratio cached/HF {w / h:.2f}x, cold/HF {c / h:.2f}x")
+        for key, name in names.items():
+            wall, cpu = (statistics.median(r[c] for r in rates[key]) for c in (0, 1))
+            print(f"{name:38s} {wall:7.1f} wall  {cpu:7.1f} CPU")
+        for key in ("cached", "cold", "cold_wds"):
+            # ratios within each round (same load), then the median over rounds
+            ratio = [
+                statistics.median(a[c] / b[c] for a, b in zip(rates[key], rates["hf"], strict=True))
+                for c in (0, 1)
+            ]
+            rounds = zip(rates[key], rates["hf"], strict=True)
+            per_round = ", ".join(f"{a[0] / b[0]:.2f}" for a, b in rounds)
+            print(f"{key + '/HF:':13s} {ratio[0]:.2f}x wall ({per_round}), {ratio[1]:.2f}x CPU")
 
 
 if __name__ == "__main__":
