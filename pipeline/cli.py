@@ -64,6 +64,10 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plm", description=__doc__)
+    # The deepspeed launcher puts --local_rank=N before the subcommand (LOCAL_RANK has it too).
+    parser.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     data = sub.add_parser("data", help="tokenizer training, sharding, inspection").add_subparsers(
@@ -138,11 +142,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError
+    from pipeline.data.shards import ShardError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except ConfigError as err:
+    except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback
         print(f"plm: {err}", file=sys.stderr)
         return 2
 

@@ -1,0 +1,1 @@
+"""Exporters from model bundles to other ecosystems (transformers: pipeline.export.hf)."""

@@ -1,0 +1,234 @@
+"""Export a model bundle as a transformers folder: ``from_pretrained(OUT)`` works offline.
+
+    bert -> BertForPreTraining   (prediction_logits, seq_relationship_logits)
+    gpt2 -> GPT2LMHeadModel      (logits)
+
+The vocabulary: our models pad it to a multiple of 64 with rows that can never be
+predicted. The export drops those rows, so the HF model's vocab_size equals the
+tokenizer's and its logits equal ours[..., :vocab_size].
+
+The tokenizer is written as a PreTrainedTokenizerFast with the bundle's special tokens.
+For bert a post-processor adds [CLS] A [SEP] (B [SEP]) with segment ids, as the HF BERT
+tokenizers do; gpt2 adds nothing, as HF's GPT-2 tokenizer.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from pipeline.models.bundle import WEIGHTS_FILE, read_bundle_config, replace_dir
+from pipeline.models.registry import ARCHITECTURES
+
+_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+# ----------------------------------------------------------------------------- bert
+
+
+def _bert_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
+    V = cfg.vocab_size
+    out = {
+        "bert.embeddings.word_embeddings.weight": sd["embeddings.word.weight"][:V],
+        "bert.embeddings.position_embeddings.weight": sd["embeddings.position.weight"],
+        "bert.embeddings.token_type_embeddings.weight": sd["embeddings.token_type.weight"],
+        "bert.embeddings.LayerNorm.weight": sd["embeddings.ln.weight"],
+        "bert.embeddings.LayerNorm.bias": sd["embeddings.ln.bias"],
+        "bert.pooler.dense.weight": sd["pooler.weight"],
+        "bert.pooler.dense.bias": sd["pooler.bias"],
+        "cls.predictions.transform.dense.weight": sd["mlm_head.dense.weight"],
+        "cls.predictions.transform.dense.bias": sd["mlm_head.dense.bias"],
+        "cls.predictions.transform.LayerNorm.weight": sd["mlm_head.ln.weight"],
+        "cls.predictions.transform.LayerNorm.bias": sd["mlm_head.ln.bias"],
+        "cls.predictions.bias": sd["mlm_head.bias"][:V],
+        "cls.seq_relationship.weight": sd["nsp_head.weight"],
+        "cls.seq_relationship.bias": sd["nsp_head.bias"],
+    }
+    for i in range(cfg.num_layers):
+        ours, hf = f"blocks.{i}.", f"bert.encoder.layer.{i}."
+        # our fused qkv rows are [query; key; value]
+        weights = sd[f"{ours}attn.qkv.weight"].chunk(3, dim=0)
+        biases = sd[f"{ours}attn.qkv.bias"].chunk(3, dim=0)
+        for j, part in enumerate(("query", "key", "value")):
+            out[f"{hf}attention.self.{part}.weight"] = weights[j].contiguous()
+            out[f"{hf}attention.self.{part}.bias"] = biases[j].contiguous()
+        pairs = {
+            "attention.output.dense": "attn.proj",
+            "attention.output.LayerNorm": "ln_1",
+            "intermediate.dense": "mlp.fc",
+            "output.dense": "mlp.proj",
+            "output.LayerNorm": "ln_2",
+        }
+        for hf_name, our_name in pairs.items():
+            for p in ("weight", "bias"):
+                out[f"{hf}{hf_name}.{p}"] = sd[f"{ours}{our_name}.{p}"]
+    return out
+
+
+def _bert_model(cfg: Any, roles: dict[str, int]):
+    import transformers
+
+    hf_cfg = transformers.BertConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        hidden_act=_ACTIVATIONS[cfg.activation],
+        hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.attention_dropout,
+        max_position_embeddings=cfg.max_positions,
+        type_vocab_size=cfg.type_vocab_size,
+        initializer_range=cfg.init_std,
+        layer_norm_eps=cfg.layer_norm_eps,
+        pad_token_id=roles.get("pad", 0),
+    )
+    return transformers.BertForPreTraining(hf_cfg)
+
+
+# ----------------------------------------------------------------------------- gpt2
+
+
+def _gpt2_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
+    V = cfg.vocab_size
+    out = {
+        "transformer.wte.weight": sd["wte.weight"][:V],
+        "transformer.wpe.weight": sd["wpe.weight"],
+        "transformer.ln_f.weight": sd["ln_f.weight"],
+        "transformer.ln_f.bias": sd["ln_f.bias"],
+    }
+    for i in range(cfg.num_layers):
+        ours, hf = f"blocks.{i}.", f"transformer.h.{i}."
+        for p in ("weight", "bias"):
+            out[f"{hf}ln_1.{p}"] = sd[f"{ours}ln_1.{p}"]
+            out[f"{hf}ln_2.{p}"] = sd[f"{ours}ln_2.{p}"]
+        # HF GPT-2 uses Conv1D: weight stored [in, out], the transpose of nn.Linear's.
+        pairs = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc"}
+        pairs["mlp.c_proj"] = "mlp.proj"
+        for hf_name, our_name in pairs.items():
+            out[f"{hf}{hf_name}.weight"] = sd[f"{ours}{our_name}.weight"].t().contiguous()
+            out[f"{hf}{hf_name}.bias"] = sd[f"{ours}{our_name}.bias"]
+    return out
+
+
+def _gpt2_model(cfg: Any, roles: dict[str, int]):
+    import transformers
+
+    hf_cfg = transformers.GPT2Config(
+        vocab_size=cfg.vocab_size,
+        n_positions=cfg.max_positions,
+        n_embd=cfg.hidden_size,
+        n_layer=cfg.num_layers,
+        n_head=cfg.num_heads,
+        n_inner=cfg.intermediate_size,
+        activation_function=_ACTIVATIONS[cfg.activation],
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.attention_dropout,
+        layer_norm_epsilon=cfg.layer_norm_eps,
+        initializer_range=cfg.init_std,
+        bos_token_id=roles.get("bos"),
+        eos_token_id=roles.get("eos"),
+        pad_token_id=roles.get("pad"),
+    )
+    return transformers.GPT2LMHeadModel(hf_cfg)
+
+
+_ADAPTERS = {"bert": (_bert_state, _bert_model), "gpt2": (_gpt2_state, _gpt2_model)}
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+
+def _hf_tokenizer(bundle_dir: Path, arch: str, roles: dict[str, int], max_len: int):
+    from tokenizers import Tokenizer
+    from tokenizers.processors import TemplateProcessing
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
+    names = {role: tok.id_to_token(i) for role, i in roles.items() if i is not None}
+    if arch == "bert":
+        cls, sep = names["cls"], names["sep"]
+        tok.post_processor = TemplateProcessing(
+            single=f"{cls} $A:0 {sep}:0",
+            pair=f"{cls} $A:0 {sep}:0 $B:1 {sep}:1",
+            special_tokens=[(cls, roles["cls"]), (sep, roles["sep"])],
+        )
+        input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    else:
+        input_names = ["input_ids", "attention_mask"]
+    specials = {
+        f"{role}_token": names[role]
+        for role in ("unk", "pad", "cls", "sep", "mask", "bos", "eos")
+        if role in names
+    }
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        model_input_names=input_names,
+        model_max_length=max_len,
+        **specials,
+    )
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
+    """Write OUT/config.json, OUT/model.safetensors and the tokenizer files (atomically)."""
+    bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
+    config = read_bundle_config(bundle_dir)
+    arch = config["arch"]
+    if arch not in _ADAPTERS:
+        raise ValueError(
+            f"no transformers export for arch {arch!r}; exportable: {', '.join(sorted(_ADAPTERS))}"
+        )
+    to_state, make_model = _ADAPTERS[arch]
+    cfg = ARCHITECTURES[arch][0].model_validate(config["model"])
+    roles = config["vocab"].get("roles", {})
+
+    hf_state = to_state(load_file(str(bundle_dir / WEIGHTS_FILE)), cfg)
+    model = make_model(cfg, roles)
+    result = model.load_state_dict(hf_state, strict=False)
+    # Only the tied output weights may be absent from our state (they alias the embeddings).
+    untied = [k for k in result.missing_keys if not _is_tied_output(k)]
+    if untied or result.unexpected_keys:
+        raise RuntimeError(
+            f"export {arch}: missing {untied}, unexpected {result.unexpected_keys}; "
+            "the adapter in pipeline/export/hf.py is out of date with transformers"
+        )
+    _check_tied(model)
+    tokenizer = _hf_tokenizer(bundle_dir, arch, roles, cfg.max_positions)
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.chmod(0o755)
+        replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _is_tied_output(key: str) -> bool:
+    return key in {
+        "cls.predictions.decoder.weight",
+        "cls.predictions.decoder.bias",
+        "lm_head.weight",
+    }
+
+
+@torch.no_grad()
+def _check_tied(model) -> None:
+    """The output projection must be the input embedding matrix (same storage)."""
+    out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if out.data_ptr() != inp.data_ptr():
+        raise RuntimeError("exported model's output embeddings are not tied to the input ones")

@@ -1,0 +1,174 @@
+"""BERT (Devlin et al., 2018): a post-LN transformer encoder with the two pretraining heads,
+masked-LM (tied to the input embeddings) and next-sentence prediction on the pooled [CLS].
+
+Outputs: {"mlm_logits": [B,T,Vpad], "nsp_logits": [B,2], "hidden_states": [B,T,H]}.
+Vpad is vocab_size rounded up to a multiple of 64; the padded rows get a logit of
+PAD_LOGIT so they never win. nsp_logits index 0 = "B follows A", 1 = "B is random"
+(the original BERT / transformers convention).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+
+from pipeline.models.blocks import (
+    Block,
+    init_normal,
+    non_embedding_params,
+    padded_vocab_size,
+    padding_mask,
+    run_blocks,
+    vocab_pad_bias,
+)
+
+
+class BertConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(gt=0)  # the tokenizer's; the model pads it (padded_vocab_size)
+    hidden_size: int = Field(768, gt=0)
+    num_layers: int = Field(12, gt=0)
+    num_heads: int = Field(12, gt=0)
+    intermediate_size: int = Field(3072, gt=0)
+    max_positions: int = Field(512, gt=0)
+    type_vocab_size: int = Field(2, gt=0)  # segments A / B
+    dropout: float = Field(0.1, ge=0, lt=1)  # embeddings and residual branches
+    attention_dropout: float = Field(0.1, ge=0, lt=1)
+    layer_norm_eps: float = Field(1e-12, gt=0)
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    init_std: float = Field(0.02, gt=0)
+    vocab_multiple: int = Field(64, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> BertConfig:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        return self
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.vocab_multiple)
+
+
+class BertEmbeddings(nn.Module):
+    """token + position + segment embeddings, then LayerNorm and dropout."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.word = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
+        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None
+    ) -> Tensor:
+        T = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None]
+        x = self.word(input_ids) + self.position(position_ids)
+        if token_type_ids is None:
+            x = x + self.token_type.weight[0]  # all segment A
+        else:
+            x = x + self.token_type(token_type_ids)
+        return self.dropout(self.ln(x))
+
+
+class BertMLMHead(nn.Module):
+    """dense -> GELU -> LayerNorm, then the decoder tied to the word embeddings (+ bias)."""
+
+    def __init__(self, cfg: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+        self.bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size))
+
+    def forward(self, h: Tensor, word_embeddings: Tensor, pad_bias: Tensor) -> Tensor:
+        h = self.ln(F.gelu(self.dense(h), approximate=self.approximate))
+        # pad_bias is a buffer; cast so bf16/fp16 engines (which may leave buffers in fp32) match.
+        return F.linear(h, word_embeddings, (self.bias + pad_bias).to(word_embeddings.dtype))
+
+
+class Bert(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        cfg = config
+        self.embeddings = BertEmbeddings(cfg)
+        self.blocks = nn.ModuleList(
+            Block(
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.intermediate_size,
+                cfg.dropout,
+                cfg.attention_dropout,
+                cfg.layer_norm_eps,
+                cfg.activation,
+                pre_ln=False,
+            )
+            for _ in range(cfg.num_layers)
+        )
+        self.mlm_head = BertMLMHead(cfg)
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.nsp_head = nn.Linear(cfg.hidden_size, 2)
+        # not persistent: derived from the config, never saved in a checkpoint
+        self.register_buffer(
+            "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
+        )
+        self.checkpointing = False
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, 0.02) everywhere, zero biases (incl. the MLM output bias), LayerNorm = identity.
+        The padded vocabulary rows are zeroed: they are never looked up nor predicted."""
+        init_normal(self, self.config.init_std)
+        self.embeddings.word.weight[self.config.vocab_size :].zero_()
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self.checkpointing = enabled
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
+    ) -> dict[str, Tensor]:
+        T = input_ids.shape[1]
+        if T > self.config.max_positions:
+            raise ValueError(
+                f"sequence length {T} > model.max_positions {self.config.max_positions}"
+            )
+        x = self.embeddings(input_ids, token_type_ids, position_ids)
+        h = run_blocks(self.blocks, x, padding_mask(attention_mask), False, self.checkpointing)
+        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias)
+        pooled = torch.tanh(self.pooler(h[:, 0]))  # the [CLS] position
+        return {"mlm_logits": mlm_logits, "nsp_logits": self.nsp_head(pooled), "hidden_states": h}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token:
+
+            6 * (N + H * Vpad) + 12 * L * H * T
+
+        N = parameters outside the embedding tables; H * Vpad = the tied MLM decoder, a real
+        matmul although its weights are the embedding table; a matmul with a weight of n
+        entries costs 2n FLOPs per token forward and 4n backward. 12 * L * H * T is the
+        attention itself (QK^T and AV: 2 * 2 * T * H per layer forward, x3 for training).
+        The pooler/NSP head (once per sequence) is counted per token: a slight over-count.
+        """
+        cfg = self.config
+        e = self.embeddings
+        n = non_embedding_params(self, [e.word, e.position, e.token_type])
+        n += cfg.hidden_size * cfg.padded_vocab_size
+        return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len

@@ -1,0 +1,141 @@
+"""GPT-2 (Radford et al., 2019): a pre-LN transformer decoder with learned positions, a
+final LayerNorm and an LM head tied to the token embeddings.
+
+For packed sequences (several documents in one row) it takes position_ids that restart
+at each document and document_ids that stop attention from crossing documents.
+Outputs: {"logits": [B,T,Vpad], "hidden_states": [B,T,H]}; the padded vocabulary rows get
+PAD_LOGIT so they never win.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from torch import Tensor, nn
+
+from pipeline.models.blocks import (
+    Block,
+    causal_mask,
+    init_normal,
+    non_embedding_params,
+    padded_vocab_size,
+    run_blocks,
+    vocab_pad_bias,
+)
+
+
+class GPT2Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(gt=0)  # the tokenizer's; the model pads it (padded_vocab_size)
+    hidden_size: int = Field(768, gt=0)
+    num_layers: int = Field(12, gt=0)
+    num_heads: int = Field(12, gt=0)
+    intermediate_size: int = Field(3072, gt=0)
+    max_positions: int = Field(1024, gt=0)
+    dropout: float = Field(0.1, ge=0, lt=1)  # embeddings and residual branches
+    attention_dropout: float = Field(0.1, ge=0, lt=1)
+    layer_norm_eps: float = Field(1e-5, gt=0)
+    activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
+    init_std: float = Field(0.02, gt=0)
+    vocab_multiple: int = Field(64, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self) -> GPT2Config:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        return self
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.vocab_multiple)
+
+
+class GPT2(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.config = config
+        cfg = config
+        self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.wpe = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(
+            Block(
+                cfg.hidden_size,
+                cfg.num_heads,
+                cfg.intermediate_size,
+                cfg.dropout,
+                cfg.attention_dropout,
+                cfg.layer_norm_eps,
+                cfg.activation,
+                pre_ln=True,
+            )
+            for _ in range(cfg.num_layers)
+        )
+        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        # not persistent: derived from the config, never saved in a checkpoint
+        self.register_buffer(
+            "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
+        )
+        self.checkpointing = False
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, 0.02), zero biases, LayerNorm = identity; the two projections that write into
+        the residual stream get std 0.02 / sqrt(2 * n_layer), so the residual's variance does
+        not grow with depth (GPT-2 paper, section 2.3). Padded vocabulary rows are zeroed."""
+        std = self.config.init_std
+        init_normal(self, std)
+        for block in self.blocks:
+            for proj in (block.attn.proj, block.mlp.proj):
+                nn.init.normal_(
+                    proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_layers)
+                )
+        self.wte.weight[self.config.vocab_size :].zero_()
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self.checkpointing = enabled
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,  # unused: GPT-2 has no segments
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        T = input_ids.shape[1]
+        if T > self.config.max_positions:
+            raise ValueError(
+                f"sequence length {T} > model.max_positions {self.config.max_positions}"
+            )
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None]
+        x = self.dropout(self.wte(input_ids) + self.wpe(position_ids))
+        attn_mask, is_causal = causal_mask(attention_mask, document_ids, T)
+        h = self.ln_f(run_blocks(self.blocks, x, attn_mask, is_causal, self.checkpointing))
+        logits = F.linear(h, self.wte.weight, self.pad_bias.to(h.dtype))  # tied LM head
+        return {"logits": logits, "hidden_states": h}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token:
+
+            6 * (N + H * Vpad) + 12 * L * H * T
+
+        N = parameters outside the embedding tables; H * Vpad = the tied LM head, a real
+        matmul although its weights are the embedding table; a matmul with a weight of n
+        entries costs 2n FLOPs per token forward and 4n backward. 12 * L * H * T is the
+        attention itself (QK^T and AV: 2 * 2 * T * H per layer forward, x3 for training),
+        not halved for the causal mask (the PaLM / nanoGPT MFU convention).
+        """
+        cfg = self.config
+        n = non_embedding_params(self, [self.wte, self.wpe])
+        n += cfg.hidden_size * cfg.padded_vocab_size
+        return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len

@@ -1,0 +1,157 @@
+"""Export to transformers: the exported model gives our logits (fp32, 1e-4) and
+AutoTokenizer loads the folder offline and encodes like our tokenizer."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+from pipeline.export.hf import export_to_hf
+from pipeline.models import build_model, resolve_model_config
+from pipeline.models.bundle import save_bundle
+
+transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.slow  # importing transformers' model code alone takes ~6 s of CPU
+
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "exported models must give the same logits as ours",
+    "tokenizers do not add special tokens on encode",
+] * 4
+
+
+def _write(tok: Tokenizer, out, kind: str, roles: dict[str, str], specials: list[str]):
+    tok.save(str(out / "tokenizer.json"))
+    meta = {
+        "kind": kind,
+        "vocab_size": tok.get_vocab_size(),
+        "lowercase": False,
+        "special_tokens": {s: tok.token_to_id(s) for s in specials},
+        "roles": {role: tok.token_to_id(s) for role, s in roles.items()},
+        "sha256": hashlib.sha256((out / "tokenizer.json").read_bytes()).hexdigest(),
+        "spec": {},
+    }
+    (out / "tokenizer_meta.json").write_text(json.dumps(meta, sort_keys=True))
+    return out
+
+
+def wordpiece_dir(out):
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "[EOD]"]
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.decoder = decoders.WordPiece()
+    tok.train_from_iterator(
+        SENTENCES, trainers.WordPieceTrainer(vocab_size=150, special_tokens=specials)
+    )
+    roles = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]",
+             "bos": "[CLS]", "eos": "[SEP]", "eod": "[EOD]"}  # fmt: skip
+    return _write(tok, out, "wordpiece", roles, specials)
+
+
+def bytelevel_bpe_dir(out):
+    specials = ["<|endoftext|>", "<pad>", "<unk>", "<mask>"]
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(SENTENCES, trainer)
+    roles = {"pad": "<pad>", "unk": "<unk>", "cls": "<|endoftext|>", "sep": "<|endoftext|>",
+             "mask": "<mask>", "bos": "<|endoftext|>", "eos": "<|endoftext|>",
+             "eod": "<|endoftext|>"}  # fmt: skip
+    return _write(tok, out, "bpe", roles, specials)
+
+
+def make_bundle(tmp_path, arch):
+    tok_dir = (tmp_path / "tok").resolve()
+    tok_dir.mkdir()
+    (wordpiece_dir if arch == "bert" else bytelevel_bpe_dir)(tok_dir)
+    vocab = json.loads((tok_dir / "tokenizer_meta.json").read_text())["vocab_size"]
+    preset = {"bert": "bert-tiny", "gpt2": "gpt2-tiny"}[arch]
+    cfg = resolve_model_config({"arch": arch, "preset": preset}, vocab)
+    assert cfg.padded_vocab_size > vocab  # the padding really is exercised
+    torch.manual_seed(0)
+    model = build_model(arch, cfg).eval()
+    with torch.no_grad():  # random biases and LayerNorms too, so a mixed-up mapping shows
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
+    bundle = save_bundle(tmp_path / "bundle", arch, cfg, model.state_dict(), tok_dir)
+    return model, bundle, tok_dir
+
+
+def test_bert_export_matches_logits_and_tokenizer(tmp_path):
+    model, bundle, tok_dir = make_bundle(tmp_path, "bert")
+    out = export_to_hf(bundle, tmp_path / "hf")
+    hf = transformers.BertForPreTraining.from_pretrained(out).eval()
+    V = model.config.vocab_size
+    assert hf.config.vocab_size == V
+    assert (
+        hf.cls.predictions.decoder.weight.data_ptr()
+        == hf.bert.embeddings.word_embeddings.weight.data_ptr()
+    )
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randint(0, V, (3, 20), generator=g)
+    tt = torch.zeros_like(x)
+    tt[:, 9:] = 1
+    mask = torch.ones_like(x)
+    mask[1, 14:] = 0  # padding in one row
+    mask[2, 5:] = 0
+    ours = model(x, token_type_ids=tt, attention_mask=mask)
+    with torch.no_grad():
+        theirs = hf(input_ids=x, token_type_ids=tt, attention_mask=mask)
+    real = mask.bool()  # padded positions are garbage in both; compare the real ones
+    torch.testing.assert_close(
+        theirs.prediction_logits[real], ours["mlm_logits"][..., :V][real], atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        theirs.seq_relationship_logits, ours["nsp_logits"], atol=1e-4, rtol=1e-4
+    )
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ref = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    meta = json.loads((tok_dir / "tokenizer_meta.json").read_text())
+    cls, sep = meta["roles"]["cls"], meta["roles"]["sep"]
+    enc = tok("the quick fox", "same logits")
+    a, b = ref.encode("the quick fox").ids, ref.encode("same logits").ids
+    assert enc["input_ids"] == [cls, *a, sep, *b, sep]
+    assert enc["token_type_ids"] == [0] * (len(a) + 2) + [1] * (len(b) + 1)
+    assert (tok.pad_token_id, tok.mask_token_id) == (meta["roles"]["pad"], meta["roles"]["mask"])
+
+
+def test_gpt2_export_matches_logits_and_tokenizer(tmp_path):
+    model, bundle, tok_dir = make_bundle(tmp_path, "gpt2")
+    out = export_to_hf(bundle, tmp_path / "hf")
+    hf = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    V = model.config.vocab_size
+    assert hf.config.vocab_size == V
+    assert hf.lm_head.weight.data_ptr() == hf.transformer.wte.weight.data_ptr()
+
+    x = torch.randint(0, V, (2, 24), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        theirs = hf(input_ids=x).logits
+    torch.testing.assert_close(theirs, model(x)["logits"][..., :V], atol=1e-4, rtol=1e-4)
+
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ref = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    text = "the lazy dog exports logits"
+    assert tok(text)["input_ids"] == ref.encode(text).ids  # no special tokens added
+    assert tok.decode(tok(text)["input_ids"]) == text
+    assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<pad>"
+
+
+def test_export_replaces_and_rejects_non_bundles(tmp_path):
+    _, bundle, _ = make_bundle(tmp_path, "gpt2")
+    out = export_to_hf(bundle, tmp_path / "hf")
+    export_to_hf(bundle, out)  # again over the existing folder
+    assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    with pytest.raises(FileNotFoundError, match="not a model bundle"):
+        export_to_hf(tmp_path, tmp_path / "hf2")
