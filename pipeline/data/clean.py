@@ -21,6 +21,9 @@ ZH_SHARE = 0.3  # a text is "zh" when CJK ideographs are at least this share of 
 _CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff\ufeff\u200b\u00ad\u2060]")
 _NEWLINES = re.compile("\r\n?|[\x85\u2028\u2029]")  # normalized to \n before controls go
 _HSPACE = re.compile(r"[^\S\n]+")  # whitespace other than newline
+# _HSPACE for ASCII text without controls: runs of spaces/tabs other than a lone space
+# (which it would replace by itself); a literal first character lets re skip ahead fast.
+_ASCII_HSPACE = re.compile(r"  [ \t]*| ?\t[ \t]*")
 _SPACE_AROUND_NL = re.compile(r" ?\n ?")
 _BLANK_LINES = re.compile(r"\n{3,}")
 _CJK = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef]")
@@ -37,16 +40,29 @@ class CleanConfig(BaseModel):
 
 
 def clean(text: str, cfg: CleanConfig | None = None) -> str:
-    """Normalize, drop control characters, fold whitespace; paragraphs stay ("\\n\\n")."""
+    """Normalize, drop control characters, fold whitespace; paragraphs stay ("\\n\\n").
+
+    Each step is skipped when a cheap substring test shows it would change nothing (the
+    regexes visit every character, the tests run at memchr speed): most text is ASCII
+    with single spaces, which no normalization form changes.
+    """
     cfg = cfg or CleanConfig()
-    text = _NEWLINES.sub("\n", text)
+    if "\r" in text or not text.isascii():  # the other newlines are not ASCII
+        text = _NEWLINES.sub("\n", text)
     text = _CONTROL.sub("", text)
-    if cfg.normalization != "none":
+    ascii_only = text.isascii()
+    if cfg.normalization != "none" and not ascii_only:
         text = unicodedata.normalize(cfg.normalization, text)
     if cfg.fold_whitespace:
-        text = _HSPACE.sub(" ", text)
-        text = _SPACE_AROUND_NL.sub("\n", text)
-        text = _BLANK_LINES.sub("\n\n", text)
+        if not ascii_only:
+            text = _HSPACE.sub(" ", text)
+        elif "  " in text or "\t" in text:
+            # The controls are gone: space and tab are the only ASCII blanks left.
+            text = _ASCII_HSPACE.sub(" ", text)
+        if " \n" in text or "\n " in text:
+            text = _SPACE_AROUND_NL.sub("\n", text)
+        if "\n\n\n" in text:
+            text = _BLANK_LINES.sub("\n\n", text)
     return text.strip()
 
 

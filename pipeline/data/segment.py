@@ -25,10 +25,16 @@ from tokenizers import Encoding, Tokenizer
 # turns full-width ！？； into ASCII and … into "...", so ASCII terminators also end a
 # sentence when a CJK character follows at once; otherwise . ! ? need whitespace or
 # the end of the text after them (and a following lowercase letter means "e.g. this").
-_TERMINATOR = re.compile(r"(?:([。！？；…]+)|([.!?;]+))[\"'”’)\]}」』》〉）]*")
+_CLOSERS = "[\"'”’)\\]}」』》〉）]*"
+_CJK_CHARS = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef“‘「『《（"
+# A run of ASCII terminators counts only before whitespace or CJK (the lookahead lets
+# re drop "3.11", "os.path" without a Python step; the rest is checked in Python).
+_TERMINATOR = re.compile(
+    f"([。！？；…]+){_CLOSERS}|([.!?;]+){_CLOSERS}(?=[\\s{_CJK_CHARS}])"
+)
 _UNK_NAMES = ("[UNK]", "<unk>")
 _PARAGRAPH = re.compile(r"\n\s*\n")
-_CJK_CHAR = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef“‘「『《（]")
+_CJK_CHAR = re.compile(f"[{_CJK_CHARS}]")
 
 
 @dataclass
@@ -52,16 +58,13 @@ def sentence_ends(text: str) -> list[int]:
         end = m.end()
         if end >= n:
             continue
-        if m.group(2) is not None:  # ASCII terminator: look at what follows
-            nxt = text[end]
-            if _CJK_CHAR.match(nxt):
-                pass
-            elif m.group(2) == ";" or not nxt.isspace():
-                continue  # "3.11", "a;b", "x; y": not a sentence end
-            else:
-                rest = text[end : end + 8].lstrip()
-                if rest[:1].islower():
-                    continue  # "e.g. this", "i.e. that"
+        # An ASCII terminator is followed by whitespace or CJK here (the lookahead).
+        ascii_run = m.group(2)
+        if ascii_run is not None and not _CJK_CHAR.match(text, end):
+            if ascii_run == ";":
+                continue  # "x; y": not a sentence end ("3.11", "a;b" never match)
+            if text[end : end + 8].lstrip()[:1].islower():
+                continue  # "e.g. this", "i.e. that"
         ends.append(end)
     ends.extend(m.start() for m in _PARAGRAPH.finditer(text))
     return sorted(set(e for e in ends if 0 < e < n))
@@ -99,6 +102,12 @@ def jieba_word_starts(text: str) -> list[int]:
     return starts
 
 
+def _token_starts(encoding: Encoding) -> np.ndarray:
+    """Start character offsets of the tokens (non-decreasing)."""
+    # A comprehension over the (start, end) tuples is ~3x cheaper than np.asarray on them.
+    return np.array([start for start, _ in encoding.offsets], dtype=np.int64)
+
+
 def _token_bounds(encoding: Encoding) -> tuple[np.ndarray, np.ndarray]:
     """Start and end character offsets of the tokens, both non-decreasing."""
     offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
@@ -106,7 +115,11 @@ def _token_bounds(encoding: Encoding) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _word_starts_from_ids(encoding: Encoding) -> np.ndarray:
-    ids = np.array([-1 if w is None else w for w in encoding.word_ids], dtype=np.int64)
+    word_ids = encoding.word_ids
+    try:  # no None without special tokens: one C-level conversion
+        ids = np.array(word_ids, dtype=np.int64)
+    except TypeError:
+        ids = np.array([-1 if w is None else w for w in word_ids], dtype=np.int64)
     if ids.size == 0:
         return np.zeros(0, dtype=np.int64)
     change = np.flatnonzero(ids[1:] != ids[:-1]) + 1
@@ -149,6 +162,8 @@ def _cut_points(n: int, sents: np.ndarray, words: np.ndarray, max_len: int) -> l
 
 
 def _pieces(tokens: np.ndarray, sents: np.ndarray, words: np.ndarray, max_len: int) -> list[Piece]:
+    if len(tokens) <= max_len:  # one piece (most documents): sents ends at n, words starts at 0
+        return [Piece(tokens=tokens, sents=sents.astype(np.int32), words=words.astype(np.int32))]
     pieces, start = [], 0
     for end in _cut_points(len(tokens), sents, words, max_len):
         s = sents[(sents > start) & (sents < end)] - start
@@ -180,10 +195,14 @@ def segment_encoding(
     if unk is not None and specials is not None and len(specials):
         if (tokens <= specials[-1]).any():  # specials have the lowest ids: usually a no-op
             tokens[np.isin(tokens, specials)] = unk
-    starts, ends = _token_bounds(encoding)
-    sents = _chars_to_tokens(starts, sentence_ends(text))
-    sents = np.unique(np.append(sents[(sents > 0) & (sents < n)], n))
+    sent_chars = sentence_ends(text)
+    if sent_chars:  # the offsets are the costliest attribute of an Encoding: only if needed
+        sents = _chars_to_tokens(_token_starts(encoding), sent_chars)
+        sents = np.unique(np.append(sents[(sents > 0) & (sents < n)], n))
+    else:
+        sents = np.array([n], dtype=np.int64)
     if language == "zh":
+        _, ends = _token_bounds(encoding)
         words = _chars_to_word_tokens(ends, jieba_word_starts(text))
     else:
         words = _word_starts_from_ids(encoding)

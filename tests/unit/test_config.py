@@ -11,7 +11,9 @@ def test_misspelled_key_is_named():
 
 
 def test_dotted_overrides_are_typed():
-    raw = apply_overrides(dict(BASE), ["train.max_steps=20", "train.lr=3e-4", "mlflow.register=false"])
+    raw = apply_overrides(
+        dict(BASE), ["train.max_steps=20", "train.lr=3e-4", "mlflow.register=false"]
+    )
     cfg = validate_dict(raw)
     assert cfg.train.max_steps == 20 and cfg.train.lr == pytest.approx(3e-4)
     assert cfg.mlflow.register_model is False

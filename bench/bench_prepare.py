@@ -1,0 +1,178 @@
+"""Throughput of `plm data prepare` vs the same tokenizer's raw `encode_batch`, at 1 and 2 CPUs.
+
+    python bench/bench_prepare.py [--copies 1] [--workdir /tmp/bench-prepare]
+
+Corpus: builtin:python-docs (about 1.7 MB), or --copies K variants of it written to a
+txt file (each document prefixed with its copy number, so dedup keeps them all).
+Both sides get the same documents; MB/s counts raw UTF-8 text in.
+
+- raw: one process, tokenizer loaded, `encode_batch(all documents)` timed alone, with
+  RAYON_NUM_THREADS=N (its Rust thread pool is the parallelism).
+- prepare: the whole `plm data prepare --num-cpus N --force` command as a user runs it
+  (process start, validation, hashing, local Ray start, the job, manifest), and the
+  pipeline part alone as the command reports it (after Ray is up).
+Peak memory: the largest sum of RSS over the process tree (driver + Ray processes),
+sampled every 0.1 s, and the driver's own peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+RAW = r"""
+import json, os, resource, sys, time
+from pipeline.data.tokenizer import load_tokenizer
+texts = json.load(open(sys.argv[2]))
+tok, _ = load_tokenizer(sys.argv[1])
+t, c = time.perf_counter(), time.process_time()
+enc = tok.encode_batch(texts, add_special_tokens=False)
+seconds, cpu = time.perf_counter() - t, time.process_time() - c
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": sum(len(e.ids) for e in enc),
+                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+"""
+
+
+def documents(copies: int) -> list[str]:
+    from pipeline.data.readers import python_docs
+
+    docs = list(python_docs())
+    return docs if copies == 1 else [f"[copy {k}] {d}" for k in range(copies) for d in docs]
+
+
+def run_raw(tok: Path, texts_json: Path, cpus: int) -> dict:
+    env = {**os.environ, "RAYON_NUM_THREADS": str(cpus), "TOKENIZERS_PARALLELISM": "true"}
+    out = subprocess.run(
+        [sys.executable, "-c", RAW, str(tok), str(texts_json)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_prepare(cmd: list[str]) -> dict:
+    start = time.perf_counter()
+    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    peak_tree = peak_driver = 0
+    cpu: dict[int, float] = {}  # pid -> last seen user+system CPU seconds
+    names: dict[int, str] = {}
+    while proc.poll() is None:
+        try:
+            tree = [proc, *proc.children(recursive=True)]
+            rss = 0
+            for p in tree:
+                try:
+                    rss += p.memory_info().rss
+                    times = p.cpu_times()
+                    cpu[p.pid] = times.user + times.system
+                    names.setdefault(p.pid, " ".join(p.cmdline()[:2])[-60:] or p.name())
+                except psutil.Error:
+                    pass
+            peak_tree = max(peak_tree, rss)
+            peak_driver = max(peak_driver, proc.memory_info().rss)
+        except psutil.Error:
+            pass
+        time.sleep(0.1)
+    seconds = time.perf_counter() - start
+    stdout = proc.stdout.read()
+    if proc.returncode != 0:
+        raise SystemExit(f"prepare failed ({proc.returncode}):\n{stdout}")
+    pipeline = float(re.search(r"pipeline ([\d.]+)s", stdout).group(1))
+    return {
+        "seconds": seconds,
+        "pipeline_seconds": pipeline,
+        "cpu_seconds": sum(cpu.values()),
+        "cpu_top": sorted(((v, names.get(k, "?")) for k, v in cpu.items()), reverse=True)[:6],
+        "tree_mb": peak_tree / 2**20,
+        "driver_mb": peak_driver / 2**20,
+        "stdout": stdout.strip(),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=1)
+    parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-prepare-"))
+    parser.add_argument("--cpus", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    tok = work / "tok-wordpiece-8k"
+    if not (tok / "tokenizer.json").is_file():
+        subprocess.run(
+            [
+                "plm",
+                "data",
+                "tokenizer",
+                "--input",
+                "builtin:python-docs",
+                "--kind",
+                "wordpiece",
+                "--vocab-size",
+                "8000",
+                "--output",
+                str(tok),
+            ],  # fmt: skip
+            check=True,
+            capture_output=True,
+        )
+    texts = documents(args.copies)
+    texts_json = work / "texts.json"
+    texts_json.write_text(json.dumps(texts))
+    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    if args.copies == 1:
+        source = "builtin:python-docs"
+    else:
+        corpus = work / f"python-docs-x{args.copies}.txt"
+        # Documents may hold blank lines; the txt reader splits on them, so join each
+        # document's paragraphs with single newlines (the same text, one document each).
+        corpus.write_text("\n\n".join(re.sub(r"\n\s*\n", "\n", t) for t in texts) + "\n")
+        source = str(corpus)
+    print(f"corpus {source}: {len(texts):,} documents, {mb:.2f} MB; machine: "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    rows = {}
+    for cpus in args.cpus:
+        raw = run_raw(tok, texts_json, cpus)
+        cmd = ["plm", "data", "prepare", "--input", source, "--tokenizer", str(tok),
+               "--output", str(work / f"data-{cpus}"), "--num-cpus", str(cpus),
+               "--shard-docs", "1000", "--force"]  # fmt: skip
+        prep = run_prepare(cmd)
+        tokens = json.loads((work / f"data-{cpus}" / "manifest.json").read_text())["totals"]
+        rows[cpus] = (raw, prep, tokens["n_tokens"])
+        print(f"\n--- {cpus} CPU(s), load average {os.getloadavg()[0]:.1f}")
+        print(f"raw encode_batch   {raw['seconds']:7.2f}s  {mb / raw['seconds']:6.2f} MB/s  "
+              f"{raw['tokens'] / raw['seconds']:>10,.0f} tok/s  peak {raw['rss_mb']:.0f} MB")  # fmt: skip
+        print(f"prepare (command)  {prep['seconds']:7.2f}s  {mb / prep['seconds']:6.2f} MB/s  "
+              f"{rows[cpus][2] / prep['seconds']:>10,.0f} tok/s  "
+              f"peak tree {prep['tree_mb']:.0f} MB, driver {prep['driver_mb']:.0f} MB")  # fmt: skip
+        print(f"prepare (pipeline) {prep['pipeline_seconds']:7.2f}s  "
+              f"{mb / prep['pipeline_seconds']:6.2f} MB/s  "
+              f"{rows[cpus][2] / prep['pipeline_seconds']:>10,.0f} tok/s")  # fmt: skip
+        print(f"CPU seconds        raw {raw['cpu_seconds']:.2f}  prepare tree {prep['cpu_seconds']:.2f} "
+              f"(all processes: driver, Ray's own, workers); prepare/raw per CPU second "
+              f"{raw['cpu_seconds'] / prep['cpu_seconds']:.2f}x")  # fmt: skip
+        print("  CPU by process: " + "; ".join(f"{n} {v:.1f}s" for v, n in prep["cpu_top"]))
+        print(f"ratio prepare/raw: command {raw['seconds'] / prep['seconds']:.2f}x, "
+              f"pipeline {raw['seconds'] / prep['pipeline_seconds']:.2f}x (target >= 0.8x)")  # fmt: skip
+        print(f"  {prep['stdout'].splitlines()[-1]}")
+    if 1 in rows and 2 in rows:
+        p1, p2 = rows[1][1], rows[2][1]
+        print(f"\nscaling 2 vs 1 CPU: command {p1['seconds'] / p2['seconds']:.2f}x, "
+              f"pipeline {p1['pipeline_seconds'] / p2['pipeline_seconds']:.2f}x; raw encode_batch "
+              f"{rows[1][0]['seconds'] / rows[2][0]['seconds']:.2f}x (target >= 1.7x)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""Submit `plm data prepare` to a Ray cluster as a Ray job, follow its logs, exit with its status.
+
+    python launch/ray_submit.py [--address http://HEAD:8265] [--job-id ID] [--no-wait]
+                                [--installed] -- PREPARE ARGS...
+
+Everything after ``--`` goes to `plm data prepare` on the cluster (paths there are the
+cluster's: use absolute paths or URIs such as s3://... that every node can read).
+
+The code travels as the job's ``working_dir`` (this repository, without caches and run
+outputs) unless ``--installed`` says the cluster's image already has the package.
+
+Token authentication (Ray >= 2.52): a cluster started with RAY_AUTH_MODE=token (or,
+since Ray 2.59, a ``ray start --head`` that finds a token) rejects requests without
+the token. The Ray client sends it when RAY_AUTH_MODE=token is set in this process; it
+reads the token from RAY_AUTH_TOKEN, else the file RAY_AUTH_TOKEN_PATH, else
+~/.ray/auth_token. This script turns token mode on when such a token exists and
+RAY_AUTH_MODE is unset; it never turns authentication off. Without a token a protected
+cluster answers 401 and the script says how to provide one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+# Not shipped with the job: VCS data, caches, run outputs, local data.
+EXCLUDES = [
+    ".git",
+    "**/__pycache__",
+    "*.egg-info",
+    ".pytest_cache",
+    ".ruff_cache",
+    ".benchmarks",
+    # Anchored at the repository root ("data" alone would also drop pipeline/data).
+    "/runs",
+    "/mlruns",
+    "/mlflow.db",
+    "/demo",
+    "/data",
+    "/.venv",
+]
+DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
+
+
+def token_source() -> str | None:
+    """Where the Ray client would find a token, or None."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN"
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH")
+    if path:
+        if not Path(path).is_file():
+            raise SystemExit(f"ray_submit: RAY_AUTH_TOKEN_PATH={path} does not exist")
+        return f"RAY_AUTH_TOKEN_PATH={path}"
+    if DEFAULT_TOKEN_PATH.is_file() and DEFAULT_TOKEN_PATH.read_text().strip():
+        return str(DEFAULT_TOKEN_PATH)
+    return None
+
+
+def configure_auth() -> str:
+    """Decide the client's auth mode before Ray reads it; return a line saying which."""
+    mode = os.environ.get("RAY_AUTH_MODE")
+    if mode is not None:
+        if mode.lower() == "token" and token_source() is None:
+            raise SystemExit(
+                "ray_submit: RAY_AUTH_MODE=token but no token found: set RAY_AUTH_TOKEN or "
+                f"RAY_AUTH_TOKEN_PATH, or put the cluster's token in {DEFAULT_TOKEN_PATH} "
+                "(`ray get-auth-token` on the head prints it)"
+            )
+        return f"auth: RAY_AUTH_MODE={mode} (as set)"
+    found = token_source()
+    if found is None:
+        return "auth: no token found; requests go without one"
+    os.environ["RAY_AUTH_MODE"] = "token"  # must happen before Ray reads its config
+    return f"auth: token from {found}"
+
+
+def build_runtime_env(installed: bool) -> dict:
+    env: dict = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+    if not installed:
+        env["working_dir"] = str(REPO_ROOT)
+        env["excludes"] = EXCLUDES
+    return env
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--" in argv:
+        cut = argv.index("--")
+        own, prepare_args = argv[:cut], argv[cut + 1 :]
+    else:
+        own, prepare_args = argv, []
+    parser = argparse.ArgumentParser(
+        prog="launch/ray_submit.py",
+        description="Submit `plm data prepare ARGS` (after --) to a Ray cluster as a job.",
+    )
+    parser.add_argument(
+        "--address",
+        default=os.environ.get("RAY_ADDRESS"),
+        help="the cluster's dashboard address, e.g. http://HEAD:8265 (default: RAY_ADDRESS)",
+    )
+    parser.add_argument("--job-id", help="submission id (default: plm-prepare-<time>-<random>)")
+    parser.add_argument("--no-wait", action="store_true", help="submit and return at once")
+    parser.add_argument(
+        "--installed",
+        action="store_true",
+        help="the cluster has plm-pipeline installed: ship no working_dir",
+    )
+    parser.add_argument(
+        "--entrypoint-num-cpus",
+        type=float,
+        default=0,
+        help="CPUs reserved for the job's driver (default 0: the driver is light)",
+    )
+    args = parser.parse_args(own)
+    if not prepare_args:
+        parser.error("nothing to run: pass the `plm data prepare` arguments after --")
+    if not args.address:
+        parser.error("no cluster: pass --address http://HEAD:8265 or set RAY_ADDRESS")
+    args.prepare_args = prepare_args
+    return args
+
+
+async def _follow(client, job_id: str) -> None:
+    async for lines in client.tail_job_logs(job_id):
+        print(lines, end="", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    print(configure_auth(), file=sys.stderr)
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    job_id = args.job_id or f"plm-prepare-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    entrypoint = shlex.join(["python", "-m", "pipeline.cli", "data", "prepare", *args.prepare_args])
+    try:
+        client = JobSubmissionClient(args.address)
+        client.submit_job(
+            entrypoint=entrypoint,
+            submission_id=job_id,
+            runtime_env=build_runtime_env(args.installed),
+            entrypoint_num_cpus=args.entrypoint_num_cpus,
+            metadata={"tool": "plm-pipeline", "stage": "data prepare"},
+        )
+    except AuthenticationError as err:
+        print(
+            f"ray_submit: {args.address} refused the request: {err}\n"
+            "The cluster requires its token: set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH to "
+            f"a file holding it, or copy it to {DEFAULT_TOKEN_PATH} (`ray get-auth-token` on "
+            "the head prints it).",
+            file=sys.stderr,
+        )
+        return 2
+    except (RuntimeError, ConnectionError, ValueError) as err:
+        text = str(err)
+        if "401" in text or "403" in text:
+            text += (
+                "\nThe cluster requires its token: set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH to "
+                f"a file holding it, or copy it to {DEFAULT_TOKEN_PATH} (`ray get-auth-token` on "
+                "the head prints it)."
+            )
+        print(f"ray_submit: cannot submit to {args.address}: {text}", file=sys.stderr)
+        return 2
+    print(f"submitted job {job_id} to {args.address}: {entrypoint}", file=sys.stderr)
+    if args.no_wait:
+        print(job_id)
+        return 0
+    try:
+        asyncio.run(_follow(client, job_id))
+    except KeyboardInterrupt:
+        print(f"\nstopped following; the job goes on (ray job stop {job_id})", file=sys.stderr)
+        return 130
+    while (info := client.get_job_info(job_id)).status not in {
+        JobStatus.SUCCEEDED,
+        JobStatus.FAILED,
+        JobStatus.STOPPED,
+    }:
+        time.sleep(1)
+    print(f"job {job_id}: {info.status.value}", file=sys.stderr)
+    if info.status != JobStatus.SUCCEEDED:
+        if info.message:
+            print(f"job {job_id}: {info.message}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

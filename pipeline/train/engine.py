@@ -1,0 +1,189 @@
+"""The DeepSpeed config, built from a base JSON (configs/deepspeed/) and the experiment config.
+
+The JSON files hold the ZeRO settings; batch sizes, optimizer, clipping and precision
+come from the experiment's ``train:`` section, so they are set in one place. Every
+DeepSpeed default we rely on is written out explicitly (defaults change between
+releases, e.g. ``gradient_clipping`` in 0.19.3).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pipeline.config import REPO_ROOT, ConfigError, ExperimentConfig
+
+# Keys the experiment config owns. A base JSON may leave them out or set them to "auto";
+# a concrete value that disagrees with the experiment config is an error, not a silent pick.
+OWNED_KEYS = (
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "train_batch_size",
+    "gradient_clipping",
+    "optimizer",
+    "scheduler",
+    "fp16",
+    "bf16",
+)
+# Defaults we depend on, written out so a DeepSpeed upgrade cannot change them under us.
+EXPLICIT_DEFAULTS = {
+    "steps_per_print": 1_000_000_000,  # we log ourselves
+    "wall_clock_breakdown": False,
+    "zero_allow_untested_optimizer": True,
+    "dump_state": False,
+}
+
+
+def load_base_config(spec: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The experiment's ``deepspeed:`` entry: a JSON path (relative to cwd or repo) or a mapping."""
+    if isinstance(spec, dict):
+        return copy.deepcopy(spec), "deepspeed (inline)"
+    path = Path(spec)
+    if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
+        path = REPO_ROOT / path
+    if not path.is_file():
+        raise ConfigError(f"key 'deepspeed': file {spec} does not exist (see configs/deepspeed/)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"deepspeed config {path} is not valid JSON: {err}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"deepspeed config {path} must hold a JSON object")
+    return raw, str(path)
+
+
+def zero_stage(ds: dict[str, Any]) -> int:
+    return int(ds.get("zero_optimization", {}).get("stage", 0))
+
+
+def offloads_optimizer(ds: dict[str, Any]) -> bool:
+    device = ds.get("zero_optimization", {}).get("offload_optimizer", {}).get("device", "none")
+    return device in ("cpu", "nvme")
+
+
+def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
+    """The full DeepSpeed config for ``world_size`` data-parallel ranks."""
+    base, source = load_base_config(cfg.deepspeed)
+    t = cfg.train
+    wanted: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": t.grad_accum,
+        "train_batch_size": t.micro_batch_size * t.grad_accum * world_size,
+        "gradient_clipping": t.grad_clip,
+    }
+    for key, value in wanted.items():
+        if key in base and base[key] not in ("auto", value):
+            raise ConfigError(
+                f"{source}: '{key}' is {base[key]!r} but the experiment config gives {value!r}; "
+                f"remove it from the JSON (train.* sets it)"
+            )
+    for key in ("optimizer", "scheduler", "fp16", "bf16"):
+        if key in base:
+            raise ConfigError(
+                f"{source}: remove '{key}'; it comes from the experiment's train: section "
+                "(train.lr/betas/weight_decay/precision/schedule)"
+            )
+    base = {k: v for k, v in base.items() if not k.startswith("_")}  # "_comment" keys
+    ds = {**EXPLICIT_DEFAULTS, **base, **wanted}
+    ds["fp16"] = {"enabled": t.precision == "fp16", "initial_scale_power": 16}
+    ds["bf16"] = {"enabled": t.precision == "bf16"}
+    params: dict[str, Any] = {
+        "lr": t.lr,
+        "betas": list(t.betas),
+        "eps": t.eps,
+        "weight_decay": t.weight_decay,
+    }
+    if offloads_optimizer(ds):
+        # DeepSpeedCPUAdam (a C++ op, JIT-built with the system compiler on first use).
+        params["adam_w_mode"] = True
+    else:
+        params["torch_adam"] = True
+        if torch.cuda.is_available():
+            params["fused"] = True  # one kernel for all parameters
+    ds["optimizer"] = {"type": "AdamW", "params": params}
+    zero = ds.setdefault("zero_optimization", {"stage": 0})
+    if zero.get("stage", 0) == 3:
+        # Lets the engine gather full (unpartitioned) weights for the model bundle.
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    validate_ds_config(ds, source)
+    return ds
+
+
+def validate_ds_config(ds: dict[str, Any], source: str) -> None:
+    """Check the ZeRO section with DeepSpeed's own (strict) pydantic model, without starting it."""
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    stage = zero_stage(ds)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{source}: zero_optimization.stage must be 0-3, got {stage}")
+    try:
+        DeepSpeedZeroConfig(**ds.get("zero_optimization", {}))
+    except Exception as err:  # pydantic ValidationError, with the key in its text
+        raise ConfigError(f"{source}: invalid zero_optimization: {err}") from None
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW groups: no weight decay on biases, LayerNorm weights and other 1-D tensors."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ensure_dist_env() -> None:
+    """Single process without a launcher: the env a launcher would set (world size 1).
+
+    Under ``deepspeed`` or a torchrun-style env (Kubernetes) the variables exist already.
+    """
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        os.environ.setdefault("LOCAL_RANK", "0")
+        return
+    os.environ.update(
+        RANK="0",
+        WORLD_SIZE="1",
+        LOCAL_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+    )
+    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+
+
+def init_distributed() -> None:
+    import deepspeed
+
+    ensure_dist_env()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+
+
+def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_factory):
+    """``deepspeed.initialize`` with our param groups and LambdaLR; returns the engine."""
+    import deepspeed
+
+    wd = ds_config["optimizer"]["params"]["weight_decay"]
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, wd),
+        lr_scheduler=scheduler_factory,
+        config=ds_config,
+        dist_init_required=False,
+    )
+    return engine

@@ -1,0 +1,131 @@
+"""``plm train CONFIG --dry-run``: validate everything and print the plan, start nothing.
+
+Checks the model config through the registry, the data dir manifest and tokenizer, and
+the DeepSpeed JSON (with DeepSpeed's own ZeRO config model), then prints world size,
+global batch, steps, tokens, parameters and a per-rank memory estimate for the ZeRO stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.config import ConfigError, ExperimentConfig
+from pipeline.data.shards import DataDir, ShardError
+from pipeline.train import engine as ds_engine
+
+GiB = 1024**3
+
+
+@dataclass
+class MemoryEstimate:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations
+
+
+def model_state_bytes(
+    n_params: int, stage: int, world: int, precision: str, offload: bool
+) -> tuple[float, float, float]:
+    """Per-rank bytes of (params, grads, optimizer states) under ZeRO ``stage``.
+
+    fp32: 4 B weights, 4 B grads, 8 B Adam moments. bf16/fp16 (mixed): 2 B weights,
+    2 B grads, 12 B fp32 master weights + moments. Stage 1 partitions the optimizer
+    states, 2 also the grads, 3 also the weights; offload moves optimizer (and, for
+    stage 3, weights) to host memory, shown here as 0 on the device.
+    """
+    wb = 4 if precision == "fp32" else 2
+    params, grads = float(n_params * wb), float(n_params * wb)
+    optim = float(n_params * (8 if precision == "fp32" else 12))
+    if stage >= 1:
+        optim /= world
+    if stage >= 2:
+        grads /= world
+    if stage >= 3:
+        params /= world
+    if offload:
+        optim = 0.0
+        if stage >= 3:
+            params = 0.0
+    return params, grads, optim
+
+
+def activation_bytes(cfg: ExperimentConfig, model_cfg) -> float:
+    """Rough transformer activation memory of one micro-batch (Korthikanti et al. 2022).
+
+    Per layer ~ s*b*h*(34 + 5*a*s/h) bytes in 16-bit; doubled for fp32; with activation
+    checkpointing only each layer's input (2*s*b*h) is kept.
+    """
+    h = getattr(model_cfg, "hidden_size", 0)
+    a = getattr(model_cfg, "num_heads", 1)
+    layers = getattr(model_cfg, "num_layers", 0)
+    s, b = cfg.data.seq_len, cfg.train.micro_batch_size
+    scale = 2.0 if cfg.train.precision == "fp32" else 1.0
+    per_layer = s * b * h * (34 + 5 * a * s / max(h, 1)) * scale
+    if cfg.train.activation_checkpointing:
+        per_layer = 2 * s * b * h * scale
+    return per_layer * layers
+
+
+def print_plan(cfg: ExperimentConfig) -> int:
+    from pipeline.models.registry import build_model, resolve_model_config
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        data = DataDir(cfg.data.path)
+    except ShardError as err:
+        raise ConfigError(f"data.path: {err}") from None
+    meta_path = data.tokenizer_path.parent / "tokenizer_meta.json"
+    if not meta_path.is_file():
+        raise ConfigError(f"data.path: {meta_path} is missing (re-run `plm data prepare`)")
+    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    for split in ("train", "valid"):
+        if not data.manifest["splits"].get(split, {}).get("shards"):
+            raise ConfigError(f"data.path: {cfg.data.path} has no {split} shards")
+    model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
+    with torch.device("meta"):  # counts parameters without allocating them
+        model = build_model(cfg.model.arch, model_cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
+    from pipeline.objectives import build_objective
+
+    build_objective(cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len)
+    ds = ds_engine.build_ds_config(cfg, world)
+    stage, offload = ds_engine.zero_stage(ds), ds_engine.offloads_optimizer(ds)
+    t = cfg.train
+    global_batch = t.micro_batch_size * t.grad_accum * world
+    tokens = global_batch * cfg.data.seq_len * t.max_steps
+    data_tokens = int(data.manifest["splits"]["train"]["n_tokens"])
+    p, g, o = model_state_bytes(n_params, stage, world, t.precision, offload)
+    mem = MemoryEstimate(p, g, o, activation_bytes(cfg, model_cfg))
+    lines = [
+        f"experiment      {cfg.name}  ({cfg.model.arch}, objective {cfg.objective.kind})",
+        f"data            {cfg.data.path}: {data_tokens:,} train tokens, tokenizer "
+        f"{meta['kind']} vocab {meta['vocab_size']:,}",
+        f"world size      {world} (WORLD_SIZE; the launcher sets it)",
+        f"global batch    {global_batch} = micro {t.micro_batch_size} x accum {t.grad_accum} "
+        f"x ranks {world}  ({global_batch * cfg.data.seq_len:,} tokens at seq_len {cfg.data.seq_len})",
+        f"steps           {t.max_steps:,}  (warmup {t.warmup_steps}, {t.schedule} decay, lr {t.lr:g})",
+        f"tokens          {tokens:,}  (~{tokens / max(data_tokens, 1):.2f} passes over the data, "
+        "upper bound: padding not counted)",
+        f"parameters      {n_params:,}  ({flops_per_token / 1e6:.1f} MFLOP per token, "
+        f"{flops_per_token * tokens:.3g} FLOP in total)",
+        f"deepspeed       ZeRO-{stage}{' + CPU offload' if offload else ''}, precision "
+        f"{t.precision}, clip {t.grad_clip}, activation checkpointing "
+        f"{t.activation_checkpointing}",
+        f"memory / rank   {mem.total / GiB:.3f} GiB = params {mem.params / GiB:.3f} + grads "
+        f"{mem.grads / GiB:.3f} + optimizer {mem.optimizer / GiB:.3f} + activations ~"
+        f"{mem.activations / GiB:.3f} (estimate; framework buffers not counted)",
+        f"run dir         {t.out_dir}  (resume: {t.resume}; checkpoint every {t.save_every})",
+    ]
+    print("\n".join(lines))
+    print("dry run: config valid, nothing started")
+    return 0

@@ -1,0 +1,187 @@
+"""MLflow tracking that never kills a training run.
+
+Rank 0 logs; other ranks hold a no-op tracker. Every metric is also appended to
+RUN_DIR/metrics.jsonl, so an unreachable server loses nothing: training warns once and
+goes on. The run id is kept in RUN_DIR/mlflow_run_id so a resumed job continues the same
+MLflow run (one curve).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import warnings
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import REPO_ROOT
+
+RUN_ID_FILE = "mlflow_run_id"
+
+
+def default_tracking_uri() -> str:
+    """What ``mlflow ui`` run in the same directory shows: sqlite:///mlflow.db in the cwd."""
+    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(configured: str | None) -> str:
+    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+
+
+def code_version() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=5
+        )
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "plm-pipeline " + version("plm-pipeline")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+class Tracker:
+    """MLflow on rank 0, a jsonl file always; each MLflow call guarded."""
+
+    def __init__(self, run_dir: Path, enabled: bool):
+        self.run_dir = Path(run_dir)
+        self.enabled = enabled  # rank 0
+        self.mlflow_ok = False
+        self.run_id: str | None = None
+        self.warnings: list[str] = []
+        self._jsonl = self.run_dir / "metrics.jsonl"
+
+    def _fail(self, what: str, err: BaseException) -> None:
+        msg = f"MLflow {what} failed ({type(err).__name__}: {str(err)[:300]}); training goes on, metrics stay in {self._jsonl}"
+        if self.mlflow_ok:
+            warnings.warn(msg, stacklevel=3)
+            print(f"WARNING: {msg}", flush=True)
+        self.warnings.append(msg)
+        self.mlflow_ok = False
+
+    def start(
+        self,
+        *,
+        tracking_uri: str | None,
+        experiment: str,
+        run_name: str,
+        params: dict[str, Any],
+        tags: dict[str, str],
+        resume: bool,
+    ) -> None:
+        if not self.enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Short timeouts and few retries: an unreachable server must cost seconds, not minutes.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        import mlflow
+
+        uri = resolve_tracking_uri(tracking_uri)
+        id_file = self.run_dir / RUN_ID_FILE
+        try:
+            mlflow.set_tracking_uri(uri)
+            previous = id_file.read_text().strip() if resume and id_file.is_file() else None
+            if previous:
+                run = mlflow.start_run(run_id=previous, log_system_metrics=True)
+            else:
+                mlflow.set_experiment(experiment)
+                run = mlflow.start_run(run_name=run_name, log_system_metrics=True)
+                id_file.write_text(run.info.run_id)
+            self.run_id = run.info.run_id
+            self.mlflow_ok = True
+            if not previous:
+                items = [(k, str(v)[:6000]) for k, v in flatten(params).items()]
+                for i in range(0, len(items), 100):
+                    mlflow.log_params(dict(items[i : i + 100]))
+            mlflow.set_tags(tags)
+            print(f"MLflow run {self.run_id} at {uri}", flush=True)
+        except Exception as err:  # network, server, store: never fatal
+            self.mlflow_ok = True  # so _fail warns
+            self._fail(f"start at {uri}", err)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if not self.enabled:
+            return
+        with open(self._jsonl, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.mlflow_ok:
+            import mlflow
+
+            try:
+                mlflow.log_metrics(metrics, step=step)
+            except Exception as err:
+                self._fail("log_metrics", err)
+
+    def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
+        if self.enabled and self.mlflow_ok:
+            import mlflow
+
+            try:
+                mlflow.log_artifacts(str(local_dir), artifact_path)
+            except Exception as err:
+                self._fail(f"log_artifacts {artifact_path}", err)
+
+    def log_dict(self, obj: dict[str, Any], name: str) -> None:
+        if self.enabled and self.mlflow_ok:
+            import mlflow
+
+            try:
+                mlflow.log_dict(obj, name)
+            except Exception as err:
+                self._fail(f"log_dict {name}", err)
+
+    def register(
+        self, artifact_path: str, name: str, alias: str, tags: dict[str, str]
+    ) -> str | None:
+        """Register runs:/RUN/artifact_path as a new version of ``name``; set alias and tags."""
+        if not (self.enabled and self.mlflow_ok):
+            return None
+        import mlflow
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+
+        try:
+            client = MlflowClient()
+            try:
+                client.create_registered_model(name)
+            except MlflowException as err:
+                if err.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+            # A plain artifact folder (our bundle), not an MLflow "logged model": register
+            # it by its artifact URI so the version points at exactly those files.
+            source = mlflow.get_artifact_uri(artifact_path)
+            mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags)
+            client.set_registered_model_alias(name, alias, mv.version)
+            print(f"registered model {name} version {mv.version} alias @{alias}", flush=True)
+            return str(mv.version)
+        except Exception as err:
+            self._fail(f"register_model {name}", err)
+            return None
+
+    def end(self, status: str = "FINISHED") -> None:
+        if self.enabled and self.mlflow_ok:
+            import mlflow
+
+            try:
+                mlflow.end_run(status=status)
+            except Exception as err:
+                self._fail("end_run", err)

@@ -1,0 +1,471 @@
+"""The training loop: DeepSpeed engine, resumable stream, eval, checkpoints, MLflow.
+
+One code path for a single process, the ``deepspeed`` launcher (any hostfile) and a
+torchrun-style environment (Kubernetes): the rank and world size come from the env.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipeline.config import ExperimentConfig
+from pipeline.data.shards import DataDir
+from pipeline.train import engine as ds_engine
+from pipeline.train.checkpoint import CheckpointManager, tag_for
+from pipeline.train.metrics import device_peak_flops, throughput
+from pipeline.train.schedule import scheduler_factory
+from pipeline.train.tracking import Tracker, code_version
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many non-finite losses in a row; the last good state was checkpointed."""
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    steps: int
+    tokens_seen: int
+    first_loss: float | None
+    final_loss: float | None
+    skipped_steps: int
+    run_id: str | None
+    bundle_dir: Path | None
+    model_version: str | None
+    losses: dict[int, float] = field(default_factory=dict)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def tokenizer_meta(data: DataDir) -> dict[str, Any]:
+    path = data.tokenizer_path.parent / "tokenizer_meta.json"
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def data_fingerprint(manifest: dict[str, Any]) -> str:
+    """The manifest's fingerprint (sources + data config + tokenizer) when it has one."""
+    if manifest.get("fingerprint"):
+        return str(manifest["fingerprint"])
+    tok = manifest.get("tokenizer", {}).get("fingerprint", "?")
+    return f"tok:{tok}/data:{manifest.get('data_config_hash', '?')}"
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
+    """Model (on the config's seed), objective and the train stream: no DeepSpeed yet."""
+    from pipeline.data.stream import PretrainStream
+    from pipeline.models.registry import build_model, resolve_model_config
+    from pipeline.objectives import build_objective
+
+    data = DataDir(cfg.data.path)
+    meta = tokenizer_meta(data)
+    model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
+    seed_everything(cfg.train.seed)  # same initial weights on every rank
+    model = build_model(cfg.model.arch, model_cfg)
+    model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+    specials = {int(i) for i in meta.get("special_tokens", {}).values()}
+    objective = build_objective(
+        cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len, specials
+    )
+
+    def stream(split: str, workers: int):
+        return PretrainStream(
+            cfg.data.path,
+            split,
+            objective,
+            micro_batch_size=cfg.train.micro_batch_size,
+            seed=cfg.train.seed,
+            rank=rank,
+            world_size=world_size,
+            num_workers=workers,
+            verify_checksums=cfg.data.verify_checksums,
+            on_bad_shard=cfg.data.on_bad_shard,
+        )
+
+    return data, meta, model_cfg, model, objective, stream
+
+
+def _to_device(batch: dict[str, Any], dev: torch.device) -> dict[str, Any]:
+    return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+def _model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    from pipeline.objectives import MODEL_INPUT_KEYS
+
+    return {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
+
+
+def _n_tokens(batch: dict[str, Any]) -> int:
+    if "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    return int(batch["input_ids"].numel())
+
+
+def _all_reduce_sum(values: list[float], dev: torch.device) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64, device=dev)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Full fp32 weights on rank 0 (None elsewhere). Collective under ZeRO-3."""
+    if engine.zero_optimization_partition_weights():
+        sd = engine._zero3_consolidated_16bit_state_dict()
+    else:
+        sd = engine.module.state_dict() if dist.get_rank() == 0 else None
+    if sd is None:
+        return None
+    # Clone so tied weights become separate tensors (safetensors refuses shared storage)
+    return {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()}
+
+
+def discard_gradients(engine) -> None:
+    """Forget the gradients accumulated in an unfinished window, as DeepSpeed's own
+    fp16-overflow path does: param grads, ZeRO-1/2 partition buffers, ZeRO-3 averaged
+    gradients, and the micro-step counters (so the next backward copies, not adds)."""
+    opt = engine.optimizer
+    engine.zero_grad()
+    if hasattr(opt, "averaged_gradients"):  # a ZeRO optimizer
+        opt.zero_grad(set_to_none=True)
+        if hasattr(opt, "_release_preflattened_grad_buffers"):
+            opt._release_preflattened_grad_buffers()
+        if isinstance(opt.averaged_gradients, dict):
+            for k in list(opt.averaged_gradients):
+                opt.averaged_gradients[k] = None
+                if hasattr(opt, "all_grad_tensors"):
+                    opt.all_grad_tensors[k] = None
+        if getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False):
+            opt.reset_cpu_buffers()
+        if hasattr(opt, "micro_step_id"):
+            opt.micro_step_id = 0 if engine.zero_optimization_partition_weights() else -1
+
+
+class Trainer:
+    def __init__(self, cfg: ExperimentConfig):
+        self.cfg = cfg
+        ds_engine.init_distributed()
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.dev = device()
+        self.run_dir = Path(cfg.train.out_dir)
+        if self.rank == 0:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.data, self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(
+            cfg, self.rank, self.world
+        )
+        self.flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.ds_config = ds_engine.build_ds_config(cfg, self.world)
+        self.engine = ds_engine.initialize(model, self.ds_config, scheduler_factory(cfg.train))
+        self.stream = self.make_stream("train", cfg.data.workers)
+        self.valid_stream = None
+        self.ckpt = CheckpointManager(self.run_dir, cfg.train.keep_last, self.rank, self.world)
+        self.tracker = Tracker(self.run_dir, enabled=self.rank == 0)
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped = 0
+        self.n_checkpoints = 0
+        self.resumed_from: str | None = None
+
+    # --- setup ---------------------------------------------------------------------------
+    def resume_if_asked(self) -> None:
+        if self.cfg.train.resume != "auto":
+            return
+        tag = self.ckpt.latest()
+        if tag is None:
+            return
+        state = self.ckpt.load(self.engine, tag)  # raises if it cannot
+        self.stream.load_state_dict(state["loader"])
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.skipped = state["skipped"]
+        self.n_checkpoints = state["n_checkpoints"]
+        self.resumed_from = tag
+        self.log(f"resumed from {self.ckpt.root / tag} at step {self.step}")
+
+    def start_tracking(self) -> None:
+        cfg = self.cfg
+        m = self.data.manifest
+        tags = {
+            "arch": cfg.model.arch,
+            "objective": cfg.objective.kind,
+            "data_fingerprint": data_fingerprint(m),
+            "tokenizer_fingerprint": str(m.get("tokenizer", {}).get("fingerprint", "")),
+            "code_version": code_version(),
+            "world_size": str(self.world),
+            "zero_stage": str(ds_engine.zero_stage(self.ds_config)),
+        }
+        self.tracker.start(
+            tracking_uri=cfg.mlflow.tracking_uri,
+            experiment=cfg.name,
+            run_name=self.run_dir.name,
+            params={**cfg.model_dump(mode="json"), "model_resolved": self.model_cfg.model_dump()},
+            tags=tags,
+            resume=self.resumed_from is not None,
+        )
+        if self.resumed_from is None:
+            self.tracker.log_dict(cfg.model_dump(mode="json"), "config/experiment.json")
+            self.tracker.log_dict(self.ds_config, "config/deepspeed.json")
+            self.tracker.log_artifacts(self.data.tokenizer_path.parent, "tokenizer")
+
+    def log(self, msg: str) -> None:
+        if self.rank == 0:
+            print(f"[plm train] {msg}", flush=True)
+
+    # --- one optimizer step --------------------------------------------------------------
+    def train_step(self, it) -> dict[str, float] | None:
+        """grad_accum micro-batches and one update; None when the step was skipped."""
+        ga = self.cfg.train.grad_accum
+        sums: dict[str, float] = {}
+        tokens = samples = 0
+        bad = False
+        for micro in range(ga):
+            batch = next(it)
+            if bad:
+                continue  # consume the window's batches so the stream stays aligned
+            batch = _to_device(batch, self.dev)
+            outputs = self.engine(**_model_inputs(batch))
+            loss, metrics = self.objective.loss(outputs, batch)
+            names = sorted(metrics)
+            local = [float(not torch.isfinite(loss)), _n_tokens(batch), len(batch["input_ids"])]
+            local += [float(loss.detach())] + [float(metrics[k].detach()) for k in names]
+            red = _all_reduce_sum(local, self.dev)  # every rank agrees on skipping
+            if red[0] > 0:
+                bad = True
+                continue
+            tokens += int(red[1])
+            samples += int(red[2])
+            for k, v in zip(["loss", *names], red[3:], strict=True):
+                sums[k] = sums.get(k, 0.0) + v / self.world / ga
+            self.engine.set_gradient_accumulation_boundary(micro == ga - 1)
+            self.engine.backward(loss)
+            self.engine.step()
+        if bad:
+            discard_gradients(self.engine)
+            return None
+        sums["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
+        sums["lr"] = float(self.engine.get_lr()[0])
+        sums["_tokens"], sums["_samples"] = tokens, samples
+        return sums
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        self.engine.eval()
+        sums: dict[str, float] = {}
+        n = 0
+        if self.valid_stream is None:  # one fixed pass: the same batches at every evaluation
+            self.valid_stream = self.make_stream("valid", 0)
+        for i, batch in enumerate(self.valid_stream):
+            if i >= self.cfg.train.eval_batches:
+                break
+            batch = _to_device(batch, self.dev)
+            loss, metrics = self.objective.loss(self.engine(**_model_inputs(batch)), batch)
+            names = sorted(metrics)
+            red = _all_reduce_sum([float(loss)] + [float(metrics[k]) for k in names], self.dev)
+            for k, v in zip(["loss", *names], red, strict=True):
+                sums[k] = sums.get(k, 0.0) + v / self.world
+            n += 1
+        self.engine.train()
+        out = {f"eval_{k}": v / max(n, 1) for k, v in sums.items()}
+        for k in list(out):
+            if (k.endswith("_loss") or k == "eval_loss") and "nsp" not in k:
+                out[k.replace("loss", "ppl")] = math.exp(min(out[k], 50.0))
+        return out
+
+    # --- checkpoints and bundles ---------------------------------------------------------
+    def save(self) -> str:
+        state = {
+            "loader": self.stream.state_dict(),
+            "tokens_seen": self.tokens_seen,
+            "skipped": self.skipped,
+            "n_checkpoints": self.n_checkpoints + 1,
+        }
+        tag = self.ckpt.save(
+            self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config
+        )
+        self.n_checkpoints += 1
+        self.log(f"checkpoint {self.ckpt.root / tag}")
+        return tag
+
+    def bundle(self, name: str) -> Path | None:
+        """Consolidate the weights (collective) and write + log a model bundle on rank 0."""
+        from pipeline.models.bundle import save_bundle
+
+        sd = consolidated_state_dict(self.engine)
+        out = self.run_dir / "bundles" / name
+        if self.rank == 0:
+            if out.exists():
+                shutil.rmtree(out)
+            extra = {
+                "objective": self.cfg.objective.kind,
+                "step": self.step,
+                "tokens_seen": self.tokens_seen,
+                "data_fingerprint": data_fingerprint(self.data.manifest),
+                "experiment": self.cfg.name,
+            }
+            save_bundle(
+                out, self.cfg.model.arch, self.model_cfg, sd, self.data.tokenizer_path.parent, extra
+            )
+        dist.barrier()
+        return out if self.rank == 0 else None
+
+    # --- the loop ------------------------------------------------------------------------
+    def run(self, stop_after: int | None = None) -> RunResult:
+        """Train to train.max_steps; ``stop_after``: checkpoint and return at that step
+        instead (an interruption on purpose, used to test resuming)."""
+        cfg, t = self.cfg, self.cfg.train
+        self.resume_if_asked()
+        self.start_tracking()
+        peak = device_peak_flops(t.precision)
+        self.log(
+            f"world size {self.world}, ZeRO {ds_engine.zero_stage(self.ds_config)}, "
+            f"{self.n_params / 1e6:.2f}M params, global batch "
+            f"{t.micro_batch_size * t.grad_accum * self.world}, steps {self.step}->{t.max_steps}"
+        )
+        losses: dict[int, float] = {}
+        first_loss = None
+        bad_in_row = 0
+        window: list[dict[str, float]] = []
+        t0 = time.perf_counter()
+        it = iter(self.stream)
+        status = "FAILED"
+        bundle_dir = version = None
+        if self.stream.n_skipped_shards:
+            self.log(
+                f"skipped {self.stream.n_skipped_shards} bad shards: {self.stream.skipped_shards}"
+            )
+            self.tracker.log_metrics({"skipped_shards": self.stream.n_skipped_shards}, self.step)
+        try:
+            while self.step < t.max_steps:
+                if stop_after is not None and self.step >= stop_after:
+                    break
+                out = self.train_step(it)
+                self.step += 1
+                if out is None:
+                    self.skipped += 1
+                    bad_in_row += 1
+                    self.log(
+                        f"step {self.step}: non-finite loss, update skipped ({bad_in_row} in a row)"
+                    )
+                    if bad_in_row >= t.max_nonfinite_in_row:
+                        tag = self.save()
+                        raise TrainingDiverged(
+                            f"{bad_in_row} non-finite losses in a row at step {self.step} "
+                            f"(train.max_nonfinite_in_row={t.max_nonfinite_in_row}); weights of "
+                            f"the last good update saved in {self.ckpt.root / tag}. Lower "
+                            "train.lr, raise train.warmup_steps or use precision fp32/bf16."
+                        )
+                    continue
+                bad_in_row = 0
+                self.tokens_seen += int(out["_tokens"])
+                losses[self.step] = out["loss"]
+                first_loss = out["loss"] if first_loss is None else first_loss
+                window.append(out)
+                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    self._log_window(window, time.perf_counter() - t0, peak)
+                    window, t0 = [], time.perf_counter()
+                if t.eval_every and self.step % t.eval_every == 0:
+                    ev = self.evaluate()
+                    self.tracker.log_metrics(ev, self.step)
+                    self.log(
+                        f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items())
+                    )
+                if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+                    self.save()
+                    if t.bundle_every and self.n_checkpoints % t.bundle_every == 0:
+                        b = self.bundle(tag_for(self.step))
+                        if b is not None:
+                            self.tracker.log_artifacts(b, f"bundles/{tag_for(self.step)}")
+            if not self.ckpt.latest() == tag_for(self.step):
+                self.save()
+            if self.step < t.max_steps:  # stopped early on purpose
+                status = "KILLED"
+                return self._result(first_loss, losses, None, None)
+            evaluated = t.eval_every and self.step % t.eval_every == 0
+            final_eval = self.evaluate() if t.eval_every and not evaluated else {}
+            if final_eval:
+                self.tracker.log_metrics(final_eval, self.step)
+            bundle_dir = self.bundle("final")
+            if self.rank == 0:
+                self.tracker.log_artifacts(bundle_dir, "model")
+                if cfg.mlflow.register_model:
+                    version = self.tracker.register(
+                        "model",
+                        cfg.name,
+                        cfg.mlflow.alias,
+                        {
+                            "arch": cfg.model.arch,
+                            "objective": cfg.objective.kind,
+                            "tokens_seen": str(self.tokens_seen),
+                            "data_fingerprint": data_fingerprint(self.data.manifest),
+                        },
+                    )
+            status = "FINISHED"
+        finally:
+            self.tracker.end(status)
+            self.stream.close()
+        return self._result(first_loss, losses, bundle_dir, version)
+
+    def _result(self, first_loss, losses, bundle_dir, version) -> RunResult:
+        final_loss = losses[max(losses)] if losses else None
+        return RunResult(
+            run_dir=self.run_dir,
+            steps=self.step,
+            tokens_seen=self.tokens_seen,
+            first_loss=first_loss,
+            final_loss=final_loss,
+            skipped_steps=self.skipped,
+            run_id=self.tracker.run_id,
+            bundle_dir=bundle_dir,
+            model_version=version,
+            losses=losses,
+        )
+
+    def _log_window(self, window: list[dict[str, float]], seconds: float, peak) -> None:
+        keys = [k for k in window[-1] if not k.startswith("_")]
+        m = {k: sum(w[k] for w in window) / len(window) for k in keys if k not in ("lr",)}
+        m["lr"] = window[-1]["lr"]
+        m.update(
+            throughput(
+                tokens=int(sum(w["_tokens"] for w in window)),
+                samples=int(sum(w["_samples"] for w in window)),
+                seconds=seconds,
+                flops_per_token=self.flops_per_token,
+                world_size=self.world,
+                peak_flops=peak,
+            )
+        )
+        m["skipped_steps"] = self.skipped
+        m["tokens_seen"] = self.tokens_seen
+        # Per-step loss too, so a resumed run can be compared step by step.
+        m["step_loss"] = window[-1]["loss"]
+        self.tracker.log_metrics(m, self.step)
+        self.log(
+            f"step {self.step}: loss {m['loss']:.4f} lr {m['lr']:.3g} grad_norm "
+            f"{m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f} skipped {self.skipped}"
+        )
+
+
+def train(cfg: ExperimentConfig, stop_after: int | None = None) -> RunResult:
+    """Entry point of ``plm train`` on every rank."""
+    return Trainer(cfg).run(stop_after=stop_after)

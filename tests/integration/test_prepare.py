@@ -1,0 +1,360 @@
+"""`plm data prepare` end to end on tiny corpora, with a real (local) Ray and a real tokenizer."""
+
+import json
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from pipeline.cli import main
+from pipeline.config import ConfigError
+from pipeline.data import prepare as prep
+from pipeline.data.inspect import inspect_data
+from pipeline.data.prepare import PrepareConfig, PrepareError, foreign_files, run_prepare
+from pipeline.data.readers import InputError
+from pipeline.data.shards import DataDir, Document, ShardError, ShardWriter, sample_bytes
+from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
+
+pytestmark = pytest.mark.slow
+
+WORDS = (
+    "the model reads text and learns which word comes next while the data stage "
+    "writes shards that every objective can use again and again without a new pass"
+).split()
+
+
+def paragraph(i: int, n_sent: int = 3) -> str:
+    """A distinct, deterministic document of a few sentences."""
+    rng = np.random.default_rng(i)
+    sents = []
+    for _ in range(n_sent):
+        words = [WORDS[j] for j in rng.integers(0, len(WORDS), 8)]
+        sents.append(" ".join(words).capitalize() + f" number {i}.")
+    return " ".join(sents)
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray for the whole module (start-up costs seconds); run_prepare reuses it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    corpus = root / "corpus.txt"
+    corpus.write_text("\n\n".join(paragraph(i) for i in range(200)), encoding="utf-8")
+    spec = TokenizerSpec(kind="wordpiece", vocab_size=300, sample_docs=1000)
+    return train_tokenizer([str(corpus)], spec, root / "wordpiece")
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """Two sources: a txt (blank-line separated) and a jsonl."""
+    src = tmp_path / "corpus"
+    src.mkdir()
+    (src / "a.txt").write_text("\n\n".join(paragraph(i) for i in range(40)) + "\n", "utf-8")
+    lines = [json.dumps({"text": paragraph(100 + i, n_sent=12)}) for i in range(20)]
+    (src / "b.jsonl").write_text("\n".join(lines) + "\n", "utf-8")
+    return src
+
+
+def config(inputs, tokenizer_dir, output, **kw) -> PrepareConfig:
+    kw.setdefault("shard_docs", 7)
+    kw.setdefault("valid_fraction", 0.2)
+    kw.setdefault("max_doc_tokens", 64)
+    return PrepareConfig(
+        inputs=[str(i) for i in inputs], tokenizer=str(tokenizer_dir), output=str(output), **kw
+    )
+
+
+def shard_bytes(root) -> dict[str, bytes]:
+    return {
+        p.relative_to(root).as_posix(): p.read_bytes()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+KEY = re.compile(r"[0-9a-f]{16}-\d{10}-\d{4}")
+
+
+def test_prepare_writes_a_valid_data_dir(ray_local, corpus, tokenizer_dir, tmp_path, capsys):
+    out = run_prepare(config([corpus], tokenizer_dir, tmp_path / "data"))
+    data = DataDir(out)
+    assert data.verify() == []
+    m = data.manifest
+    assert m["format_version"] == 1 and m["token_dtype"] == "uint16"
+    assert m["tokenizer"]["fingerprint"] == load_tokenizer(tokenizer_dir)[1]["sha256"]
+    assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (
+        tokenizer_dir / "tokenizer.json"
+    ).read_bytes()
+    assert [s["uri"].rsplit("/", 1)[1] for s in m["sources"]] == ["a.txt", "b.jsonl"]
+    assert all(len(s["sha256"]) == 64 and s["size"] > 0 for s in m["sources"])
+    assert m["totals"]["documents_read"] == 60 and m["totals"]["documents_kept"] == 60
+    # Long jsonl documents (12 sentences) were split into pieces of <= 64 tokens.
+    docs = [d for split in ("train", "valid") for d in data.iter_split(split)]
+    assert len(docs) == m["totals"]["n_docs"] > 60
+    assert max(d.n_tokens for d in docs) <= 64
+    assert sum(d.n_tokens for d in docs) == m["totals"]["n_tokens"]
+    assert all(KEY.fullmatch(d.key) for d in docs)
+    source_index = {s["sha256"][:16]: i for i, s in enumerate(m["sources"])}
+    for split in ("train", "valid"):
+        keys = [d.key for d in data.iter_split(split)]
+        order = [(source_index[k[:16]], k[17:]) for k in keys]
+        assert order == sorted(order)  # source order: (source, ordinal, piece)
+        assert m["splits"][split]["n_docs"] == len(keys) > 0
+        assert all(info["n_docs"] <= 7 for info in m["splits"][split]["shards"])
+    doc = docs[0]
+    assert doc.tokens.dtype == np.uint16 and doc.sents[-1] == doc.n_tokens and doc.words[0] == 0
+    assert doc.meta["language"] == "other" and doc.meta["source"].endswith("a.txt")
+    capsys.readouterr()
+    assert inspect_data(out, verify=True) == 0
+    shown = capsys.readouterr().out
+    assert "train" in shown and "valid" in shown and "verify       ok" in shown
+
+
+def test_rerun_is_up_to_date_and_force_rebuilds_identical_bytes(
+    ray_local, corpus, tokenizer_dir, tmp_path, capsys
+):
+    first = run_prepare(config([corpus], tokenizer_dir, tmp_path / "one"))
+    before = {p: p.stat().st_mtime_ns for p in first.rglob("*")}
+    capsys.readouterr()
+    run_prepare(config([corpus], tokenizer_dir, tmp_path / "one"))
+    assert "up to date" in capsys.readouterr().out
+    assert {p: p.stat().st_mtime_ns for p in first.rglob("*")} == before
+    # Another dir, other execution settings (1 actor, tiny batches): the same bytes.
+    second = run_prepare(
+        config([corpus], tokenizer_dir, tmp_path / "two", workers=1, batch_docs=3, force=True)
+    )
+    assert shard_bytes(first) == shard_bytes(second)
+
+
+def test_changed_config_over_existing_dir_needs_force(ray_local, corpus, tokenizer_dir, tmp_path):
+    out = tmp_path / "data"
+    run_prepare(config([corpus], tokenizer_dir, out))
+    with pytest.raises(PrepareError, match="--force"):
+        run_prepare(config([corpus], tokenizer_dir, out, valid_fraction=0.5))
+    run_prepare(config([corpus], tokenizer_dir, out, valid_fraction=0.5, force=True))
+    assert DataDir(out).manifest["data_config"]["valid_fraction"] == 0.5
+    assert DataDir(out).verify() == []
+
+
+def test_killed_run_is_completed_by_the_next_run(ray_local, corpus, tokenizer_dir, tmp_path):
+    reference = run_prepare(config([corpus], tokenizer_dir, tmp_path / "ref"))
+    out = run_prepare(config([corpus], tokenizer_dir, tmp_path / "data"))
+    # What a kill leaves: no manifest, a truncated shard, temp files, a stale extra shard.
+    (out / "manifest.json").unlink()
+    shard = out / "train/shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:1000])
+    (out / "train/shard-000002.tar.tmp").write_bytes(b"partial")
+    (out / "train/shard-000099.tar").write_bytes(b"stale")
+    with pytest.raises(ShardError):
+        DataDir(out)  # without a manifest nothing reads it as finished
+    run_prepare(config([corpus], tokenizer_dir, out))  # no --force needed
+    assert DataDir(out).verify() == []
+    assert shard_bytes(out) == shard_bytes(reference)
+
+
+def test_dedup_keeps_the_first_occurrence_in_source_order(ray_local, tokenizer_dir, tmp_path):
+    dup = paragraph(7)
+    a = tmp_path / "in/a.txt"
+    a.parent.mkdir()
+    a.write_text("\n\n".join([dup, paragraph(1), dup, paragraph(2)]), "utf-8")
+    b = tmp_path / "in/b.txt"
+    b.write_text("\n\n".join([paragraph(3), dup]), "utf-8")
+    out = run_prepare(config([a, b], tokenizer_dir, tmp_path / "data", valid_fraction=0.0))
+    data = DataDir(out)
+    assert data.manifest["rejected"] == {"duplicate": 2}
+    examples = data.manifest["reject_examples"]["duplicate"]
+    assert [(e["source"].rsplit("/", 1)[1], e["ordinal"]) for e in examples] == [
+        ("a.txt", 2),
+        ("b.txt", 1),
+    ]
+    keys = [d.key for d in data.iter_split("train")]
+    a_id = data.manifest["sources"][0]["sha256"][:16]
+    b_id = data.manifest["sources"][1]["sha256"][:16]
+    ordinals = [(k.split("-")[0], int(k.split("-")[1])) for k in keys]
+    assert ordinals == [(a_id, 0), (a_id, 1), (a_id, 3), (b_id, 0)]
+
+
+def test_rejects_are_counted_by_reason(ray_local, tokenizer_dir, tmp_path):
+    good = [paragraph(i) for i in range(4)]
+    raw = (
+        good[0].encode()
+        + b"\n\nbad \xff\xfe bytes in this document here\n\n"
+        + b"short\n\n"
+        + good[1].encode()
+        + b"\n\n"
+        + good[0].encode()
+    )
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.txt").write_bytes(raw)
+    jsonl = [
+        json.dumps({"text": good[2]}),
+        json.dumps({"text": ""}),
+        json.dumps({"other": "x"}),
+        "{not json",
+        json.dumps({"text": good[3]}),
+    ]
+    (tmp_path / "in/b.jsonl").write_text("\n".join(jsonl) + "\n", "utf-8")
+    out = run_prepare(config([tmp_path / "in"], tokenizer_dir, tmp_path / "data"))
+    m = DataDir(out).manifest
+    assert m["rejected"] == {
+        "bad_json": 1,
+        "duplicate": 1,
+        "invalid_utf8": 1,
+        "no_text": 1,
+        "too_short": 2,  # "short" and the empty string
+    }
+    assert m["totals"]["documents_read"] == 10 and m["totals"]["documents_kept"] == 4
+    assert m["reject_examples"]["invalid_utf8"][0]["line"] == 3
+
+
+def test_foreign_files_are_refused_before_ray(corpus, tokenizer_dir, tmp_path, monkeypatch):
+    out = tmp_path / "data"
+    (out / "train").mkdir(parents=True)
+    (out / "notes.txt").write_text("mine")
+    (out / "train/readme.md").write_text("mine")
+    assert foreign_files(out) == ["notes.txt", "train/readme.md"]
+    monkeypatch.setattr(prep, "_init_ray", _ray_must_not_start)
+    with pytest.raises(PrepareError, match=r"notes\.txt, train/readme\.md"):
+        run_prepare(config([corpus], tokenizer_dir, out))
+
+
+def _ray_must_not_start(cfg):
+    raise AssertionError("Ray was started before validation finished")
+
+
+def test_force_leaves_foreign_files_in_place(ray_local, corpus, tokenizer_dir, tmp_path):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    run_prepare(config([corpus], tokenizer_dir, out, force=True))
+    assert (out / "notes.txt").read_text() == "mine" and DataDir(out).verify() == []
+
+
+def test_missing_input_is_named_before_ray_starts(tokenizer_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "_init_ray", _ray_must_not_start)
+    missing = tmp_path / "nope" / "corpus.txt"
+    with pytest.raises(InputError, match=re.escape(str(missing))):
+        run_prepare(config([missing], tokenizer_dir, tmp_path / "data"))
+    good = tmp_path / "good.txt"
+    good.write_text(paragraph(1), "utf-8")
+    with pytest.raises(InputError, match="tokenizer folder"):
+        run_prepare(config([good], tmp_path / "no-tok", tmp_path / "d"))
+    # through the CLI: exit code 2 and the path on stderr
+    assert main(["data", "prepare", "--input", str(missing), "--tokenizer", str(tokenizer_dir),
+                 "--output", str(tmp_path / "data")]) == 2  # fmt: skip
+
+
+def test_parquet_without_the_text_column_names_the_columns(tokenizer_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(prep, "_init_ray", _ray_must_not_start)
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"body": ["a b c"], "id": [1]}), path)
+    with pytest.raises(InputError, match=r"no column 'text'.*\['body', 'id'\]"):
+        run_prepare(config([path], tokenizer_dir, tmp_path / "data"))
+
+
+def test_parquet_with_text_field(ray_local, tokenizer_dir, tmp_path):
+    path = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"body": [paragraph(i) for i in range(10)]}), path)
+    out = run_prepare(config([path], tokenizer_dir, tmp_path / "data", text_field="body"))
+    assert DataDir(out).manifest["totals"]["documents_kept"] == 10
+
+
+def test_valid_split_is_stable_when_shard_size_changes(ray_local, corpus, tokenizer_dir, tmp_path):
+    small = DataDir(run_prepare(config([corpus], tokenizer_dir, tmp_path / "s", shard_docs=3)))
+    large = DataDir(
+        run_prepare(
+            config([corpus], tokenizer_dir, tmp_path / "l", shard_docs=None, shard_bytes=1 << 20)
+        )
+    )
+    assert len(small.shards("train")) > len(large.shards("train")) == 1
+    for split in ("train", "valid"):
+        assert [d.key for d in small.iter_split(split)] == [d.key for d in large.iter_split(split)]
+    assert small.manifest["data_config_hash"] != large.manifest["data_config_hash"]
+
+
+def test_large_vocabulary_gives_uint32_tokens(ray_local, tokenizer_dir, tmp_path):
+    # The tiny tokenizer plus 70,000 added words: ids above 65535 occur in the text.
+    tok, meta = load_tokenizer(tokenizer_dir)
+    tok.add_tokens([f"zzword{i}" for i in range(70_000)])
+    big = tmp_path / "big-tok"
+    big.mkdir()
+    data = tok.to_str().encode()
+    (big / "tokenizer.json").write_bytes(data)
+    import hashlib
+
+    meta = {
+        **meta,
+        "vocab_size": tok.get_vocab_size(True),
+        "sha256": hashlib.sha256(data).hexdigest(),
+    }
+    (big / "tokenizer_meta.json").write_text(json.dumps(meta))
+    (tmp_path / "c.txt").write_text(paragraph(1) + " zzword69999 end.\n\n" + paragraph(2), "utf-8")
+    out = run_prepare(config([tmp_path / "c.txt"], big, tmp_path / "data", valid_fraction=0.0))
+    data_dir = DataDir(out)
+    assert data_dir.manifest["token_dtype"] == "uint32"
+    doc = next(data_dir.iter_split("train"))
+    assert (
+        doc.tokens.dtype == np.uint32
+        and int(doc.tokens.max()) == tok.token_to_id("zzword69999") > 65535
+    )
+
+
+def test_cli_with_yaml_config_and_flag_overrides(ray_local, corpus, tokenizer_dir, tmp_path):
+    cfg = tmp_path / "data.yaml"
+    cfg.write_text(
+        f"inputs: [{corpus}]\ntokenizer: {tokenizer_dir}\noutput: {tmp_path / 'yaml-out'}\n"
+        "shard_bytes: 100000\nvalid_fraction: 0.1\nclean: {min_chars: 20}\n"
+    )
+    assert main(["data", "prepare", "--config", str(cfg), "--shard-docs", "5"]) == 0
+    m = DataDir(tmp_path / "yaml-out").manifest
+    assert m["data_config"]["shard_docs"] == 5 and m["data_config"]["shard_bytes"] is None
+    assert (
+        m["data_config"]["valid_fraction"] == 0.1 and m["data_config"]["clean"]["min_chars"] == 20
+    )
+
+
+def test_config_errors_name_the_key(tmp_path):
+    cfg = tmp_path / "data.yaml"
+    cfg.write_text("inputs: [x]\ntokenizer: t\noutput: o\nshard_dcos: 5\n")
+    with pytest.raises(ConfigError, match="shard_dcos"):
+        prep.load_prepare_config(cfg, {})
+    with pytest.raises(ConfigError, match="--output"):
+        prep.load_prepare_config(None, {"inputs": ["x"], "tokenizer": "t"})
+    with pytest.raises(ConfigError, match="clean.min_chars"):
+        prep.load_prepare_config(None, {"inputs": ["x"], "tokenizer": "t", "output": "o",
+                                        "clean": {"min_chars": -1}})  # fmt: skip
+
+
+def test_sample_bytes_match_the_shard_writer(tmp_path):
+    docs = [
+        Document(
+            key=f"{'ab' * 8}-{i:010d}-0000",
+            tokens=np.arange(3 + 11 * i) % 500,
+            sents=np.array([3 + 11 * i], np.int32),
+            words=np.arange(0, 3 + 11 * i, 2, dtype=np.int32),
+            meta={"source": "x", "n_tokens": 3 + 11 * i, "language": "zh"},
+        )
+        for i in range(30)
+    ]
+    a, b = (
+        ShardWriter(tmp_path, "train/shard-000000.tar", np.uint16),
+        ShardWriter(tmp_path, "valid/shard-000000.tar", np.uint16),
+    )
+    for doc in docs:
+        a.write(doc)
+        b.write_bytes(sample_bytes(doc, np.uint16), doc.n_tokens)
+    ea, eb = a.close(), b.close()
+    assert ea["sha256"] == eb["sha256"] and ea["bytes"] == eb["bytes"]
+    assert (tmp_path / "train/shard-000000.idx.npy").read_bytes() == (
+        tmp_path / "valid/shard-000000.idx.npy"
+    ).read_bytes()

@@ -1,0 +1,157 @@
+"""launch/ray_submit.py against a real `ray start --head` cluster with token authentication."""
+
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline.data.shards import DataDir
+from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+REPO = Path(__file__).resolve().parents[2]
+SUBMIT = REPO / "launch" / "ray_submit.py"
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def own_processes(marker: str) -> list[int]:
+    """Pids whose command line names our head's private temp dir: only what we started."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def stop_head(temp_dir: str) -> None:
+    # Not `ray stop`: it stops every Ray process on the machine, other users' included.
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in own_processes(temp_dir):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 10
+        while own_processes(temp_dir) and time.time() < deadline:
+            time.sleep(0.3)
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A one-node cluster with token auth, its own ports and temp dir; torn down after."""
+    temp_dir = tempfile.mkdtemp(prefix="plmray-", dir="/tmp")  # short: unix socket paths
+    token = Path(temp_dir) / "token"
+    token.write_text(secrets.token_hex(32))
+    gcs, dash, client, nm, om, agent, agent_grpc, rt, metrics, wmin = free_ports(10)
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+    }
+    env.pop("RAY_ADDRESS", None)
+    cmd = [
+        "ray", "start", "--head", "--num-cpus", "2", "--temp-dir", temp_dir,
+        "--port", str(gcs), "--dashboard-port", str(dash), "--include-dashboard", "true",
+        "--dashboard-host", "127.0.0.1", "--ray-client-server-port", str(client),
+        "--node-manager-port", str(nm), "--object-manager-port", str(om),
+        "--dashboard-agent-listen-port", str(agent), "--dashboard-agent-grpc-port", str(agent_grpc),
+        "--runtime-env-agent-port", str(rt), "--metrics-export-port", str(metrics),
+        "--min-worker-port", "0", "--max-worker-port", "0", "--disable-usage-stats",
+    ]  # fmt: skip
+    try:
+        subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, timeout=180)
+        yield {"address": f"http://127.0.0.1:{dash}", "token": token, "temp_dir": temp_dir}
+    except subprocess.CalledProcessError as err:
+        pytest.fail(f"ray start failed:\n{err.stdout}\n{err.stderr}")
+    finally:
+        stop_head(temp_dir)
+
+
+def submit(args: list[str], env_extra: dict[str, str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(env_extra)
+    return subprocess.run(
+        [sys.executable, str(SUBMIT), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=420,
+        cwd=REPO,
+    )
+
+
+def test_prepare_runs_as_a_ray_job_with_token_auth(head, tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(
+        "\n\n".join(f"Document {i} tells a short story about item {i * 7}." for i in range(60))
+    )
+    tok = train_tokenizer(
+        [str(corpus)], TokenizerSpec(kind="wordpiece", vocab_size=200), tmp_path / "tok"
+    )
+    out = tmp_path / "data"
+    prepare_args = ["--", "--input", str(corpus), "--tokenizer", str(tok), "--output", str(out),
+                    "--shard-docs", "20", "--valid-fraction", "0.1"]  # fmt: skip
+    # No token: the cluster refuses, and the script says how to give one.
+    refused = submit(["--address", head["address"], *prepare_args], {"HOME": str(tmp_path)})
+    assert refused.returncode == 2, refused.stderr
+    assert "token" in refused.stderr and not out.exists()
+    # With the token (found through RAY_AUTH_TOKEN_PATH): submitted, followed, succeeded.
+    done = submit(
+        [
+            "--address",
+            head["address"],
+            "--job-id",
+            f"plm-test-{secrets.token_hex(3)}",
+            *prepare_args,
+        ],
+        {"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(head["token"])},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "auth: token from RAY_AUTH_TOKEN_PATH" in done.stderr
+    assert "SUCCEEDED" in done.stderr
+    data = DataDir(out)
+    assert data.verify() == []
+    assert data.manifest["totals"]["documents_kept"] == 60
+
+
+def test_a_failing_job_exits_non_zero(head, tmp_path):
+    failed = submit(
+        [
+            "--address",
+            head["address"],
+            "--",
+            "--input",
+            str(tmp_path / "missing.txt"),
+            "--tokenizer",
+            str(tmp_path),
+            "--output",
+            str(tmp_path / "out"),
+        ],  # fmt: skip
+        {"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(head["token"])},
+    )
+    assert failed.returncode == 1, failed.stdout + failed.stderr
+    assert "FAILED" in failed.stderr
+    assert "missing.txt" in failed.stdout  # the job's own error, streamed back

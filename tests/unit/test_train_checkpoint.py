@@ -1,0 +1,105 @@
+"""CheckpointManager with a real (single-process, gloo) DeepSpeed engine and a tiny model."""
+
+import random
+
+import pytest
+import torch
+
+from pipeline.config import TrainSection
+from pipeline.train import engine as ds_engine
+from pipeline.train.checkpoint import COMPLETE, LATEST, CheckpointError, CheckpointManager
+from pipeline.train.schedule import scheduler_factory
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_engine(seed=0, stage=2):
+    ds_engine.init_distributed()
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 1)
+    )
+    ds = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 4,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 10**9,
+        "zero_allow_untested_optimizer": True,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": 1e-2, "torch_adam": True, "weight_decay": 0.01},
+        },
+        "zero_optimization": {"stage": stage},
+    }
+    sched = scheduler_factory(TrainSection(max_steps=10, warmup_steps=2))
+    return ds_engine.initialize(model, ds, sched), ds
+
+
+def step(engine, n=1):
+    for _ in range(n):
+        x = torch.randn(4, 8)
+        loss = engine(x).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+
+
+def weights(engine):
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def test_save_load_latest_and_incomplete_ignored(tmp_path):
+    engine, ds = tiny_engine()
+    mgr = CheckpointManager(tmp_path, keep_last=2, rank=0, world_size=1)
+    assert mgr.latest() is None
+    step(engine, 3)
+    random.seed(99)
+    tag = mgr.save(engine, 3, {"loader": {"cursor": 12}}, {"name": "x"}, ds)
+    assert mgr.latest() == tag == "step00000003"
+    assert (tmp_path / "checkpoints" / tag / COMPLETE).is_file()
+    saved_w, saved_lr = weights(engine), engine.get_lr()[0]
+    random.seed(99)
+    expect_next = random.random()
+    # A save that died half-way: files but no completion marker. It never becomes latest.
+    half = tmp_path / "checkpoints" / "step00000004"
+    half.mkdir()
+    (half / "mp_rank_00_model_states.pt").write_bytes(b"partial")
+    assert (
+        mgr.latest() == tag
+        and tag in mgr.complete_tags()
+        and "step00000004" not in mgr.complete_tags()
+    )
+
+    step(engine, 2)  # move away from the saved state
+    assert any(not torch.equal(saved_w[k], v) for k, v in weights(engine).items())
+    random.random()
+    state = mgr.load(engine, mgr.latest())
+    assert state["loader"] == {"cursor": 12} and state["step"] == 3
+    assert all(torch.equal(saved_w[k], v) for k, v in weights(engine).items())
+    assert engine.get_lr()[0] == pytest.approx(saved_lr)
+    assert random.random() == expect_next  # RNG states restored
+
+
+def test_keep_last_and_loud_failures(tmp_path):
+    engine, ds = tiny_engine(seed=1)
+    mgr = CheckpointManager(tmp_path, keep_last=2, rank=0, world_size=1)
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "checkpoints" / "step00000000").mkdir()  # an old interrupted save
+    for s in (1, 2, 3):
+        step(engine)
+        mgr.save(engine, s, {"loader": {}}, {}, ds)
+    assert mgr.complete_tags() == ["step00000002", "step00000003"]
+    assert not (tmp_path / "checkpoints" / "step00000000").exists()
+    with pytest.raises(CheckpointError, match="incomplete"):
+        mgr.load(engine, "step00000009")
+    (tmp_path / "checkpoints" / LATEST).write_text("step00000009")
+    with pytest.raises(CheckpointError, match="step00000009"):
+        mgr.latest()
+    other = CheckpointManager(tmp_path, keep_last=2, rank=0, world_size=2)
+    with pytest.raises(CheckpointError, match="same world size"):
+        other.load(engine, "step00000003")
+    # DeepSpeed files gone but marker present: DeepSpeed would start from scratch; we raise.
+    for f in (tmp_path / "checkpoints" / "step00000003").glob("*model_states.pt"):
+        f.unlink()
+    with pytest.raises(CheckpointError, match="could not load"):
+        mgr.load(engine, "step00000003")

@@ -1,0 +1,75 @@
+import json
+
+import pytest
+import torch
+
+from pipeline.config import ConfigError, validate_dict
+from pipeline.train.engine import build_ds_config, param_groups
+
+BASE = {"name": "t", "model": {"arch": "bert"}, "data": {"path": "x"}}
+
+
+def cfg_with(**sections):
+    raw = {**BASE, **sections}
+    return validate_dict(raw)
+
+
+@pytest.mark.parametrize("stage", ["zero0", "zero1", "zero2", "zero3"])
+def test_ds_config_filled_from_experiment(stage):
+    cfg = cfg_with(
+        train={
+            "micro_batch_size": 4,
+            "grad_accum": 3,
+            "lr": 2e-4,
+            "weight_decay": 0.05,
+            "betas": [0.9, 0.95],
+            "grad_clip": 0.5,
+            "precision": "bf16",
+        },
+        deepspeed=f"configs/deepspeed/{stage}.json",
+    )
+    ds = build_ds_config(cfg, world_size=2)
+    assert ds["train_micro_batch_size_per_gpu"] == 4
+    assert ds["gradient_accumulation_steps"] == 3
+    assert ds["train_batch_size"] == 24
+    assert ds["gradient_clipping"] == 0.5  # explicit: its default changed in 0.19.3
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"]["enabled"] is False
+    opt = ds["optimizer"]
+    assert opt["type"] == "AdamW" and opt["params"]["lr"] == 2e-4
+    assert opt["params"]["betas"] == [0.9, 0.95] and opt["params"]["weight_decay"] == 0.05
+    assert opt["params"]["torch_adam"] is True
+    for key in ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer"):
+        assert key in ds
+    assert not any(k.startswith("_") for k in ds)
+    assert ds["zero_optimization"]["stage"] == int(stage[-1])
+
+
+def test_offload_uses_deepspeed_cpu_adam():
+    ds = build_ds_config(cfg_with(deepspeed="configs/deepspeed/zero3-offload.json"), 1)
+    assert "torch_adam" not in ds["optimizer"]["params"]
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+def test_conflicting_or_misspelled_deepspeed_keys_are_named(tmp_path):
+    bad = tmp_path / "ds.json"
+    bad.write_text(
+        json.dumps({"train_micro_batch_size_per_gpu": 99, "zero_optimization": {"stage": 1}})
+    )
+    with pytest.raises(ConfigError, match="train_micro_batch_size_per_gpu"):
+        build_ds_config(cfg_with(deepspeed=str(bad)), 1)
+    bad.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comms": True}}))
+    with pytest.raises(ConfigError, match="overlap_comms"):
+        build_ds_config(cfg_with(deepspeed=str(bad)), 1)
+    bad.write_text(json.dumps({"optimizer": {"type": "Adam"}}))
+    with pytest.raises(ConfigError, match="optimizer"):
+        build_ds_config(cfg_with(deepspeed=str(bad)), 1)
+    with pytest.raises(ConfigError, match="does not exist"):
+        build_ds_config(cfg_with(deepspeed=str(tmp_path / "nope.json")), 1)
+
+
+def test_no_weight_decay_on_bias_and_layernorm():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2))
+    decay, no_decay = param_groups(model, 0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert {id(p) for p in decay["params"]} == {id(model[0].weight), id(model[2].weight)}
+    assert len(no_decay["params"]) == 4  # 2 biases + LayerNorm weight and bias
