@@ -42,9 +42,13 @@ def _train(args: argparse.Namespace) -> int:
         from pipeline.train.plan import print_plan
 
         return print_plan(cfg)
-    from pipeline.train.trainer import train
+    from pipeline.train.trainer import TrainingDiverged, train
 
-    train(cfg)
+    try:
+        train(cfg)
+    except TrainingDiverged as err:  # the message says what was saved and what to change
+        print(f"plm: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -210,3 +210,21 @@ def test_unreachable_tracking_server_does_not_stop_training(tiny_data, tmp_path)
     assert "MLflow" in out.stdout + out.stderr and "training goes on" in out.stdout + out.stderr
     assert sorted(step_losses(run_dir)) == [1, 2, 3, 4]
     assert (run_dir / "bundles" / "final" / "model.safetensors").is_file()
+
+
+def test_nonfinite_losses_in_a_row_stop_with_a_checkpoint(tiny_data, tmp_path):
+    """An absurd learning rate overflows the weights after the first update; every later
+    loss is NaN, so the run stops after K skips and saves the last good state."""
+    run_dir = tmp_path / "run"
+    proc = plm(
+        "train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}", "train.lr=1e30",
+        "train.warmup_steps=0", "train.max_nonfinite_in_row=3", "train.max_steps=20",
+        "train.eval_every=0", "train.save_every=0", "mlflow.register=false",
+        cwd=tmp_path, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "3 non-finite losses in a row" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert (run_dir / "checkpoints" / latest).is_dir()
+    assert "update skipped (3 in a row)" in proc.stdout + proc.stderr
