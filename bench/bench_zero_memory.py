@@ -90,15 +90,19 @@ def measure(
         for t in getattr(zopt, name, None) or []:
             _add(params, t)
     optim: dict[int, int] = {}
-    # fp32 master weights: ZeRO-3, ZeRO-1/2, and the bf16 optimizer DeepSpeed uses at stage 0
+    # fp32 master weights: ZeRO-3, ZeRO-1/2, the bf16 optimizer, and the fp16/bf16 wrappers
+    # DeepSpeed 0.19.8 uses at stage 0 (fp32_groups_flat; unfused: fp32_groups, per param)
     for name in (
+        "fp32_groups_flat",
+        "fp32_groups",
         "fp32_partitioned_groups_flat",
         "single_partition_of_fp32_groups",
         "fp32_groups_flat_partition",
     ):
-        for t in getattr(zopt, name, None) or []:
-            if _storage_key(t) not in params:
-                _add(optim, t)
+        for item in getattr(zopt, name, None) or []:
+            for t in item if isinstance(item, list) else [item]:
+                if _storage_key(t) not in params:
+                    _add(optim, t)
     inner = getattr(zopt, "optimizer", zopt)
     for state in inner.state.values():
         for t in state.values():
