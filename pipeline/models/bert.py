@@ -9,52 +9,26 @@ PAD_LOGIT so they never win. nsp_logits index 0 = "B follows A", 1 = "B is rando
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.models.blocks import (
     Block,
+    TransformerConfig,
     init_normal,
     non_embedding_params,
-    padded_vocab_size,
     padding_mask,
     run_blocks,
     vocab_pad_bias,
 )
 
 
-class BertConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class BertConfig(TransformerConfig):
+    """BERT's defaults are the base fields' (BERT-base, post-LN, exact GELU, eps 1e-12)."""
 
-    vocab_size: int = Field(gt=0)  # the tokenizer's; the model pads it (padded_vocab_size)
-    hidden_size: int = Field(768, gt=0)
-    num_layers: int = Field(12, gt=0)
-    num_heads: int = Field(12, gt=0)
-    intermediate_size: int = Field(3072, gt=0)
-    max_positions: int = Field(512, gt=0)
     type_vocab_size: int = Field(2, gt=0)  # segments A / B
-    dropout: float = Field(0.1, ge=0, lt=1)  # embeddings and residual branches
-    attention_dropout: float = Field(0.1, ge=0, lt=1)
-    layer_norm_eps: float = Field(1e-12, gt=0)
-    activation: Literal["gelu", "gelu_tanh"] = "gelu"
-    init_std: float = Field(0.02, gt=0)
-    vocab_multiple: int = Field(64, gt=0)
-
-    @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> BertConfig:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-            )
-        return self
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return padded_vocab_size(self.vocab_size, self.vocab_multiple)
 
 
 class BertEmbeddings(nn.Module):

@@ -8,9 +8,11 @@ fastest kernel it has for the device (flash / memory-efficient / fused CPU kerne
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -23,6 +25,38 @@ PAD_LOGIT = -1.0e4
 def padded_vocab_size(vocab_size: int, multiple: int = 64) -> int:
     """Round the tokenizer's vocabulary up so the embedding / logits matmul is well aligned."""
     return math.ceil(vocab_size / multiple) * multiple
+
+
+class TransformerConfig(BaseModel):
+    """The fields every transformer here shares. Each architecture subclasses it, setting its
+    paper's defaults and adding its own fields; unknown keys are errors (extra=forbid)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    vocab_size: int = Field(gt=0)  # the tokenizer's; the model pads it (padded_vocab_size)
+    hidden_size: int = Field(768, gt=0)
+    num_layers: int = Field(12, gt=0)
+    num_heads: int = Field(12, gt=0)
+    intermediate_size: int = Field(3072, gt=0)
+    max_positions: int = Field(512, gt=0)
+    dropout: float = Field(0.1, ge=0, lt=1)  # embeddings and residual branches
+    attention_dropout: float = Field(0.1, ge=0, lt=1)
+    layer_norm_eps: float = Field(1e-12, gt=0)
+    activation: Literal["gelu", "gelu_tanh"] = "gelu"
+    init_std: float = Field(0.02, gt=0)
+    vocab_multiple: int = Field(64, gt=0)
+
+    @model_validator(mode="after")
+    def _heads_divide_hidden(self):
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
+            )
+        return self
+
+    @property
+    def padded_vocab_size(self) -> int:
+        return padded_vocab_size(self.vocab_size, self.vocab_multiple)
 
 
 def vocab_pad_bias(vocab_size: int, padded: int) -> Tensor:

@@ -14,47 +14,26 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.models.blocks import (
     Block,
+    TransformerConfig,
     causal_mask,
     init_normal,
     non_embedding_params,
-    padded_vocab_size,
     run_blocks,
     vocab_pad_bias,
 )
 
 
-class GPT2Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class GPT2Config(TransformerConfig):
+    """GPT-2 small's defaults: 1024 positions, tanh-approximated GELU, LayerNorm eps 1e-5."""
 
-    vocab_size: int = Field(gt=0)  # the tokenizer's; the model pads it (padded_vocab_size)
-    hidden_size: int = Field(768, gt=0)
-    num_layers: int = Field(12, gt=0)
-    num_heads: int = Field(12, gt=0)
-    intermediate_size: int = Field(3072, gt=0)
     max_positions: int = Field(1024, gt=0)
-    dropout: float = Field(0.1, ge=0, lt=1)  # embeddings and residual branches
-    attention_dropout: float = Field(0.1, ge=0, lt=1)
     layer_norm_eps: float = Field(1e-5, gt=0)
     activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
-    init_std: float = Field(0.02, gt=0)
-    vocab_multiple: int = Field(64, gt=0)
-
-    @model_validator(mode="after")
-    def _heads_divide_hidden(self) -> GPT2Config:
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_heads {self.num_heads}"
-            )
-        return self
-
-    @property
-    def padded_vocab_size(self) -> int:
-        return padded_vocab_size(self.vocab_size, self.vocab_multiple)
 
 
 class GPT2(nn.Module):
