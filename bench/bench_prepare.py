@@ -11,6 +11,10 @@ Both sides get the same documents; MB/s counts raw UTF-8 text in.
 - prepare: the whole `plm data prepare --num-cpus N --force` command as a user runs it
   (process start, validation, hashing, local Ray start, the job, manifest), and the
   pipeline part alone as the command reports it (after Ray is up).
+- stage: the actors' work without Ray, in one process, one thread: `Encoder` (clean,
+  segment, encode_batch, serialize) over the same documents in batches of 256, CPU
+  seconds against raw `encode_batch` CPU seconds. The ceiling of prepare/raw at one CPU
+  were Ray free, and robust to a loaded machine (CPU time, best of 3).
 Peak memory: the largest sum of RSS over the process tree (driver + Ray processes),
 sampled every 0.1 s, and the driver's own peak RSS.
 """
@@ -41,12 +45,45 @@ print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": sum(len(e.id
                   "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
 """
 
+STAGE = r"""
+import json, os, sys, time
+os.environ["RAYON_NUM_THREADS"] = "1"
+import numpy as np
+from pipeline.data.prepare import Encoder
+from pipeline.data.tokenizer import load_tokenizer
+texts = json.load(open(sys.argv[2]))
+tok, _ = load_tokenizer(sys.argv[1])
+enc = Encoder(sys.argv[1], ["0" * 16], ["bench"], {}, 0.02, 1024)
+n = len(texts)
+batch = {"source": np.zeros(n, np.int32), "ordinal": np.arange(n), "line": np.zeros(n, np.int64),
+         "text": np.array(texts, dtype=object), "reject": np.array([""] * n, dtype=object),
+         "detail": np.array([""] * n, dtype=object)}
+def cpu(f):
+    best = float("inf")
+    for _ in range(3):
+        c = time.process_time(); f(); best = min(best, time.process_time() - c)
+    return best
+raw = cpu(lambda: tok.encode_batch(texts, add_special_tokens=False))
+stage = cpu(lambda: [enc({k: v[i : i + 256] for k, v in batch.items()}) for i in range(0, n, 256)])
+print(json.dumps({"raw_cpu": raw, "stage_cpu": stage}))
+"""
+
 
 def documents(copies: int) -> list[str]:
     from pipeline.data.readers import python_docs
 
     docs = list(python_docs())
     return docs if copies == 1 else [f"[copy {k}] {d}" for k in range(copies) for d in docs]
+
+
+def run_stage(tok: Path, texts_json: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", STAGE, str(tok), str(texts_json)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def run_raw(tok: Path, texts_json: Path, cpus: int) -> dict:
@@ -141,6 +178,10 @@ def main() -> int:
         source = str(corpus)
     print(f"corpus {source}: {len(texts):,} documents, {mb:.2f} MB; machine: "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
+    stage = run_stage(tok, texts_json)
+    print(f"stage in one process (CPU s, best of 3): raw encode_batch {stage['raw_cpu']:.2f}, "
+          f"Encoder {stage['stage_cpu']:.2f} -> {stage['raw_cpu'] / stage['stage_cpu']:.2f}x "
+          f"(the ceiling of prepare/raw at 1 CPU)")  # fmt: skip
     rows = {}
     for cpus in args.cpus:
         raw = run_raw(tok, texts_json, cpus)

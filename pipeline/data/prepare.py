@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
 import json
 import logging
 import os
 import re
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -286,8 +288,10 @@ def read_sources(
 ):
     """Map stage: source indexes -> blocks of raw documents, streamed, in file order.
 
-    ``builtin_docs``: the documents of builtin:python-docs as the driver already built
-    them (for the source's size and hash); extracting them again here takes seconds.
+    ``builtin_docs``: the documents of builtin:python-docs as the driver built them for
+    the source's size and sha256. Extracting them again here took seconds, and could
+    differ: part of them are live docstrings of builtin modules, and importing Ray
+    replaces ``sys.excepthook`` (its docstring went missing in a Ray worker).
     """
     import pyarrow as pa
 
@@ -304,7 +308,6 @@ def read_sources(
         )
 
     names = ("source", "ordinal", "text", "reject", "line", "detail")
-    _trace("read task start")
     for index in batch["source"]:
         index = int(index)
         cols: dict[str, list] = {k: [] for k in names}
@@ -322,16 +325,10 @@ def read_sources(
             cols["line"].append(doc.line or 0)
             cols["detail"].append(doc.detail or "")
             if len(cols["source"]) >= block_docs:
-                _trace("read yield")
                 yield block(cols)
                 cols = {k: [] for k in names}
         if cols["source"]:
             yield block(cols)
-
-
-def _trace(msg):  # TEMP-TRACE
-    if os.environ.get("PLM_TRACE"):
-        print(f"TRACE {time.time() % 1000:8.2f} {os.getpid()} {msg}", file=sys.stderr, flush=True)
 
 
 class Encoder:
@@ -352,7 +349,6 @@ class Encoder:
     ):
         # One tokenizer thread per actor: the actors (one per CPU) are the parallelism.
         # Set before the first encode, which is when the Rust thread pool is built.
-        _trace("encoder init start")
         os.environ["RAYON_NUM_THREADS"] = "1"
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
         from pipeline.data.segment import process_documents
@@ -365,11 +361,9 @@ class Encoder:
         self.clean_cfg = CleanConfig(**clean_cfg)
         self.valid_fraction = valid_fraction
         self.max_doc_tokens = max_doc_tokens
-        _trace("encoder init done")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         n = len(batch["source"])
-        _trace(f"encoder call {n}")
         rows: list[list[tuple]] = [[] for _ in range(n)]
         kept, texts, langs = [], [], []
         for i in range(n):
@@ -604,6 +598,24 @@ def _init_ray(cfg: PrepareConfig) -> bool:
     return True
 
 
+def _import_in_background(*modules: str) -> None:
+    """Import modules the driver needs later in a thread, while it waits for Ray to start.
+
+    ``ray.data`` (~0.5 s) and ``webdataset`` (~1.5 s: it imports torch; the shard writer
+    needs it) would otherwise be imported on the pipeline's critical path. Python's
+    per-module import locks make a concurrent import of the same module wait for this one.
+    """
+
+    def run() -> None:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # the main thread's own import reports it
+                pass
+
+    threading.Thread(target=run, name="plm-prepare-imports", daemon=True).start()
+
+
 def _ordered_batches(cfg: PrepareConfig, sources: list[Source], source_ids: list[str]):
     """The Ray Data pipeline; yields numpy batches in source order."""
     import ray
@@ -708,6 +720,7 @@ def run_prepare(cfg: PrepareConfig) -> Path:
 
     # 3. The Ray job, consumed in order on the driver.
     started = time.perf_counter()
+    _import_in_background("ray.data", "webdataset")  # while the main thread starts Ray
     own_ray = _init_ray(cfg)
     ray_ready = time.perf_counter()
     try:

@@ -527,6 +527,12 @@ def _docs_of_builtin(name: str) -> list[str]:
     for attr, value in sorted(vars(module).items()):
         if attr.startswith("_") or not callable(value):
             continue
+        # Libraries replace some of these at run time (Ray sets sys.excepthook); sys keeps the
+        # originals as __excepthook__ etc. Anything else not defined by the module is skipped,
+        # so the corpus never depends on what the process has imported.
+        value = getattr(module, f"__{attr}__", value)
+        if getattr(value, "__module__", name) not in (name, None):
+            continue
         parts = [inspect.cleandoc(value.__doc__) if isinstance(value.__doc__, str) else ""]
         if inspect.isclass(value):
             for member_name, member in sorted(vars(value).items()):

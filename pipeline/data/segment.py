@@ -29,9 +29,7 @@ _CLOSERS = "[\"'”’)\\]}」』》〉）]*"
 _CJK_CHARS = "\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef“‘「『《（"
 # A run of ASCII terminators counts only before whitespace or CJK (the lookahead lets
 # re drop "3.11", "os.path" without a Python step; the rest is checked in Python).
-_TERMINATOR = re.compile(
-    f"([。！？；…]+){_CLOSERS}|([.!?;]+){_CLOSERS}(?=[\\s{_CJK_CHARS}])"
-)
+_TERMINATOR = re.compile(f"([。！？；…]+){_CLOSERS}|([.!?;]+){_CLOSERS}(?=[\\s{_CJK_CHARS}])")
 _UNK_NAMES = ("[UNK]", "<unk>")
 _PARAGRAPH = re.compile(r"\n\s*\n")
 _CJK_CHAR = re.compile(f"[{_CJK_CHARS}]")

@@ -250,3 +250,23 @@ def test_builtin_python_docs_is_real_english_and_deterministic():
     python_docs.cache_clear()
     assert [d.text for d in iter_raw_documents(source)] == [d.text for d in docs]
     assert len(source_sha256(source)) == 64
+
+
+def test_builtin_corpus_does_not_depend_on_patched_hooks(monkeypatch):
+    """Ray replaces sys.excepthook; the corpus (and so the shards) must not change."""
+    import sys
+
+    from pipeline.data.readers import python_docs
+
+    python_docs.cache_clear()
+    before = python_docs()
+
+    def patched_hook(*args):
+        """A library's replacement hook whose docstring must not enter the corpus."""
+
+    monkeypatch.setattr(sys, "excepthook", patched_hook)
+    python_docs.cache_clear()
+    after = python_docs()
+    python_docs.cache_clear()
+    assert after == before
+    assert not any("must not enter the corpus" in d for d in after)
