@@ -15,9 +15,9 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.models.blocks import (
-    Block,
     TransformerConfig,
     init_normal,
+    make_blocks,
     non_embedding_params,
     padding_mask,
     run_blocks,
@@ -78,19 +78,7 @@ class Bert(nn.Module):
         self.config = config
         cfg = config
         self.embeddings = BertEmbeddings(cfg)
-        self.blocks = nn.ModuleList(
-            Block(
-                cfg.hidden_size,
-                cfg.num_heads,
-                cfg.intermediate_size,
-                cfg.dropout,
-                cfg.attention_dropout,
-                cfg.layer_norm_eps,
-                cfg.activation,
-                pre_ln=False,
-            )
-            for _ in range(cfg.num_layers)
-        )
+        self.blocks = make_blocks(cfg, pre_ln=False)
         self.mlm_head = BertMLMHead(cfg)
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.nsp_head = nn.Linear(cfg.hidden_size, 2)

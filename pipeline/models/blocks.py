@@ -182,6 +182,23 @@ class Block(nn.Module):
         return self.ln_2(x + self.dropout(self.mlp(x)))
 
 
+def make_blocks(cfg: TransformerConfig, pre_ln: bool) -> nn.ModuleList:
+    """cfg.num_layers transformer layers, post-LN (BERT) or pre-LN (GPT-2)."""
+    return nn.ModuleList(
+        Block(
+            cfg.hidden_size,
+            cfg.num_heads,
+            cfg.intermediate_size,
+            cfg.dropout,
+            cfg.attention_dropout,
+            cfg.layer_norm_eps,
+            cfg.activation,
+            pre_ln=pre_ln,
+        )
+        for _ in range(cfg.num_layers)
+    )
+
+
 def run_blocks(
     blocks: nn.ModuleList,
     x: Tensor,

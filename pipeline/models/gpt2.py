@@ -18,10 +18,10 @@ from pydantic import Field
 from torch import Tensor, nn
 
 from pipeline.models.blocks import (
-    Block,
     TransformerConfig,
     causal_mask,
     init_normal,
+    make_blocks,
     non_embedding_params,
     run_blocks,
     vocab_pad_bias,
@@ -44,19 +44,7 @@ class GPT2(nn.Module):
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(
-            Block(
-                cfg.hidden_size,
-                cfg.num_heads,
-                cfg.intermediate_size,
-                cfg.dropout,
-                cfg.attention_dropout,
-                cfg.layer_norm_eps,
-                cfg.activation,
-                pre_ln=True,
-            )
-            for _ in range(cfg.num_layers)
-        )
+        self.blocks = make_blocks(cfg, pre_ln=True)
         self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         # not persistent: derived from the config, never saved in a checkpoint
         self.register_buffer(
