@@ -23,6 +23,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from pipeline.export.hf import hf_bert_model
 from pipeline.models import build_model, resolve_model_config
 
 VOCAB = 30522  # bert-base-uncased's vocabulary size
@@ -75,25 +76,12 @@ def hf_step(model, opt, b):
 
 
 def build_pair(preset: str):
-    import transformers
 
     cfg = resolve_model_config({"arch": "bert", "preset": preset}, VOCAB)
     torch.manual_seed(0)
     ours = build_model("bert", cfg).train()
-    hf_cfg = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        max_position_embeddings=cfg.max_positions,
-        type_vocab_size=cfg.type_vocab_size,
-        hidden_dropout_prob=cfg.dropout,
-        attention_probs_dropout_prob=cfg.attention_dropout,
-        layer_norm_eps=cfg.layer_norm_eps,
-        hidden_act="gelu",
-    )
-    hf = transformers.BertForPreTraining(hf_cfg).train()
+    # the export's own mapping of our config to transformers': the same model, by construction
+    hf = hf_bert_model(cfg, roles={}).train()
     return cfg, ours, hf
 
 

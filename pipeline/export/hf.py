@@ -71,7 +71,8 @@ def _bert_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
     return out
 
 
-def _bert_model(cfg: Any, roles: dict[str, int]):
+def hf_bert_model(cfg: Any, roles: dict[str, int]):
+    """A freshly initialised `BertForPreTraining` with the shape of our BertConfig."""
     import transformers
 
     hf_cfg = transformers.BertConfig(
@@ -117,7 +118,8 @@ def _gpt2_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
     return out
 
 
-def _gpt2_model(cfg: Any, roles: dict[str, int]):
+def hf_gpt2_model(cfg: Any, roles: dict[str, int]):
+    """A freshly initialised `GPT2LMHeadModel` with the shape of our GPT2Config."""
     import transformers
 
     hf_cfg = transformers.GPT2Config(
@@ -140,7 +142,7 @@ def _gpt2_model(cfg: Any, roles: dict[str, int]):
     return transformers.GPT2LMHeadModel(hf_cfg)
 
 
-_ADAPTERS = {"bert": (_bert_state, _bert_model), "gpt2": (_gpt2_state, _gpt2_model)}
+_ADAPTERS = {"bert": (_bert_state, hf_bert_model), "gpt2": (_gpt2_state, hf_gpt2_model)}
 
 
 # ----------------------------------------------------------------------------- tokenizer
