@@ -228,3 +228,13 @@ def test_nonfinite_losses_in_a_row_stop_with_a_checkpoint(tiny_data, tmp_path):
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "checkpoints" / latest).is_dir()
     assert "update skipped (3 in a row)" in proc.stdout + proc.stderr
+
+
+def test_missing_data_dir_is_a_clear_error(tmp_path):
+    """No manifest: exit 2 naming the folder and the command that makes it, no traceback."""
+    missing = tmp_path / "no-such-data"
+    for extra in ([], ["--dry-run"]):
+        proc = plm("train", BERT, f"data.path={missing}", *extra, cwd=tmp_path, check=False)
+        assert proc.returncode == 2, proc.stderr[-3000:]
+        assert str(missing) in proc.stderr and "plm data prepare" in proc.stderr
+        assert "Traceback" not in proc.stderr
