@@ -114,9 +114,12 @@ class _EpochPlan:
         self.span_starts = np.append(bounds, self.layout.n_units)
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
-    def locate(self, positions: np.ndarray) -> tuple[list[Unit], np.ndarray]:
-        """(units at these positions of the epoch's unit order, their groups)."""
+    def locate(self, positions: np.ndarray, shuffle: bool = True) -> tuple[list[Unit], np.ndarray]:
+        """(units at these positions of the epoch's unit order, their groups); with
+        ``shuffle=False`` the units keep the layout order inside their group."""
         groups = np.searchsorted(self.span_starts, positions, side="right") - 1
+        if not shuffle:
+            return self.layout.units(positions), groups
         units = np.empty_like(positions)
         for group in np.unique(groups).tolist():
             inside = groups == group
@@ -208,8 +211,13 @@ class _Core:
         return plan
 
     def units(self, epoch: int, index: int) -> tuple[list[Unit], np.ndarray]:
-        first = (index * self.W + self.rank) * self.B
-        return self.plan(epoch).locate(np.arange(first, first + self.B))
+        rows = np.arange(self.rank * self.B, (self.rank + 1) * self.B)
+        if self.objective.recurrent_rows:
+            # Row j of every global batch reads units [j * n, (j + 1) * n) of the epoch's
+            # layout order in turn (n = batches per epoch), so a recurrent model's memory
+            # of row j always holds the segment just before the one it sees now.
+            return self.plan(epoch).locate(rows * self.batches_per_epoch + index, shuffle=False)
+        return self.plan(epoch).locate(index * self.W * self.B + rows)
 
     def batch(self, epoch: int, index: int) -> dict[str, torch.Tensor]:
         plan, objective = self.plan(epoch), self.objective

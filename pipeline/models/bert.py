@@ -73,6 +73,8 @@ class BertMLMHead(nn.Module):
 
 
 class Bert(nn.Module):
+    causal = False  # fine-tuning pools the last real token of causal models, [CLS] otherwise
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config

@@ -37,6 +37,8 @@ class GPT2Config(TransformerConfig):
 
 
 class GPT2(nn.Module):
+    causal = True  # fine-tuning pools the last real token of causal models, [CLS] otherwise
+
     def __init__(self, config: GPT2Config):
         super().__init__()
         self.config = config

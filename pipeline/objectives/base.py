@@ -113,10 +113,20 @@ class Objective(ABC):
 
     kind: str = ""
     static: bool = False  # True: an example's randomness does not depend on the epoch
+    # True: batch row j gets consecutive units of the epoch's stream (in layout order,
+    # no unit shuffle), so a model with memory (Transformer-XL, XLNet) sees the segment
+    # before the current one in its memory. See pipeline.data.stream._Core.units.
+    recurrent_rows: bool = False
 
     def __init__(self, seq_len: int, vocab_size: int):
         self.seq_len = seq_len
         self.vocab_size = vocab_size
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Called once with the freshly built model, before DeepSpeed wraps it: the place
+        for objectives that need the model itself (e.g. initialising a distillation
+        student from its teacher). Default: nothing."""
+        return None
 
     @abstractmethod
     def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout: ...

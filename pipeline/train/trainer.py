@@ -6,6 +6,7 @@ torchrun-style environment (Kubernetes): the rank and world size come from the e
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
@@ -88,6 +89,7 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
     objective = build_objective(
         cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len, specials
     )
+    objective.attach(model)
 
     def stream(split: str, workers: int):
         return PretrainStream(
@@ -110,10 +112,17 @@ def _to_device(batch: dict[str, Any], dev: torch.device) -> dict[str, Any]:
     return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def _model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+def forward_keys(model: torch.nn.Module) -> frozenset[str]:
+    """The batch keys this model's forward takes: the standard inputs plus any other
+    parameter it names (ELECTRA takes the MLM labels, XLNet its permutation masks)."""
     from pipeline.objectives import MODEL_INPUT_KEYS
 
-    return {k: batch[k] for k in MODEL_INPUT_KEYS if k in batch}
+    names = set(inspect.signature(model.forward).parameters)
+    return frozenset(names) | frozenset(k for k in MODEL_INPUT_KEYS if k in names)
+
+
+def _model_inputs(batch: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
+    return {k: v for k, v in batch.items() if k in keys}
 
 
 def _n_tokens(batch: dict[str, Any]) -> int:
@@ -174,6 +183,13 @@ class Trainer:
             cfg, self.rank, self.world
         )
         self.flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
+        self.input_keys = forward_keys(model)
+        # Models with segment-level recurrence (Transformer-XL, XLNet) take ``mems`` and
+        # return the next ones in outputs["mems"]; the trainer carries them from batch to
+        # batch (per rank: each rank's rows are its own streams) and checkpoints them.
+        self.uses_memory = "mems" in self.input_keys
+        self.memory: Any = None
+        self.eval_memory: Any = None
         self.n_params = sum(p.numel() for p in model.parameters())
         self.ds_config = ds_engine.build_ds_config(cfg, self.world)
         self.engine = ds_engine.initialize(model, self.ds_config, scheduler_factory(cfg.train))
@@ -198,6 +214,7 @@ class Trainer:
         self.stream.load_state_dict(state["loader"])
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
+        self.memory = state.get("memory")
         self.skipped = state["skipped"]
         self.n_checkpoints = state["n_checkpoints"]
         self.resumed_from = tag
@@ -244,7 +261,7 @@ class Trainer:
             if bad:
                 continue  # consume the window's batches so the stream stays aligned
             batch = _to_device(batch, self.dev)
-            outputs = self.engine(**_model_inputs(batch))
+            outputs = self.forward(batch, train=True)
             loss, metrics = self.objective.loss(outputs, batch)
             names = sorted(metrics)
             local = [float(not torch.isfinite(loss)), _n_tokens(batch), len(batch["input_ids"])]
@@ -268,9 +285,22 @@ class Trainer:
         sums["_tokens"], sums["_samples"] = tokens, samples
         return sums
 
+    def forward(self, batch: dict[str, Any], train: bool) -> dict[str, Any]:
+        inputs = _model_inputs(batch, self.input_keys)
+        if not self.uses_memory:
+            return self.engine(**inputs)
+        outputs = self.engine(**inputs, mems=self.memory if train else self.eval_memory)
+        new = outputs.get("mems")  # the model detaches them: no gradient flows back
+        if train:
+            self.memory = new
+        else:
+            self.eval_memory = new
+        return outputs
+
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         self.engine.eval()
+        self.eval_memory = None  # every evaluation reads the same fixed pass from the start
         sums: dict[str, float] = {}
         n = 0
         if self.valid_stream is None:  # one fixed pass: the same batches at every evaluation
@@ -279,7 +309,7 @@ class Trainer:
             if i >= self.cfg.train.eval_batches:
                 break
             batch = _to_device(batch, self.dev)
-            loss, metrics = self.objective.loss(self.engine(**_model_inputs(batch)), batch)
+            loss, metrics = self.objective.loss(self.forward(batch, train=False), batch)
             names = sorted(metrics)
             red = _all_reduce_sum([float(loss)] + [float(metrics[k]) for k in names], self.dev)
             for k, v in zip(["loss", *names], red, strict=True):
@@ -299,6 +329,7 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "skipped": self.skipped,
             "n_checkpoints": self.n_checkpoints + 1,
+            "memory": self.memory,  # this rank's recurrent memory (None for most models)
         }
         tag = self.ckpt.save(
             self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config
