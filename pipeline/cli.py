@@ -107,6 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     size.add_argument("--shard-bytes", type=int)
     prep.add_argument("--max-doc-tokens", type=int)
     prep.add_argument("--text-field")
+    prep.add_argument("--entities", help="entity list (one per line) -> spans.npy (ERNIE)")
     prep.add_argument("--ray-address", help="a running cluster (else RAY_ADDRESS, else local)")
     prep.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
     prep.add_argument("--force", action="store_true", help="rebuild even if up to date")

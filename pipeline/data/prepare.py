@@ -96,6 +96,9 @@ class PrepareConfig(BaseModel):
     max_doc_tokens: int = Field(1024, gt=0)  # longer documents are split into pieces
     max_doc_bytes: int = Field(DEFAULT_MAX_DOC_BYTES, gt=0)  # larger ones: "too_long"
     text_field: str = "text"  # jsonl field / parquet column
+    # ERNIE's entity-level masking: a UTF-8 file, one entity per line; every mention
+    # becomes a token span in spans.npy (see pipeline.data.segment.entity_pattern).
+    entities: str | None = None
     clean: CleanConfig = CleanConfig()
     # Execution only (never changes the output bytes):
     ray_address: str | None = None  # a running cluster; else RAY_ADDRESS; else a local Ray
@@ -120,6 +123,10 @@ class PrepareConfig(BaseModel):
             "max_doc_bytes": self.max_doc_bytes,
             "text_field": self.text_field,
             "clean": self.clean.model_dump(),
+            # The list's content decides the bytes, not where the file lives.
+            "entities_sha256": None
+            if self.entities is None
+            else _sha256_json(load_entities(self.entities, self.clean)),
         }
 
     @property
@@ -182,6 +189,7 @@ _FLAG_KEYS = {
     "shard_bytes": "shard_bytes",
     "max_doc_tokens": "max_doc_tokens",
     "text_field": "text_field",
+    "entities": "entities",
     "ray_address": "ray_address",
     "num_cpus": "num_cpus",
 }
@@ -202,6 +210,30 @@ def prepare_from_cli(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------
 # Validation, fingerprint, the output folder
+
+
+def load_entities(path: str | Path, clean_cfg: CleanConfig) -> list[str]:
+    """The entity list, cleaned like the documents (so "Ｐａｒｉｓ" matches NFKC'd text);
+    blank lines and lines starting with # are skipped. Errors name the file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"entity list {path} does not exist (one entity per line, UTF-8)")
+    entities = []
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise InputError(
+                    f"entity list {path} line {number} is not valid UTF-8 ({err.reason}); "
+                    "save the file as UTF-8"
+                ) from None
+            entity = clean(line, clean_cfg).strip()
+            if entity and not entity.startswith("#"):
+                entities.append(entity)
+    if not entities:
+        raise InputError(f"entity list {path} holds no entity (one per line, # for comments)")
+    return sorted(set(entities))
 
 
 def _sha256_json(obj: Any) -> str:
@@ -346,14 +378,16 @@ class Encoder:
         clean_cfg: dict[str, Any],
         valid_fraction: float,
         max_doc_tokens: int,
+        entities: list[str] | None = None,
     ):
         # One tokenizer thread per actor: the actors (one per CPU) are the parallelism.
         # Set before the first encode, which is when the Rust thread pool is built.
         os.environ["RAYON_NUM_THREADS"] = "1"
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        from pipeline.data.segment import process_documents
+        from pipeline.data.segment import entity_pattern, process_documents
 
         self._process = process_documents
+        self.entities = entity_pattern(entities) if entities else None
         self.tokenizer, meta = load_tokenizer(tokenizer_dir)
         self.dtype = token_dtype(meta["vocab_size"])
         self.source_ids = source_ids
@@ -386,7 +420,7 @@ class Encoder:
             kept,
             texts,
             langs,
-            self._process(texts, langs, self.tokenizer, self.max_doc_tokens),
+            self._process(texts, langs, self.tokenizer, self.max_doc_tokens, self.entities),
             strict=True,
         ):
             source, ordinal = int(batch["source"][i]), int(batch["ordinal"][i])
@@ -402,6 +436,7 @@ class Encoder:
                     tokens=piece.tokens,
                     sents=piece.sents,
                     words=piece.words,
+                    spans=piece.spans,
                     meta={
                         "source": self.source_uris[source],
                         "language": lang,
@@ -662,6 +697,7 @@ def _ordered_batches(cfg: PrepareConfig, sources: list[Source], source_ids: list
             "clean_cfg": cfg.clean.model_dump(),
             "valid_fraction": cfg.valid_fraction,
             "max_doc_tokens": cfg.max_doc_tokens,
+            "entities": load_entities(cfg.entities, cfg.clean) if cfg.entities else None,
         },
         compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=4),
         num_cpus=1,

@@ -9,6 +9,12 @@ characters, byte-level BPE and Unigram into multi-character pieces).
 
 A document longer than ``max_doc_tokens`` is split into pieces at sentence ends; a
 single sentence longer than that is cut at word starts (and a single word at the limit).
+
+Entity spans (ERNIE's entity-level masking): with an entity list, every mention of a
+listed entity in the text becomes a token span [start, end) in ``spans.npy``. Mentions
+are found leftmost-first, longest entity first, never overlapping; an entity made of
+Latin letters or digits only matches at word boundaries ("Paris" not in "Parisian"),
+Chinese entities match anywhere (Chinese has no spaces to mark boundaries).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class Piece:
     tokens: np.ndarray  # int32 token ids, no special tokens
     sents: np.ndarray  # int32 sentence end offsets (exclusive), ascending, last == len(tokens)
     words: np.ndarray  # int32 word start offsets, ascending, first == 0
+    spans: np.ndarray | None = None  # int32 (n, 2) entity token spans [start, end), or None
 
     @property
     def n_tokens(self) -> int:
@@ -159,22 +166,75 @@ def _cut_points(n: int, sents: np.ndarray, words: np.ndarray, max_len: int) -> l
     return cuts
 
 
-def _pieces(tokens: np.ndarray, sents: np.ndarray, words: np.ndarray, max_len: int) -> list[Piece]:
+def _pieces(
+    tokens: np.ndarray,
+    sents: np.ndarray,
+    words: np.ndarray,
+    max_len: int,
+    spans: np.ndarray | None = None,
+) -> list[Piece]:
     if len(tokens) <= max_len:  # one piece (most documents): sents ends at n, words starts at 0
-        return [Piece(tokens=tokens, sents=sents.astype(np.int32), words=words.astype(np.int32))]
+        return [
+            Piece(
+                tokens=tokens,
+                sents=sents.astype(np.int32),
+                words=words.astype(np.int32),
+                spans=None if spans is None else spans.astype(np.int32),
+            )
+        ]
     pieces, start = [], 0
     for end in _cut_points(len(tokens), sents, words, max_len):
         s = sents[(sents > start) & (sents < end)] - start
         w = words[(words > start) & (words < end)] - start
+        piece_spans = None
+        if spans is not None:  # a mention cut by a piece boundary is dropped, never split
+            inside = (spans[:, 0] >= start) & (spans[:, 1] <= end)
+            piece_spans = (spans[inside] - start).astype(np.int32).reshape(-1, 2)
         pieces.append(
             Piece(
                 tokens=tokens[start:end],
                 sents=np.append(s, end - start).astype(np.int32),
                 words=np.insert(w, 0, 0).astype(np.int32),
+                spans=piece_spans,
             )
         )
         start = end
     return pieces
+
+
+_LATIN_WORD = re.compile(r"[A-Za-z0-9]")
+
+
+def entity_pattern(entities: list[str]) -> re.Pattern[str] | None:
+    """One regex for the whole list: longest entity first, so "New York City" wins over
+    "New York" at the same position; Latin-edged entities need word boundaries."""
+    alternatives = []
+    for entity in sorted(set(entities), key=lambda e: (-len(e), e)):
+        body = re.escape(entity)
+        if _LATIN_WORD.match(entity[0]):
+            body = "(?<![A-Za-z0-9])" + body
+        if _LATIN_WORD.match(entity[-1]):
+            body += "(?![A-Za-z0-9])"
+        alternatives.append(body)
+    return re.compile("|".join(alternatives)) if alternatives else None
+
+
+def entity_token_spans(text: str, pattern: re.Pattern[str], encoding: Encoding) -> np.ndarray:
+    """(n, 2) token spans [start, end) of the entity mentions in ``text``: the tokens that
+    overlap the mention's characters."""
+    chars = [(m.start(), m.end()) for m in pattern.finditer(text)]
+    if not chars:
+        return np.zeros((0, 2), dtype=np.int64)
+    starts, ends = _token_bounds(encoding)
+    c = np.asarray(chars, dtype=np.int64)
+    first = np.searchsorted(ends, c[:, 0], side="right")  # first token ending after the start
+    stop = np.searchsorted(starts, c[:, 1], side="left")  # first token starting at/after the end
+    spans = np.stack([first, stop], axis=1)
+    spans = spans[spans[:, 1] > spans[:, 0]]
+    # Two mentions can share a token (a BPE piece spanning both): keep them disjoint.
+    keep = np.ones(len(spans), dtype=bool)
+    keep[1:] = spans[1:, 0] >= spans[:-1, 1]
+    return spans[keep]
 
 
 def segment_encoding(
@@ -184,8 +244,10 @@ def segment_encoding(
     max_doc_tokens: int,
     specials: np.ndarray | None = None,
     unk: int | None = None,
+    entities: re.Pattern[str] | None = None,
 ) -> list[Piece]:
-    """Pieces of one document from its text and its encoding (``specials`` become ``unk``)."""
+    """Pieces of one document from its text and its encoding (``specials`` become ``unk``);
+    with an ``entities`` pattern (``entity_pattern``) the pieces carry entity spans."""
     tokens = np.asarray(encoding.ids, dtype=np.int32)
     n = len(tokens)
     if n == 0:
@@ -206,11 +268,16 @@ def segment_encoding(
         words = _word_starts_from_ids(encoding)
     # A sentence start is always a word start.
     words = np.unique(np.concatenate([[0], words[words < n], sents[:-1]]))
-    return _pieces(tokens, sents.astype(np.int64), words.astype(np.int64), max_doc_tokens)
+    spans = None if entities is None else entity_token_spans(text, entities, encoding)
+    return _pieces(tokens, sents.astype(np.int64), words.astype(np.int64), max_doc_tokens, spans)
 
 
 def process_documents(
-    texts: list[str], languages: list[str], tokenizer: Tokenizer, max_doc_tokens: int
+    texts: list[str],
+    languages: list[str],
+    tokenizer: Tokenizer,
+    max_doc_tokens: int,
+    entities: re.Pattern[str] | None = None,
 ) -> list[list[Piece]]:
     """``process_document`` for a batch: one ``encode_batch`` call (parallel in Rust)."""
     if len(texts) != len(languages):
@@ -222,7 +289,7 @@ def process_documents(
     encodings = tokenizer.encode_batch(texts, add_special_tokens=False)
     specials, unk = _special_ids(tokenizer)
     return [
-        segment_encoding(text, lang, enc, max_doc_tokens, specials, unk)
+        segment_encoding(text, lang, enc, max_doc_tokens, specials, unk, entities)
         for text, lang, enc in zip(texts, languages, encodings, strict=True)
     ]
 

@@ -358,3 +358,36 @@ def test_sample_bytes_match_the_shard_writer(tmp_path):
     assert (tmp_path / "train/shard-000000.idx.npy").read_bytes() == (
         tmp_path / "valid/shard-000000.idx.npy"
     ).read_bytes()
+
+
+def test_entity_list_writes_spans(ray_local, corpus, tokenizer_dir, tmp_path):
+    entities = tmp_path / "entities.txt"
+    entities.write_text("# entities of the toy corpus\nnumber 7\nshards\n\n", encoding="utf-8")
+    out = run_prepare(config([corpus], tokenizer_dir, tmp_path / "data", entities=str(entities)))
+    data = DataDir(out)
+    tok, _ = load_tokenizer(out / "tokenizer")
+    mentions = 0
+    for split in ("train", "valid"):
+        for doc in data.iter_split(split):
+            assert doc.spans is not None and doc.spans.shape[1] == 2
+            for a, b in doc.spans:
+                assert tok.decode(doc.tokens[a:b].tolist()) in {"number 7", "shards"}
+                mentions += 1
+    assert mentions > 5
+    settings = json.loads((out / "manifest.json").read_text())["data_config"]
+    assert len(settings["entities_sha256"]) == 64
+    # Without the list: no spans.npy at all.
+    plain = run_prepare(config([corpus], tokenizer_dir, tmp_path / "plain"))
+    assert all(d.spans is None for d in DataDir(plain).iter_split("train"))
+
+
+def test_bad_entity_list_fails_before_ray_naming_the_line(corpus, tokenizer_dir, tmp_path):
+    bad = tmp_path / "entities.txt"
+    bad.write_bytes(b"Paris\nBerlin\n\xff\xfe broken\n")
+    with pytest.raises(InputError, match=r"entities.txt line 3 is not valid UTF-8"):
+        run_prepare(config([corpus], tokenizer_dir, tmp_path / "data", entities=str(bad)))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing\n\n", encoding="utf-8")
+    with pytest.raises(InputError, match="holds no entity"):
+        run_prepare(config([corpus], tokenizer_dir, tmp_path / "data", entities=str(empty)))
+    assert not (tmp_path / "data").exists()

@@ -245,3 +245,44 @@ def test_a_unigram_model_lacking_the_characters_cannot_emit_special_ids(tmp_path
     ids = set(piece.tokens.tolist())
     assert meta["roles"]["unk"] in ids
     assert not ids & (set(meta["special_tokens"].values()) - {meta["roles"]["unk"]})
+
+
+# -- entity spans (ERNIE) ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
+def test_entity_spans_cover_exactly_the_mentions(tokenizers, kind):
+    from pipeline.data.segment import entity_pattern, segment_encoding
+
+    tok = tokenizers[kind]
+    pattern = entity_pattern(["Python", "Python Software Foundation", "北京", "北京大学"])
+    text = (
+        "The Python Software Foundation manages Python. Pythonic code is not a mention. "
+        "他在北京大学读书，后来去了北京。"
+    )
+    enc = tok.encode(text, add_special_tokens=False)
+    (piece,) = segment_encoding(text, "zh", enc, 4096, entities=pattern)
+    spans = piece.spans
+    assert spans.dtype == np.int32 and spans.shape == (4, 2)
+    assert (spans[1:, 0] >= spans[:-1, 1]).all()  # ordered, disjoint
+    # Decoding each span's characters gives back the mention, longest entity first.
+    starts, ends = np.array(enc.offsets).T
+    found = [text[starts[a] : ends[b - 1]].strip() for a, b in spans]
+    assert found == ["Python Software Foundation", "Python", "北京大学", "北京"]
+
+
+def test_entity_spans_follow_pieces_and_none_without_a_list(tokenizers):
+    from pipeline.data.segment import entity_pattern, segment_encoding
+
+    tok = tokenizers["wordpiece"]
+    text = " ".join(f"Sentence {i} talks about Python here." for i in range(40))
+    enc = tok.encode(text, add_special_tokens=False)
+    pieces = segment_encoding(text, "other", enc, 50, entities=entity_pattern(["Python"]))
+    assert len(pieces) > 3
+    total = sum(len(p.spans) for p in pieces)
+    assert total == 40  # sentence cuts never split a mention here
+    for p in pieces:
+        assert ((p.spans >= 0) & (p.spans <= p.n_tokens)).all()
+        for a, b in p.spans:
+            assert tok.decode(p.tokens[a:b].tolist()).replace(" ", "").lower() == "python"
+    assert all(p.spans is None for p in segment_encoding(text, "other", enc, 50))
