@@ -54,6 +54,7 @@ from pipeline.data.readers import (
 )
 from pipeline.data.shards import (
     FORMAT_VERSION,
+    INDEX_COLUMNS,
     MANIFEST,
     SPLITS,
     TOKENIZER_DIR,
@@ -62,7 +63,7 @@ from pipeline.data.shards import (
     atomic_write_bytes,
     brace_pattern,
     load_manifest,
-    sample_bytes,
+    sample_record,
     shard_name,
     split_of,
     token_dtype,
@@ -195,7 +196,7 @@ _FLAG_KEYS = {
 }
 
 
-def prepare_from_cli(args: argparse.Namespace) -> int:
+def config_from_cli(args: argparse.Namespace) -> PrepareConfig:
     overrides = {
         key: getattr(args, flag)
         for flag, key in _FLAG_KEYS.items()
@@ -203,8 +204,11 @@ def prepare_from_cli(args: argparse.Namespace) -> int:
     }
     if getattr(args, "force", False):
         overrides["force"] = True
-    cfg = load_prepare_config(args.config, overrides)
-    run_prepare(cfg)
+    return load_prepare_config(args.config, overrides)
+
+
+def prepare_from_cli(args: argparse.Namespace) -> int:
+    run_prepare(config_from_cli(args))
     return 0
 
 
@@ -452,15 +456,23 @@ class Encoder:
                         split=split,
                         language=lang,
                         n_tokens=piece.n_tokens,
-                        sample=sample_bytes(doc, self.dtype),
+                        sample=sample_record(doc, self.dtype),
                     )
                 )
         flat = [row for per_doc in rows for row in per_doc]
         columns = list(zip(*flat, strict=True)) if flat else [[] for _ in _OUT_COLUMNS]
         out = {}
         for (name, dtype), values in zip(_OUT_COLUMNS, columns, strict=True):
-            out[name] = np.array(values, dtype=dtype) if dtype is not object else _objects(values)
+            if dtype is object:
+                out[name] = _objects(values)
+            elif name == "index":
+                out[name] = np.array(values, dtype=dtype).reshape(-1, len(_NO_INDEX))
+            else:
+                out[name] = np.array(values, dtype=dtype)
         return out
+
+
+_NO_INDEX = (0,) * (INDEX_COLUMNS - 2)  # the index columns of a rejected document's row
 
 
 def _row(
@@ -472,12 +484,15 @@ def _row(
     split: str = "",
     language: str = "",
     n_tokens: int = 0,
-    sample: bytes = b"",
+    sample: tuple[bytes, tuple[int, ...]] = (b"", _NO_INDEX),
     line: int = 0,
     detail: str = "",
 ) -> tuple:
     """One output row (the order of _OUT_COLUMNS): a piece, or a rejected document."""
-    return (source, ordinal, piece, reject, dedup, split, language, n_tokens, sample, line, detail)
+    data, index = sample
+    return (
+        source, ordinal, piece, reject, dedup, split, language, n_tokens, data, index, line, detail
+    )  # fmt: skip
 
 
 _OUT_COLUMNS = (
@@ -490,6 +505,7 @@ _OUT_COLUMNS = (
     ("language", object),
     ("n_tokens", np.int64),
     ("sample", object),
+    ("index", np.int64),  # (n, INDEX_COLUMNS - 2): the sample's index row after offset, size
     ("line", np.int64),
     ("detail", object),
 )
@@ -517,13 +533,13 @@ class _SplitWriter:
         self.writer: ShardWriter | None = None
         self.docs = self.bytes = 0
 
-    def add(self, data: bytes, n_tokens: int) -> None:
+    def add(self, data: bytes, columns: tuple[int, ...]) -> None:
         if self.writer is None:
             self.writer = ShardWriter(
                 self.root, shard_name(self.split, len(self.entries)), self.dtype
             )
             self.docs = self.bytes = 0
-        self.writer.write_bytes(data, n_tokens)
+        self.writer.write_bytes(data, columns)
         self.docs += 1
         self.bytes += len(data)
         if (self.shard_docs and self.docs >= self.shard_docs) or (
@@ -582,7 +598,7 @@ def _write_ordered(batches, out: Path, dtype, cfg: PrepareConfig, uris: list[str
     for batch in batches:
         source, ordinal, piece = batch["source"], batch["ordinal"], batch["piece"]
         reject, dedup, split = batch["reject"], batch["dedup"], batch["split"]
-        n_tokens, samples = batch["n_tokens"], batch["sample"]
+        samples, index = batch["sample"], batch["index"]
         for i in range(len(source)):
             s, o, p = int(source[i]), int(ordinal[i]), int(piece[i])
             if (s, o, p) <= last:
@@ -606,7 +622,7 @@ def _write_ordered(batches, out: Path, dtype, cfg: PrepareConfig, uris: list[str
                 tally.languages[batch["language"][i]] += 1
             elif (s, o) == skip_doc:
                 continue
-            writers[split[i]].add(samples[i], int(n_tokens[i]))
+            writers[split[i]].add(samples[i], tuple(index[i].tolist()))
     return {split: w.finish() for split, w in writers.items()}, tally
 
 

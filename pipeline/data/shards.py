@@ -41,8 +41,16 @@ SPLITS = ("train", "valid")
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 INDEX_SUFFIX = ".idx.npy"
-# Index columns.
+# Index columns. The first three locate a sample; the rest (written since session 2,
+# absent from older 3-column indexes) locate each member's data inside the sample's
+# bytes, so a random read is a slice and a few np.frombuffer calls, no tar or .npy
+# header parsing. *_AT: byte offset of the member's array data (or JSON) from the
+# sample's start; SPANS_AT is -1 when the sample has no spans.npy.
 OFFSET, SIZE, N_TOKENS = 0, 1, 2
+(META_AT, META_SIZE, TOKENS_AT, TOKEN_BYTES) = (3, 4, 5, 6)
+(SENTS_AT, N_SENTS, WORDS_AT, N_WORDS, SPANS_AT, N_SPANS) = (7, 8, 9, 10, 11, 12)
+INDEX_COLUMNS = 13
+_TOKEN_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 # Memory maps a DataDir keeps open per process (each holds a file descriptor).
 MAX_OPEN_SHARDS = 64
 
@@ -160,7 +168,13 @@ def encode_document(doc: Document, dtype: np.dtype, npy=_npy_bytes) -> dict[str,
 
 
 def sample_bytes(doc: Document, dtype: np.dtype) -> bytes:
-    """The tar members of one sample, exactly the bytes ``ShardWriter.write`` appends.
+    """The tar members of one sample, exactly the bytes ``ShardWriter.write`` appends."""
+    return sample_record(doc, dtype)[0]
+
+
+def sample_record(doc: Document, dtype: np.dtype) -> tuple[bytes, tuple[int, ...]]:
+    """(the sample's bytes, its index columns after OFFSET and SIZE): see ``sample_bytes``.
+
 
     Lets workers (e.g. Ray actors) serialize samples in parallel, so the process that
     writes the shard only appends bytes (``ShardWriter.write_bytes``). The hot path of
@@ -169,13 +183,35 @@ def sample_bytes(doc: Document, dtype: np.dtype) -> bytes:
     tests/integration/test_prepare.py checks the bytes against ``ShardWriter.write``.
     """
     sample = encode_document(doc, dtype, _npy_bytes_fast)
-    parts = []
+    parts, at, pos = [], {}, 0
     for name in sorted(k for k in sample if k != "__key__"):
         data = sample[name]
-        parts.append(_tar_header(f"{doc.key}.{name}", len(data)))
-        parts.append(data)
-        parts.append(tarfile.NUL * (-len(data) % tarfile.BLOCKSIZE))
-    return b"".join(parts)
+        header = _tar_header(f"{doc.key}.{name}", len(data))
+        at[name] = (pos + len(header), len(data))  # where the member's bytes start
+        pad = tarfile.NUL * (-len(data) % tarfile.BLOCKSIZE)
+        parts += [header, data, pad]
+        pos += len(header) + len(data) + len(pad)
+
+    def array_at(name: str, array: np.ndarray) -> tuple[int, int]:
+        start, size = at[name]
+        return start + size - array.nbytes, array.size  # the data ends the .npy member
+
+    tokens = np.asarray(doc.tokens)
+    item = np.dtype(dtype).itemsize
+    spans = (-1, 0)
+    if doc.spans is not None:  # N_SPANS counts (start, end) pairs
+        spans_at, n_values = array_at("spans.npy", np.asarray(doc.spans, dtype=np.int32))
+        spans = (spans_at, n_values // 2)
+    columns = (
+        doc.n_tokens,
+        *at["meta.json"],
+        array_at("tokens.npy", tokens.astype(dtype, copy=False))[0],
+        item,
+        *array_at("sents.npy", np.asarray(doc.sents, dtype=np.int32)),
+        *array_at("words.npy", np.asarray(doc.words, dtype=np.int32)),
+        *spans,
+    )
+    return b"".join(parts), columns
 
 
 _USTAR_MAX_SIZE = 8**11  # 11 octal digits; larger sizes need a pax header
@@ -234,23 +270,24 @@ class ShardWriter:
         import webdataset as wds
 
         self._tar = wds.TarWriter(self._file, user="", group="", mode=0o644, mtime=0)
-        self._rows: list[tuple[int, int, int]] = []
+        self._rows: list[tuple[int, ...]] = []
         self.n_tokens = 0
 
     def write(self, doc: Document) -> None:
-        start = self._tar.tarstream.offset
-        self._tar.write(encode_document(doc, self.dtype))
-        self._rows.append((start, self._tar.tarstream.offset - start, doc.n_tokens))
-        self.n_tokens += doc.n_tokens
+        """Append one document (the same bytes webdataset's ``TarWriter.write`` gives for
+        ``encode_document(doc)``: tests/unit/test_shards.py checks it)."""
+        self.write_bytes(*sample_record(doc, self.dtype))
 
-    def write_bytes(self, data: bytes, n_tokens: int) -> None:
-        """Append one sample serialized by ``sample_bytes`` (same bytes as ``write``)."""
+    def write_bytes(self, data: bytes, columns: tuple[int, ...]) -> None:
+        """Append one sample serialized by ``sample_record`` (bytes + its index columns)."""
+        if len(columns) != INDEX_COLUMNS - 2:
+            raise ValueError(f"{len(columns)} index columns, expected {INDEX_COLUMNS - 2}")
         tar = self._tar.tarstream
         start = tar.offset
         tar.fileobj.write(data)
         tar.offset += len(data)
-        self._rows.append((start, len(data), n_tokens))
-        self.n_tokens += n_tokens
+        self._rows.append((start, len(data), *columns))
+        self.n_tokens += columns[0]
 
     def close(self) -> dict[str, Any]:
         """Finish the tar, rename it into place, write the index; return the manifest entry."""
@@ -258,11 +295,13 @@ class ShardWriter:
         if not self._file.closed:
             self._file.close()
         os.replace(self._tmp, self.path)
-        index = np.asarray(self._rows, dtype=np.int64).reshape(-1, 3)
-        atomic_write_bytes(self.root / index_name(self.name), _npy_bytes(index))
+        index = np.asarray(self._rows, dtype=np.int64).reshape(-1, INDEX_COLUMNS)
+        index_bytes = _npy_bytes(index)
+        atomic_write_bytes(self.root / index_name(self.name), index_bytes)
         return {
             "name": self.name,
             "index": index_name(self.name),
+            "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
             "n_docs": len(self._rows),
             "n_tokens": self.n_tokens,
             "bytes": self.path.stat().st_size,
@@ -423,6 +462,34 @@ def _decode_sample_bytes(raw: bytes) -> Document | None:
     )
 
 
+def _decode_indexed(raw: bytes, row: list[int]) -> Document | None:
+    """One sample's bytes -> Document through its index row: no header parsing at all.
+
+    The key is the first member's name (a plain ustar name field: "KEY.meta.json"); a
+    sample whose first header is not that (a pax header for a long key) returns None
+    and goes the header-parsing way. np.frombuffer raises ValueError when an index row
+    points outside the sample, so a stale index cannot read past it.
+    """
+    name = raw[:100].split(b"\0", 1)[0]
+    dot = name.find(b".")
+    if name[dot:] != b".meta.json":
+        return None
+    meta_at, meta_size = row[META_AT], row[META_SIZE]
+    if meta_at + meta_size > len(raw):
+        raise ValueError("meta.json lies outside the sample")
+    spans = None
+    if row[SPANS_AT] >= 0:
+        spans = np.frombuffer(raw, np.int32, 2 * row[N_SPANS], row[SPANS_AT]).reshape(-1, 2)
+    return Document(
+        key=name[:dot].decode("ascii"),
+        tokens=np.frombuffer(raw, _TOKEN_DTYPES[row[TOKEN_BYTES]], row[N_TOKENS], row[TOKENS_AT]),
+        sents=np.frombuffer(raw, np.int32, row[N_SENTS], row[SENTS_AT]),
+        words=np.frombuffer(raw, np.int32, row[N_WORDS], row[WORDS_AT]),
+        meta=json.loads(raw[meta_at : meta_at + meta_size]),
+        spans=spans,
+    )
+
+
 class DataDir:
     """Read access to a prepared data directory: manifest, indexes, documents."""
 
@@ -472,8 +539,11 @@ class DataDir:
             raise ShardError(
                 f"index {path} is missing or unreadable ({err}); re-run `plm data prepare --force`"
             ) from None
-        if rows.ndim != 2 or rows.shape[1] != 3:
-            raise ShardError(f"index {path} has shape {rows.shape}, expected (n_docs, 3)")
+        if rows.ndim != 2 or rows.shape[1] not in (3, INDEX_COLUMNS):
+            raise ShardError(
+                f"index {path} has shape {rows.shape}, expected (n_docs, {INDEX_COLUMNS}); "
+                "re-run `plm data prepare --force`"
+            )
         return rows
 
     def _shard_map(self, shard: str) -> mmap.mmap:
@@ -504,7 +574,8 @@ class DataDir:
         The sample's bytes are copied out of the shard's memory map (so closing the map
         never invalidates a Document); the Document's arrays are read-only views of them.
         """
-        offset, size, _ = self.index(shard)[i].tolist()
+        row = self.index(shard)[i].tolist()
+        offset, size = row[OFFSET], row[SIZE]
         mm = self._shard_map(shard)
         # The error messages are formatted only on error: read() is on the hot path.
         if offset < 0 or size <= 0 or offset + size > len(mm):
@@ -515,7 +586,9 @@ class DataDir:
             )
         raw = mm[offset : offset + size]
         try:
-            doc = _decode_sample_bytes(raw)
+            doc = _decode_indexed(raw, row) if len(row) == INDEX_COLUMNS else None
+            if doc is None:
+                doc = _decode_sample_bytes(raw)
             if doc is None:  # not plain tar headers: webdataset's general reader
                 doc = _decode_with_webdataset(raw, f"{shard}#{i}")
         except (tarfile.TarError, ValueError, KeyError) as err:
@@ -570,8 +643,30 @@ class DataDir:
                     if doc.n_tokens != rows[n - 1, N_TOKENS]:
                         problems.append(f"{shard['name']}: sample {n - 1} token count != index")
                         break
+                    if rows.shape[1] == INDEX_COLUMNS and not _same_document(
+                        doc, self, shard["name"], n - 1
+                    ):
+                        problems.append(
+                            f"{shard['name']}: sample {n - 1} read through the index differs "
+                            "from the tar (stale index)"
+                        )
+                        break
                 if n != len(rows):
                     problems.append(
                         f"{shard['name']}: {n} samples in the tar, index has {len(rows)}"
                     )
         return problems
+
+
+def _same_document(doc: Document, data: DataDir, shard: str, i: int) -> bool:
+    """Does random access through the index give the document the tar stream gives?"""
+    try:
+        other = data.read(shard, i)
+    except ShardError:
+        return False
+    arrays = ("tokens", "sents", "words")
+    same = all(np.array_equal(getattr(doc, a), getattr(other, a)) for a in arrays)
+    spans_same = (doc.spans is None) == (other.spans is None) and (
+        doc.spans is None or np.array_equal(doc.spans, other.spans)
+    )
+    return same and spans_same and doc.key == other.key and doc.meta == other.meta

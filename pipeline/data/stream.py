@@ -228,6 +228,9 @@ class _Core:
         for unit, group, rng in zip(units, groups.tolist(), rngs, strict=True):
             pool = self.all_docs if objective.static else plan.pool(group)
             docs.append([self.read(d) for d in objective.needs(unit, rng, pool)])
+        if objective.staged:  # ERNIE: masking stages by training progress (None: eval pass)
+            position = epoch * self.batches_per_epoch + index if self.cycle else None
+            return objective.make_batch(units, docs, rngs, position=position)
         return objective.make_batch(units, docs, rngs)
 
     def read(self, doc_id: int) -> Document:
@@ -238,6 +241,16 @@ class _Core:
         shard, sample = self.shards[self.shard_of[doc_id]], int(self.local[doc_id])
         doc = self.data.read(shard, sample)
         self.docs_read += 1
+        if doc.n_tokens != self.lengths[doc_id] or (
+            doc.n_tokens and int(doc.tokens.max()) >= self.objective.vocab_size
+        ):
+            self._bad_document(doc_id, shard, sample, doc)
+        self._cache[doc_id] = doc
+        if len(self._cache) > self.cache_docs:
+            self._cache.popitem(last=False)
+        return doc
+
+    def _bad_document(self, doc_id: int, shard: str, sample: int, doc: Document) -> None:
         where = f"{self.data.root / shard} sample {sample} ({doc.key})"
         if doc.n_tokens != self.lengths[doc_id]:
             raise ShardError(
@@ -249,10 +262,6 @@ class _Core:
                 f"{where} holds token id {int(doc.tokens.max())} >= the vocabulary size "
                 f"{self.objective.vocab_size}: the shards and the tokenizer do not match"
             )
-        self._cache[doc_id] = doc
-        if len(self._cache) > self.cache_docs:
-            self._cache.popitem(last=False)
-        return doc
 
 
 class _WorkerBatches(IterableDataset):
@@ -362,6 +371,9 @@ class PretrainStream:
             return f"{path.stat().st_size} bytes, the manifest says {entry['bytes']}"
         if verify and sha256_file(path) != entry["sha256"]:
             return "sha256 does not match the manifest (corrupted or changed)"
+        index = self.data.root / entry.get("index", "")
+        if verify and "index_sha256" in entry and sha256_file(index) != entry["index_sha256"]:
+            return f"its index {index.name} does not match the manifest's sha256"
         try:
             rows = self.data.index(entry["name"])
         except ShardError as err:

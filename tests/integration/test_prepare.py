@@ -14,7 +14,14 @@ from pipeline.data import prepare as prep
 from pipeline.data.inspect import inspect_data
 from pipeline.data.prepare import PrepareConfig, PrepareError, foreign_files, run_prepare
 from pipeline.data.readers import InputError
-from pipeline.data.shards import DataDir, Document, ShardError, ShardWriter, sample_bytes
+from pipeline.data.shards import (
+    DataDir,
+    Document,
+    ShardError,
+    ShardWriter,
+    encode_document,
+    sample_bytes,
+)
 from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -346,18 +353,23 @@ def test_sample_bytes_match_the_shard_writer(tmp_path):
         )
         for i in range(30)
     ]
-    a, b = (
-        ShardWriter(tmp_path, "train/shard-000000.tar", np.uint16),
-        ShardWriter(tmp_path, "valid/shard-000000.tar", np.uint16),
-    )
+    # The reference: webdataset's own TarWriter on the same samples.
+    import webdataset as wds
+
+    reference = tmp_path / "reference.tar"
+    with open(reference, "wb") as f:
+        tar = wds.TarWriter(f, user="", group="", mode=0o644, mtime=0)
+        for doc in docs:
+            tar.write(encode_document(doc, np.dtype(np.uint16)))
+        tar.close()
+    ours = ShardWriter(tmp_path, "train/shard-000000.tar", np.uint16)
     for doc in docs:
-        a.write(doc)
-        b.write_bytes(sample_bytes(doc, np.uint16), doc.n_tokens)
-    ea, eb = a.close(), b.close()
-    assert ea["sha256"] == eb["sha256"] and ea["bytes"] == eb["bytes"]
-    assert (tmp_path / "train/shard-000000.idx.npy").read_bytes() == (
-        tmp_path / "valid/shard-000000.idx.npy"
-    ).read_bytes()
+        ours.write(doc)  # = write_bytes(*sample_record(doc, dtype)), as the prepare actors do
+    entry = ours.close()
+    assert (tmp_path / entry["name"]).read_bytes() == reference.read_bytes()
+    assert b"".join(sample_bytes(d, np.uint16) for d in docs) == reference.read_bytes()[
+        : sum(len(sample_bytes(d, np.uint16)) for d in docs)
+    ]
 
 
 def test_entity_list_writes_spans(ray_local, corpus, tokenizer_dir, tmp_path):

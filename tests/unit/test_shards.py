@@ -7,6 +7,8 @@ import torch
 import webdataset as wds
 
 from pipeline.data.shards import (
+    INDEX_COLUMNS,
+    TOKENS_AT,
     DataDir,
     Document,
     ShardError,
@@ -156,7 +158,7 @@ def test_random_access_decodes_exactly_what_webdataset_streams(tmp_path):
     assert not data.read(shard, 4).tokens.flags.writeable
     # samples 5 and 7 (pax headers) took webdataset's reader inside read(), the rest not
     raw = (tmp_path / shard).read_bytes()
-    plain = [_decode_sample_bytes(raw[o : o + n]) is not None for o, n, _ in data.index(shard)]
+    plain = [_decode_sample_bytes(raw[o : o + n]) is not None for o, n, *_ in data.index(shard)]
     assert [i for i, p in enumerate(plain) if not p] == [5, 7]
 
 
@@ -179,6 +181,12 @@ def test_a_corrupted_sample_is_a_shard_error_naming_it(tmp_path, where):
         flip(path, offset + 10)  # in the name of the first member: checksum mismatch
     elif where == "npy header":
         flip(path, offset + sample.index(b"NUMPY"))  # the magic of the first .npy member
+        # Reads through a full index never parse .npy headers (the shard's sha256, checked
+        # when a stream starts and by `plm data inspect --verify`, covers them): the
+        # header parser is what an older 3-column index uses.
+        assert any("sha256" in p for p in DataDir(tmp_path).verify())
+        index = tmp_path / "train/shard-000000.idx.npy"
+        np.save(index, np.load(index)[:, :3])
     elif where == "json":
         flip(path, offset + sample.index(b'"source"'))  # meta.json is no longer JSON
     else:
@@ -220,3 +228,33 @@ def test_random_access_is_safe_in_forked_loader_workers_and_after_close(tmp_path
     data.close()
     data.close()  # closing twice is fine, and reading reopens
     assert data.read(shard, 11).key == docs[11].key
+
+
+def test_full_and_legacy_indexes_read_the_same_documents(tmp_path):
+    docs = varied_docs()
+    shard = write_docs(tmp_path, docs)
+    index = tmp_path / "train/shard-000000.idx.npy"
+    assert np.load(index).shape == (len(docs), INDEX_COLUMNS)
+    full = [DataDir(tmp_path).read(shard, i) for i in range(len(docs))]
+    np.save(index, np.load(index)[:, :3])  # an index written before the member columns
+    legacy = DataDir(tmp_path)
+    for i, doc in enumerate(full):
+        assert_same_document(doc, legacy.read(shard, i))
+
+
+def test_a_stale_index_is_caught_by_verify_and_the_stream(tmp_path):
+    from pipeline.config import ObjectiveSection
+    from pipeline.data.stream import PretrainStream
+    from pipeline.objectives import build_objective
+
+    write_docs(tmp_path, varied_docs())
+    index = tmp_path / "train/shard-000000.idx.npy"
+    rows = np.load(index)
+    rows[4, TOKENS_AT] += 2  # still inside the sample: reads garbage, raises nothing
+    np.save(index, rows)
+    problems = DataDir(tmp_path).verify()
+    assert any("sample 4 read through the index differs" in p for p in problems), problems
+    roles = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "bos": 2, "eos": 3, "eod": 5}
+    objective = build_objective(ObjectiveSection(kind="mlm"), roles, 100_000, 16)
+    with pytest.raises(ShardError, match=r"shard-000000.idx.npy does not match"):
+        PretrainStream(tmp_path, "train", objective, 2, seed=0)
