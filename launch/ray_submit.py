@@ -1,10 +1,14 @@
-"""Submit `plm data prepare` to a Ray cluster as a Ray job, follow its logs, exit with its status.
+"""Submit `plm data prepare` (or `plm data tokenizer`) to a Ray cluster as a Ray job,
+follow its logs, exit with its status.
 
-    python launch/ray_submit.py [--address http://HEAD:8265] [--job-id ID] [--no-wait]
-                                [--installed] -- PREPARE ARGS...
+    python launch/ray_submit.py [--address http://HEAD:8265] [--stage prepare|tokenizer]
+                                [--job-id ID] [--no-wait] [--installed] [--env KEY=VALUE]
+                                -- ARGS...
 
-Everything after ``--`` goes to `plm data prepare` on the cluster (paths there are the
+Everything after ``--`` goes to `plm data <stage>` on the cluster (paths there are the
 cluster's: use absolute paths or URIs such as s3://... that every node can read).
+Exit status: 0 the job succeeded (or was submitted, with --no-wait), 1 it failed or was
+stopped, 2 the cluster refused or could not be reached.
 
 The code travels as the job's ``working_dir`` (this repository, without caches and run
 outputs) unless ``--installed`` says the cluster's image already has the package.
@@ -47,6 +51,13 @@ EXCLUDES = [
     "/.venv",
 ]
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
+STAGES = ("prepare", "tokenizer")  # the `plm data` commands a job can run
+
+
+def entrypoint_argv(stage: str, installed: bool, stage_args: list[str]) -> list[str]:
+    """The job's command: the installed `plm`, or the shipped working_dir's copy of the CLI."""
+    head = ["plm"] if installed else ["python", "-m", "pipeline.cli"]
+    return [*head, "data", stage, *stage_args]
 
 
 def token_source() -> str | None:
@@ -81,8 +92,8 @@ def configure_auth() -> str:
     return f"auth: token from {found}"
 
 
-def build_runtime_env(installed: bool) -> dict:
-    env: dict = {"env_vars": {"PYTHONUNBUFFERED": "1"}}
+def build_runtime_env(installed: bool, env_vars: dict[str, str] | None = None) -> dict:
+    env: dict = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env_vars or {})}}
     if not installed:
         env["working_dir"] = str(REPO_ROOT)
         env["excludes"] = EXCLUDES
@@ -98,14 +109,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         own, prepare_args = argv, []
     parser = argparse.ArgumentParser(
         prog="launch/ray_submit.py",
-        description="Submit `plm data prepare ARGS` (after --) to a Ray cluster as a job.",
+        description="Submit `plm data STAGE ARGS` (after --) to a Ray cluster as a job.",
     )
     parser.add_argument(
         "--address",
         default=os.environ.get("RAY_ADDRESS"),
         help="the cluster's dashboard address, e.g. http://HEAD:8265 (default: RAY_ADDRESS)",
     )
-    parser.add_argument("--job-id", help="submission id (default: plm-prepare-<time>-<random>)")
+    parser.add_argument(
+        "--stage",
+        choices=list(STAGES),
+        default="prepare",
+        help="which `plm data` command the job runs (default: prepare)",
+    )
+    parser.add_argument("--job-id", help="submission id (default: plm-<stage>-<time>-<random>)")
+    parser.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an environment variable for the job (repeatable); never put secrets here: "
+        "they would show in the job's metadata, give them to the cluster's pods instead",
+    )
     parser.add_argument("--no-wait", action="store_true", help="submit and return at once")
     parser.add_argument(
         "--installed",
@@ -120,7 +145,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(own)
     if not prepare_args:
-        parser.error("nothing to run: pass the `plm data prepare` arguments after --")
+        parser.error(f"nothing to run: pass the `plm data {args.stage}` arguments after --")
+    bad = [item for item in args.env if "=" not in item or item.startswith("=")]
+    if bad:
+        parser.error(f"--env takes KEY=VALUE, got {bad[0]!r}")
+    args.env_vars = dict(item.split("=", 1) for item in args.env)
     if not args.address:
         parser.error("no cluster: pass --address http://HEAD:8265 or set RAY_ADDRESS")
     args.prepare_args = prepare_args
@@ -138,16 +167,17 @@ def main(argv: list[str] | None = None) -> int:
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    job_id = args.job_id or f"plm-prepare-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
-    entrypoint = shlex.join(["python", "-m", "pipeline.cli", "data", "prepare", *args.prepare_args])
+    stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    job_id = args.job_id or f"plm-{args.stage}-{stamp}"
+    entrypoint = shlex.join(entrypoint_argv(args.stage, args.installed, args.prepare_args))
     try:
         client = JobSubmissionClient(args.address)
         client.submit_job(
             entrypoint=entrypoint,
             submission_id=job_id,
-            runtime_env=build_runtime_env(args.installed),
+            runtime_env=build_runtime_env(args.installed, args.env_vars),
             entrypoint_num_cpus=args.entrypoint_num_cpus,
-            metadata={"tool": "plm-pipeline", "stage": "data prepare"},
+            metadata={"tool": "plm-pipeline", "stage": f"data {args.stage}"},
         )
     except AuthenticationError as err:
         print(

@@ -17,6 +17,10 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
         seed=args.seed,
         text_field=args.text_field,
     )
+    if args.dry_run:
+        from pipeline.data.plan import print_tokenizer_plan
+
+        return print_tokenizer_plan(args.input, spec, args.output)
     out = train_tokenizer(args.input, spec, args.output)
     print(f"tokenizer written to {out}")
     return 0
@@ -25,6 +29,11 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
 def _data_prepare(args: argparse.Namespace) -> int:
     from pipeline.data.prepare import prepare_from_cli
 
+    if args.dry_run:
+        from pipeline.data.plan import print_prepare_plan
+        from pipeline.data.prepare import config_from_cli
+
+        return print_prepare_plan(config_from_cli(args))
     return prepare_from_cli(args)
 
 
@@ -58,6 +67,34 @@ def _export(args: argparse.Namespace) -> int:
     out = export_to_hf(args.bundle, args.out)
     print(f"transformers folder written to {out}")
     return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from pipeline.generate import generate_from_cli
+
+    return generate_from_cli(args)
+
+
+def _finetune(args: argparse.Namespace) -> int:
+    from pipeline.finetune.config import load_finetune_config
+    from pipeline.finetune.loop import finetune
+
+    finetune(load_finetune_config(args.config, args.overrides))  # bad input: exit 2
+    return 0
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from pipeline.finetune.predict import predict
+
+    out = predict(args.model, args.input, args.output, args.batch_size, args.tracking_uri)
+    print(f"predictions written to {out}")
+    return 0
+
+
+def _neighbors(args: argparse.Namespace) -> int:
+    from pipeline.neighbors import neighbors_from_cli
+
+    return neighbors_from_cli(args)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -94,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tok.add_argument("--seed", type=int, default=1234)
     tok.add_argument("--text-field", default="text", help="jsonl field / parquet column")
+    tok.add_argument(
+        "--dry-run", action="store_true", help="validate inputs, print the plan, train nothing"
+    )
     tok.set_defaults(func=_data_tokenizer)
 
     prep = data.add_parser("prepare", help="Ray job: corpus -> WebDataset shards + manifest")
@@ -111,6 +151,9 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--ray-address", help="a running cluster (else RAY_ADDRESS, else local)")
     prep.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
     prep.add_argument("--force", action="store_true", help="rebuild even if up to date")
+    prep.add_argument(
+        "--dry-run", action="store_true", help="validate inputs and config, print the plan, no Ray"
+    )
     prep.set_defaults(func=_data_prepare)
 
     insp = data.add_parser("inspect", help="totals, splits, rejects; --verify re-hashes")
@@ -137,6 +180,42 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("bundle")
     export.add_argument("out")
     export.set_defaults(func=_export)
+
+    gen = sub.add_parser("generate", help="continue a prompt with gpt / gpt2 / transformer-xl")
+    gen.add_argument("model", help="bundle folder, models:/NAME@ALIAS or runs:/RUN_ID/model")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=50)
+    gen.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
+    gen.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus; 1.0: no cut")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--tracking-uri", help="MLflow (else MLFLOW_TRACKING_URI, else ./mlflow.db)")
+    gen.add_argument("--no-cache", action="store_true", help="recompute the past every step")
+    gen.set_defaults(func=_generate)
+
+    ft = sub.add_parser("finetune", help="fine-tune a pretrained model on a labelled task")
+    ft.add_argument("config", help="YAML fine-tuning config (configs/finetune/)")
+    ft.add_argument("overrides", nargs="*", metavar="key=value")
+    ft.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    ft.set_defaults(func=_finetune)
+
+    pred = sub.add_parser("predict", help="batch inference with a fine-tuned model")
+    pred.add_argument("model", help="fine-tuned folder, models:/NAME@ALIAS or runs:/RUN_ID/model")
+    pred.add_argument(
+        "--input", required=True, help="csv / jsonl / parquet with the task's columns"
+    )
+    pred.add_argument("--output", help="OUT.jsonl or OUT.csv (default: INPUT.predictions.jsonl)")
+    pred.add_argument("--batch-size", type=int, default=64)
+    pred.add_argument(
+        "--tracking-uri", default=None, help="MLflow store (else MLFLOW_TRACKING_URI)"
+    )
+    pred.set_defaults(func=_predict)
+
+    nb = sub.add_parser("neighbors", help="nearest words by cosine (word2vec, ELMo layer 0)")
+    nb.add_argument("model", help="a bundle folder or an MLflow URI (runs:/..., models:/...)")
+    nb.add_argument("word")
+    nb.add_argument("--k", type=int, default=10)
+    nb.set_defaults(func=_neighbors)
 
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
     demo.add_argument("--workdir", default="demo")

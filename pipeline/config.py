@@ -42,10 +42,20 @@ class MlmConfig(Strict):
     random_fraction: float = Field(0.1, ge=0, le=1)  # of the selected: a random token
     static: bool = False  # True: one fixed mask per sample (seeded), as original BERT
     whole_word: bool = False
+    # n-gram masking (ALBERT): spans of 1..ngram whole words, P(n) ~ 1/n; 1 = off.
+    ngram: int = Field(1, ge=1, le=8)
+    # mlm only: window (one doc cut anywhere), full_sentences (RoBERTa: whole sentences
+    # packed across documents, </s> between them), doc_sentences (never crossing a document)
+    packing: Literal["window", "full_sentences", "doc_sentences"] = "window"
 
 
 class NspConfig(Strict):
     random_next_probability: float = Field(0.5, ge=0, le=1)
+    short_seq_probability: float = Field(0.1, ge=0, le=1)
+
+
+class SopConfig(Strict):
+    swap_probability: float = Field(0.5, ge=0, le=1)  # B before A (label 1)
     short_seq_probability: float = Field(0.1, ge=0, le=1)
 
 
@@ -54,11 +64,71 @@ class ClmConfig(Strict):
     block_cross_document_attention: bool = False  # tokens attend only within their document
 
 
+class Word2vecConfig(Strict):
+    """word2vec's data knobs (mode, window, negatives are the model's: configs/models/)."""
+
+    noise_power: float = Field(0.75, ge=0, le=1)  # negatives ~ unigram count ** noise_power
+    subsample: float = Field(0.0, ge=0)  # Mikolov's t (e.g. 1e-4); 0: keep every token
+    count_max_tokens: int = Field(100_000_000, gt=0)  # train tokens read to count unigrams
+
+
+class PlmConfig(Strict):
+    """XLNet's permutation LM (see pipeline/objectives/plm.py)."""
+
+    k: float = Field(6.0, gt=1)  # partial prediction: the last 1/K of each order is predicted
+    max_span: int = Field(5, ge=1)  # predicted spans of 1..max_span tokens, P(n) ~ 1/n
+    reuse_len: int | None = Field(None, gt=0)  # stream stride; None: the model's reuse_len
+
+
+class RtdConfig(Strict):
+    """ELECTRA: loss = generator MLM loss + disc_weight * replaced-token-detection loss."""
+
+    disc_weight: float = Field(50.0, ge=0)  # the paper's lambda
+
+
+class DistillConfig(Strict):
+    """DistilBERT: loss = alpha_ce * soft CE(T) + alpha_mlm * MLM + alpha_cos * cosine."""
+
+    teacher: str = ""  # bundle dir, runs:/RUN_ID/model or models:/NAME@ALIAS
+    tracking_uri: str | None = None  # for URIs; None: MLFLOW_TRACKING_URI or the local store
+    temperature: float = Field(2.0, gt=0)
+    alpha_ce: float = Field(5.0, ge=0)
+    alpha_mlm: float = Field(2.0, ge=0)
+    alpha_cos: float = Field(1.0, ge=0)
+    layers: list[int] | None = None  # teacher layer per student layer; None: every other one
+
+
+class ErnieStage(Strict):
+    masking: Literal["basic", "phrase", "entity"]
+    until: float = Field(gt=0, le=1)  # this stage ends at this fraction of train.max_steps
+
+
+class ErnieConfig(Strict):
+    """ERNIE 1.0's knowledge masking, in stages (see pipeline/objectives/ernie.py)."""
+
+    stages: list[ErnieStage] = Field(
+        default_factory=lambda: [
+            ErnieStage(masking="basic", until=0.4),
+            ErnieStage(masking="phrase", until=0.7),
+            ErnieStage(masking="entity", until=1.0),
+        ],
+        min_length=1,
+    )
+    phrase_max_words: int = Field(3, ge=2)  # non-Chinese text: phrases of 2..N words
+    nsp: bool = True  # ERNIE 1.0 keeps next-sentence prediction; false: MLM only
+
+
 class ObjectiveSection(Strict):
     kind: str = "mlm+nsp"  # mlm, mlm+nsp, clm, ... (validated by pipeline.objectives)
     mlm: MlmConfig = MlmConfig()
     nsp: NspConfig = NspConfig()
+    sop: SopConfig = SopConfig()
     clm: ClmConfig = ClmConfig()
+    rtd: RtdConfig = RtdConfig()
+    distill: DistillConfig = DistillConfig()
+    ernie: ErnieConfig = ErnieConfig()
+    word2vec: Word2vecConfig = Word2vecConfig()
+    plm: PlmConfig = PlmConfig()
 
 
 class DataSection(Strict):

@@ -2,6 +2,7 @@
 
     bert -> BertForPreTraining   (prediction_logits, seq_relationship_logits)
     gpt2 -> GPT2LMHeadModel      (logits)
+    gpt  -> OpenAIGPTLMHeadModel (logits; adapter in hf_gpt.py)
 
 The vocabulary: our models pad it to a multiple of 64 with rows that can never be
 predicted. The export drops those rows, so the HF model's vocab_size equals the
@@ -23,6 +24,13 @@ import torch
 from safetensors.torch import load_file
 from torch import Tensor
 
+from pipeline.export.hf_albert import albert_to_hf_state, hf_albert_model
+from pipeline.export.hf_distilbert import distilbert_to_hf_state, hf_distilbert_model
+from pipeline.export.hf_electra import electra_to_hf_state, hf_electra_model, write_generator
+from pipeline.export.hf_ernie import ernie_to_hf_state, hf_ernie_model
+from pipeline.export.hf_gpt import gpt_state, hf_gpt_model
+from pipeline.export.hf_roberta import hf_roberta_model, roberta_template, roberta_to_hf_state
+from pipeline.export.hf_xlnet import hf_xlnet_model, xlnet_template, xlnet_to_hf_state
 from pipeline.models.bundle import WEIGHTS_FILE, read_bundle_config, replace_dir
 from pipeline.models.registry import ARCHITECTURES
 
@@ -143,6 +151,15 @@ def hf_gpt2_model(cfg: Any, roles: dict[str, int]):
 
 
 _ADAPTERS = {"bert": (_bert_state, hf_bert_model), "gpt2": (_gpt2_state, hf_gpt2_model)}
+_ADAPTERS["roberta"] = (roberta_to_hf_state, hf_roberta_model)  # RobertaForMaskedLM
+_ADAPTERS["albert"] = (albert_to_hf_state, hf_albert_model)  # AlbertForPreTraining
+_ADAPTERS["electra"] = (electra_to_hf_state, hf_electra_model)  # ElectraForPreTraining
+_ADAPTERS["distilbert"] = (distilbert_to_hf_state, hf_distilbert_model)  # ...ForMaskedLM
+_ADAPTERS["ernie"] = (ernie_to_hf_state, hf_ernie_model)  # ErnieForPreTraining
+# More transformers models written beside the main one: fn(state, cfg, roles, out, tokenizer)
+_EXTRA_WRITERS = {"electra": write_generator}  # the generator in OUT/generator/
+_ADAPTERS["gpt"] = (gpt_state, hf_gpt_model)  # OpenAIGPTLMHeadModel
+_ADAPTERS["xlnet"] = (xlnet_to_hf_state, hf_xlnet_model)  # XLNetLMHeadModel
 
 
 # ----------------------------------------------------------------------------- tokenizer
@@ -155,7 +172,7 @@ def _hf_tokenizer(bundle_dir: Path, arch: str, roles: dict[str, int], max_len: i
 
     tok = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
     names = {role: tok.id_to_token(i) for role, i in roles.items() if i is not None}
-    if arch == "bert":
+    if arch in ("bert", "albert", "electra", "ernie", "distilbert"):
         cls, sep = names["cls"], names["sep"]
         tok.post_processor = TemplateProcessing(
             single=f"{cls} $A:0 {sep}:0",
@@ -163,6 +180,14 @@ def _hf_tokenizer(bundle_dir: Path, arch: str, roles: dict[str, int], max_len: i
             special_tokens=[(cls, roles["cls"]), (sep, roles["sep"])],
         )
         input_names = ["input_ids", "token_type_ids", "attention_mask"]
+        if arch == "distilbert":  # no segment embeddings
+            input_names = ["input_ids", "attention_mask"]
+    elif arch == "xlnet":  # A <sep> B <sep> <cls>, segment ids 0 / 1 / 2
+        tok.post_processor = xlnet_template(roles, names)
+        input_names = ["input_ids", "token_type_ids", "attention_mask"]
+    elif arch == "roberta":  # <s> A </s></s> B </s>, no segment ids
+        tok.post_processor = roberta_template(roles, names)
+        input_names = ["input_ids", "attention_mask"]
     else:
         input_names = ["input_ids", "attention_mask"]
     specials = {
@@ -194,7 +219,8 @@ def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
     cfg = ARCHITECTURES[arch][0].model_validate(config["model"])
     roles = config["vocab"].get("roles", {})
 
-    hf_state = to_state(load_file(str(bundle_dir / WEIGHTS_FILE)), cfg)
+    state = load_file(str(bundle_dir / WEIGHTS_FILE))
+    hf_state = to_state(state, cfg)
     model = make_model(cfg, roles)
     result = model.load_state_dict(hf_state, strict=False)
     # Only the tied output weights may be absent from our state (they alias the embeddings).
@@ -212,6 +238,8 @@ def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        if arch in _EXTRA_WRITERS:
+            _EXTRA_WRITERS[arch](state, cfg, roles, tmp, tokenizer)
         tmp.chmod(0o755)
         replace_dir(tmp, out_dir)
     except BaseException:
@@ -225,12 +253,19 @@ def _is_tied_output(key: str) -> bool:
         "cls.predictions.decoder.weight",
         "cls.predictions.decoder.bias",
         "lm_head.weight",
+        "lm_head.decoder.weight",  # roberta
+        "lm_head.decoder.bias",
+        "predictions.decoder.weight",  # albert
+        "predictions.decoder.bias",
+        "vocab_projector.weight",  # distilbert
     }
 
 
 @torch.no_grad()
 def _check_tied(model) -> None:
     """The output projection must be the input embedding matrix (same storage)."""
+    if model.get_output_embeddings() is None:
+        return  # no LM head (ElectraForPreTraining: a per-token classifier)
     out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight
     if out.data_ptr() != inp.data_ptr():
         raise RuntimeError("exported model's output embeddings are not tied to the input ones")

@@ -72,6 +72,15 @@ class GPT2(nn.Module):
     def set_activation_checkpointing(self, enabled: bool) -> None:
         self.checkpointing = enabled
 
+    # embed / head are split out so pipeline.generate can run the blocks with a KV cache
+    def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        return self.dropout(self.wte(input_ids) + self.wpe(position_ids))
+
+    def head(self, x: Tensor) -> dict[str, Tensor]:
+        h = self.ln_f(x)
+        logits = F.linear(h, self.wte.weight, self.pad_bias.to(h.dtype))  # tied LM head
+        return {"logits": logits, "hidden_states": h}
+
     def forward(
         self,
         input_ids: Tensor,
@@ -87,11 +96,9 @@ class GPT2(nn.Module):
             )
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device)[None]
-        x = self.dropout(self.wte(input_ids) + self.wpe(position_ids))
+        x = self.embed(input_ids, position_ids)
         attn_mask, is_causal = causal_mask(attention_mask, document_ids, T)
-        h = self.ln_f(run_blocks(self.blocks, x, attn_mask, is_causal, self.checkpointing))
-        logits = F.linear(h, self.wte.weight, self.pad_bias.to(h.dtype))  # tied LM head
-        return {"logits": logits, "hidden_states": h}
+        return self.head(run_blocks(self.blocks, x, attn_mask, is_causal, self.checkpointing))
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token:

@@ -17,12 +17,32 @@ from pydantic import BaseModel, ValidationError
 from torch import nn
 
 from pipeline.config import CONFIGS_DIR, ConfigError, read_yaml
+from pipeline.models.albert import Albert, AlbertConfig
 from pipeline.models.bert import Bert, BertConfig
+from pipeline.models.distilbert import DistilBert, DistilBertConfig
+from pipeline.models.electra import Electra, ElectraConfig
+from pipeline.models.elmo import Elmo, ElmoConfig
+from pipeline.models.ernie import Ernie, ErnieConfig
+from pipeline.models.gpt import GPT, GPTConfig
 from pipeline.models.gpt2 import GPT2, GPT2Config
+from pipeline.models.roberta import Roberta, RobertaConfig
+from pipeline.models.transformer_xl import TransformerXL, TransformerXLConfig
+from pipeline.models.word2vec import Word2Vec, Word2VecConfig
+from pipeline.models.xlnet import XLNet, XLNetConfig
 
 ARCHITECTURES: dict[str, tuple[type[BaseModel], type[nn.Module]]] = {
     "bert": (BertConfig, Bert),
+    "roberta": (RobertaConfig, Roberta),
+    "albert": (AlbertConfig, Albert),
+    "elmo": (ElmoConfig, Elmo),
+    "word2vec": (Word2VecConfig, Word2Vec),
+    "electra": (ElectraConfig, Electra),
+    "distilbert": (DistilBertConfig, DistilBert),
+    "ernie": (ErnieConfig, Ernie),
     "gpt2": (GPT2Config, GPT2),
+    "gpt": (GPTConfig, GPT),
+    "transformer-xl": (TransformerXLConfig, TransformerXL),
+    "xlnet": (XLNetConfig, XLNet),
 }
 
 PRESETS_DIR = CONFIGS_DIR / "models"

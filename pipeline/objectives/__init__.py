@@ -20,9 +20,16 @@ from pipeline.objectives.base import (
     Unit,
     WindowLayout,
 )
-from pipeline.objectives.clm import ClmObjective
+from pipeline.objectives.bilm import BilmObjective
+from pipeline.objectives.clm import ClmObjective, RecurrentClmObjective
+from pipeline.objectives.distill import DistillObjective
+from pipeline.objectives.ernie import ernie_objective
 from pipeline.objectives.mlm import MlmObjective
 from pipeline.objectives.nsp import MlmNspObjective
+from pipeline.objectives.plm import PlmObjective
+from pipeline.objectives.rtd import RtdObjective
+from pipeline.objectives.sop import MlmSopObjective
+from pipeline.objectives.word2vec import Word2vecObjective
 
 __all__ = [
     "IGNORE_INDEX",
@@ -40,7 +47,15 @@ __all__ = [
 OBJECTIVES: dict[str, tuple[Callable[..., Objective], tuple[str, ...], int]] = {
     "mlm": (MlmObjective, ("pad", "cls", "sep", "mask"), 3),
     "mlm+nsp": (MlmNspObjective, ("pad", "cls", "sep", "mask"), 5),
+    "rtd": (RtdObjective, ("pad", "cls", "sep", "mask"), 3),
+    "distill": (DistillObjective, ("pad", "cls", "sep", "mask"), 3),
+    "ernie": (ernie_objective, ("pad", "cls", "sep", "mask"), 5),
+    "mlm+sop": (MlmSopObjective, ("pad", "cls", "sep", "mask"), 5),
     "clm": (ClmObjective, ("eod",), 1),
+    "bilm": (BilmObjective, ("pad", "bos", "eos"), 3),
+    "word2vec": (Word2vecObjective, ("pad",), 2),
+    "clm-recurrent": (RecurrentClmObjective, ("eod",), 1),
+    "plm": (PlmObjective, ("cls", "sep", "eod"), 6),
 }
 
 

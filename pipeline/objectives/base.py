@@ -117,6 +117,12 @@ class Objective(ABC):
     # no unit shuffle), so a model with memory (Transformer-XL, XLNet) sees the segment
     # before the current one in its memory. See pipeline.data.stream._Core.units.
     recurrent_rows: bool = False
+    # True: make_batch also takes ``position`` (this rank's micro-batch number in the run,
+    # None for evaluation passes) and ``total_batches`` is set by the trainer
+    # (train.max_steps * grad_accum), so the examples can follow the training progress
+    # (ERNIE's masking stages) while staying a pure function of the stream position.
+    staged: bool = False
+    total_batches: int | None = None
 
     def __init__(self, seq_len: int, vocab_size: int):
         self.seq_len = seq_len

@@ -12,13 +12,20 @@ Options: ``reset_position_ids`` restarts positions at 0 after every end-of-docum
 token (and at the block start); ``block_cross_document_attention`` emits
 ``document_ids`` (0, 1, ... per document within the block; the eod token belongs to
 the document it ends) so the model attends only within a document.
+
+``clm-recurrent`` (Transformer-XL): the same blocks, but batch row j reads consecutive
+blocks from batch to batch, so a model's memory holds the text just before its input.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
+import torch
 import torch.nn.functional as F
 
+from pipeline.config import ConfigError
 from pipeline.data.shards import Document
 from pipeline.objectives.base import IGNORE_INDEX, Layout, Objective, Piece, Unit
 
@@ -83,6 +90,14 @@ class ClmObjective(Objective):
         self.clm = cfg.clm
         self.eod_id = int(roles["eod"])
 
+    def attach(self, model: torch.nn.Module) -> None:
+        if takes_memory(model) and not self.recurrent_rows:
+            raise ConfigError(
+                f"objective.kind={self.kind}: model {type(model).__name__} carries a memory "
+                "from one segment to the next, but clm gives each batch row unrelated "
+                "blocks; use objective.kind=clm-recurrent"
+            )
+
     def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
         return BlockLayout(order, lengths, self.seq_len)
 
@@ -110,3 +125,31 @@ class ClmObjective(Objective):
             ignore_index=IGNORE_INDEX,
         )
         return loss, {"lm_loss": loss.detach()}
+
+
+def takes_memory(model: torch.nn.Module) -> bool:
+    """Does this model's forward take ``mems`` (segment-level recurrence)?"""
+    return "mems" in inspect.signature(model.forward).parameters
+
+
+class RecurrentClmObjective(ClmObjective):
+    """``clm-recurrent``: the clm blocks, read in order per batch row (Transformer-XL).
+
+    Row j of batch g+1 is the block right after row j of batch g in the eod-joined stream
+    (``recurrent_rows``), so the memory a model carries over from the previous batch is
+    the text just before the current block. Each row reads its own contiguous stretch of
+    the epoch's documents. Positions and attention run across documents on purpose (the
+    eod token marks the boundary), so the clm knobs that cut at documents are refused.
+    """
+
+    kind = "clm-recurrent"
+    recurrent_rows = True
+
+    def __init__(self, cfg, roles: dict, vocab_size: int, seq_len: int, special_ids: set[int]):
+        super().__init__(cfg, roles, vocab_size, seq_len, special_ids)
+        for knob in ("reset_position_ids", "block_cross_document_attention"):
+            if getattr(self.clm, knob):
+                raise ConfigError(
+                    f"objective.clm.{knob}: not available with objective.kind=clm-recurrent "
+                    "(a recurrent model reads the stream as one text); set it to false"
+                )

@@ -4,18 +4,31 @@ Masking is per token and Bernoulli, as in RoBERTa's dynamic masking: each maskab
 token is selected with ``probability``; a selected token becomes [MASK] with
 ``mask_fraction``, a random ordinary token with ``random_fraction``, else stays; the
 label is the original id at selected positions and -100 elsewhere. Special tokens
-(every role id, [UNK] included, and padding) are never selected. With ``whole_word``
-the selection is drawn per word (``words.npy`` start offsets) and applies to all of
-the word's tokens; the 80/10/10 choice stays per token, as in BERT's whole-word masking.
+(every role id, [UNK] included, and padding) are never selected.
+
+Whole-word masking (``whole_word``, BERT-wwm; Cui et al., 2019): the selection is drawn
+per word (``words.npy`` start offsets: WordPiece words for English, jieba words for
+Chinese, whose BERT tokenizer gives one token per character) and applies to all of the
+word's tokens; the 80/10/10 choice stays per token, as in BERT's whole-word masking.
+``probability`` is then the share of words selected.
+
+N-gram masking (``ngram: N`` > 1, ALBERT; Lan et al., 2019): a word starts an n-gram of
+n = 1..N whole words with P(n) proportional to 1/n; the start rate is solved so that
+the n-grams (overlaps merged) cover ``probability`` of the words.
+
+Packing (``packing``, MLM only; RoBERTa's FULL-SENTENCES / DOC-SENTENCES): see
+``pipeline.objectives.packing``.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import MlmConfig
+from pipeline.config import ConfigError, MlmConfig
 from pipeline.data.shards import Document
 from pipeline.objectives.base import (
     IGNORE_INDEX,
@@ -25,18 +38,67 @@ from pipeline.objectives.base import (
     WindowLayout,
     special_table,
 )
+from pipeline.objectives.packing import Segment, StreamLayout, sentence_segments
+
+
+def ngram_probabilities(max_n: int) -> np.ndarray:
+    """P(n) for n = 1..max_n, proportional to 1/n (ALBERT)."""
+    weights = 1.0 / np.arange(1, max_n + 1)
+    return weights / weights.sum()
+
+
+@lru_cache(maxsize=64)
+def ngram_start_rate(probability: float, max_n: int) -> float:
+    """The rate q at which a word starts an n-gram so that a word is covered with
+    ``probability``: a word is missed when no n-gram starting d = 0..max_n-1 words
+    before it is longer than d, so 1 - prod_d (1 - q * P(n > d)) = probability."""
+    longer = 1.0 - np.concatenate([[0.0], np.cumsum(ngram_probabilities(max_n))[:-1]])
+    lo, hi = 0.0, 1.0
+    for _ in range(60):  # bisection: coverage grows with q
+        q = (lo + hi) / 2
+        if 1.0 - np.prod(1.0 - q * longer) < probability:
+            lo = q
+        else:
+            hi = q
+    return (lo + hi) / 2
+
+
+def draw_ngrams(rng: np.random.Generator, n_words: int, rate: float, max_n: int) -> np.ndarray:
+    """Length of the n-gram starting at each word, 0 where none starts."""
+    starts = rng.random(n_words) < rate
+    cdf = np.cumsum(ngram_probabilities(max_n))
+    lengths = np.minimum(np.searchsorted(cdf, rng.random(n_words), side="right") + 1, max_n)
+    return np.where(starts, lengths, 0)
+
+
+def ngram_cover(lengths: np.ndarray) -> np.ndarray:
+    """Words covered by some n-gram (``lengths`` from ``draw_ngrams``)."""
+    covered = lengths > 0
+    for d in range(1, int(lengths.max(initial=0))):
+        covered[d:] |= lengths[:-d] > d
+    return covered
 
 
 def masking_draws(
-    rng: np.random.Generator, length: int, word_start: np.ndarray | None = None
+    rng: np.random.Generator,
+    length: int,
+    word_start: np.ndarray | None = None,
+    ngram: tuple[int, float] | None = None,
 ) -> np.ndarray:
     """The uniform draws masking one sequence uses, [3, length]: selection (one per
     word with ``word_start``, True where a word starts: all its tokens share it),
-    action (mask / random / keep) and which replacement token, per position."""
+    action (mask / random / keep) and which replacement token, per position.
+    ``ngram`` = (max n, start rate): the selection row is 0 on the words n-grams cover
+    and 1 elsewhere, so the same ``select < probability`` test picks exactly them."""
     if word_start is None:
         return rng.random((3, length))
     word = np.cumsum(word_start) - 1  # word number of every position
-    select = rng.random(int(word[-1]) + 1)[word]
+    n_words = int(word[-1]) + 1
+    if ngram is None:
+        select = rng.random(n_words)[word]
+    else:
+        max_n, rate = ngram
+        select = np.where(ngram_cover(draw_ngrams(rng, n_words, rate, max_n)), 0.0, 1.0)[word]
     return np.concatenate([select[None], rng.random((2, length))])
 
 
@@ -133,12 +195,35 @@ class MaskingMixin:
     each example's own draws, so row i of a batch equals ``make_example`` of unit i."""
 
     def _init_masking(self, cfg: MlmConfig, roles: dict, vocab_size: int, special_ids: set[int]):
+        if cfg.ngram > 1 and not cfg.whole_word:
+            raise ConfigError(
+                f"objective.mlm.ngram={cfg.ngram} masks n-grams of whole words: "
+                "set objective.mlm.whole_word=true as well"
+            )
+        if cfg.packing != "window" and not isinstance(self, MlmObjective):
+            raise ConfigError(
+                f"objective.mlm.packing={cfg.packing} applies to objective.kind=mlm only "
+                f"(kind {self.kind} builds sentence pairs); remove the key or use kind mlm"
+            )
         self.mlm = cfg
+        self.ngram = (
+            (cfg.ngram, ngram_start_rate(cfg.probability, cfg.ngram)) if cfg.ngram > 1 else None
+        )
         self.static = cfg.static
         self.pad_id, self.cls_id = int(roles["pad"]), int(roles["cls"])
         self.sep_id, self.mask_id = int(roles["sep"]), int(roles["mask"])
         self.is_special = special_table(vocab_size, special_ids)
         self.replacements = np.flatnonzero(~self.is_special).astype(np.int64)
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """A model that derives positions from the padding id (RoBERTa) must pad like us."""
+        want = getattr(model.config, "pad_token_id", None)
+        if want is not None and int(want) != self.pad_id:
+            raise ConfigError(
+                f"model.pad_token_id={want} but the tokenizer pads with id {self.pad_id}; "
+                f"set model.pad_token_id={self.pad_id} (or use a `--kind bpe` tokenizer, "
+                "whose <pad> is 1 as in RoBERTa)"
+            )
 
     def new_rows(self, batch_size: int) -> Rows:
         return Rows(batch_size, self.seq_len, self.pad_id, self.mlm.whole_word)
@@ -151,13 +236,15 @@ class MaskingMixin:
         for i, (unit, unit_docs, rng) in enumerate(zip(units, docs, rngs, strict=True)):
             self.fill(rows, i, unit, unit_docs, rng)
         batch, maskable, word_start = rows.arrays, rows.maskable, rows.word_start
-        maskable &= ~self.is_special[batch["input_ids"]]  # e.g. [UNK] inside the text
         if word_start is not None:
-            word_start |= ~maskable  # specials and padding are words of their own
+            word_start |= ~maskable  # [CLS], [SEP], padding: words of their own
+        # [UNK] inside the text is never selected; inside a word it shares the word's
+        # draw, so the word's other pieces are still masked together.
+        maskable &= ~self.is_special[batch["input_ids"]]
         T = self.seq_len
         draws = np.stack(
             [
-                masking_draws(rng, T, None if word_start is None else word_start[i])
+                masking_draws(rng, T, None if word_start is None else word_start[i], self.ngram)
                 for i, rng in enumerate(rngs)
             ]
         )
@@ -174,8 +261,14 @@ class MaskingMixin:
 
 
 class MlmObjective(MaskingMixin, Objective):
-    """MLM alone (RoBERTa-style): one window of at most seq_len - 2 tokens of a document
-    per example, as ``[CLS] window [SEP] [PAD]...``, dynamically masked."""
+    """MLM alone (RoBERTa-style), dynamically masked. Per example at most seq_len - 2
+    tokens between [CLS] and [SEP] (``<s>``/``</s>`` with a BPE tokenizer):
+
+    - ``packing: window``: one window of one document, ``[CLS] window [SEP] [PAD]...``;
+    - ``packing: full_sentences``: whole sentences packed across documents,
+      ``[CLS] doc1 sentences [SEP] doc2 sentences [SEP] [PAD]...``;
+    - ``packing: doc_sentences``: whole sentences of one document.
+    """
 
     kind = "mlm"
 
@@ -185,15 +278,26 @@ class MlmObjective(MaskingMixin, Objective):
         self.window = seq_len - 2
 
     def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
+        if self.mlm.packing == "full_sentences":
+            return StreamLayout(order, lengths, self.window)
         return WindowLayout(order, lengths, self.window)
 
+    def segments(self, unit: Unit, docs: list[Document]) -> list[Segment]:
+        if self.mlm.packing == "window":
+            (piece,), (doc,) = unit.pieces, docs
+            return [(doc, piece.start, piece.stop)]
+        return sentence_segments(unit, docs, self.window)
+
     def fill(self, rows: Rows, i: int, unit: Unit, docs: list[Document], rng) -> None:
-        (piece,), (doc,) = unit.pieces, docs
-        n = piece.stop - piece.start
         ids = rows.arrays["input_ids"][i]
-        ids[0], ids[n + 1] = self.cls_id, self.sep_id
-        rows.segment(i, 1, doc, piece.start, piece.stop)
-        rows.arrays["attention_mask"][i, : n + 2] = 1
+        ids[0], at = self.cls_id, 1
+        for doc, start, stop in self.segments(unit, docs):
+            if at > 1:  # a separator between two documents (full_sentences)
+                ids[at], at = self.sep_id, at + 1
+            rows.segment(i, at, doc, start, stop)
+            at += stop - start
+        ids[at] = self.sep_id
+        rows.arrays["attention_mask"][i, : at + 1] = 1
 
     def loss(self, outputs, batch):
         loss, acc = masked_lm_loss(outputs["mlm_logits"], batch["mlm_labels"])

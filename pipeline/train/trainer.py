@@ -89,7 +89,10 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
     objective = build_objective(
         cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len, specials
     )
+    objective.total_batches = cfg.train.max_steps * cfg.train.grad_accum  # staged objectives
     objective.attach(model)
+    if hasattr(objective, "bind_data"):  # corpus/tokenizer-derived state (ELMo, word2vec)
+        objective.bind_data(data, model)
 
     def stream(split: str, workers: int):
         return PretrainStream(

@@ -367,9 +367,10 @@ def test_sample_bytes_match_the_shard_writer(tmp_path):
         ours.write(doc)  # = write_bytes(*sample_record(doc, dtype)), as the prepare actors do
     entry = ours.close()
     assert (tmp_path / entry["name"]).read_bytes() == reference.read_bytes()
-    assert b"".join(sample_bytes(d, np.uint16) for d in docs) == reference.read_bytes()[
-        : sum(len(sample_bytes(d, np.uint16)) for d in docs)
-    ]
+    assert (
+        b"".join(sample_bytes(d, np.uint16) for d in docs)
+        == reference.read_bytes()[: sum(len(sample_bytes(d, np.uint16)) for d in docs)]
+    )
 
 
 def test_entity_list_writes_spans(ray_local, corpus, tokenizer_dir, tmp_path):

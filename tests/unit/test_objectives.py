@@ -266,7 +266,10 @@ def test_losses_match_plain_cross_entropy():
 
 
 def test_build_objective_errors_name_the_key():
-    with pytest.raises(ConfigError, match=r"objective\.kind.*clm, mlm, mlm\+nsp"):
+    with pytest.raises(
+        ConfigError,
+        match=r"objective\.kind: unknown objective .*; valid kinds: .*\bclm\b.*\bmlm\+nsp\b",
+    ):
         build_objective(ObjectiveSection(kind="sopp"), ROLES, VOCAB, 64)
     bad = ObjectiveSection(kind="mlm", mlm={"mask_fraction": 0.8, "random_fraction": 0.3})
     with pytest.raises(ConfigError, match="objective.mlm.mask_fraction"):

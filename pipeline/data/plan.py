@@ -1,0 +1,91 @@
+"""``plm data tokenizer|prepare --dry-run``: validate the inputs and config, print the plan.
+
+Nothing starts: no Ray, no tokenizer training, nothing written. The launchers (Ray job
+submission, Kubernetes manifests) run these to check a command line before a cluster
+spends time on it. The checks are the ones the real commands make before they start
+work, so a dry run that passes means the real run gets past its validation.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pipeline.data.readers import InputError, Source, resolve_inputs
+from pipeline.data.shards import MANIFEST
+from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer
+
+if TYPE_CHECKING:
+    from pipeline.data.prepare import PrepareConfig
+
+
+def _sources_line(sources: list[Source]) -> str:
+    formats = sorted({s.format for s in sources})
+    total = sum(s.size for s in sources)
+    return f"{len(sources)} source(s), {total:,} bytes ({', '.join(formats)})"
+
+
+def _output_state(out: Path) -> str:
+    """What the real run would do with ``out``; raises where it would refuse."""
+    if not out.exists():
+        return "new folder"
+    if not out.is_dir():
+        raise InputError(f"output {out} exists and is not a folder")
+    if (out / MANIFEST).is_file():
+        return "holds a data dir: rebuilt unless up to date (same inputs, tokenizer, config)"
+    return "exists without manifest: cleaned and written"
+
+
+def print_tokenizer_plan(inputs: list[str], spec: TokenizerSpec, output: str | Path) -> int:
+    sources = resolve_inputs(list(inputs), text_field=spec.text_field)
+    out = Path(output)
+    if out.exists() and not out.is_dir():
+        raise InputError(f"--output {out} exists and is not a folder")
+    lines = [
+        f"inputs          {_sources_line(sources)}",
+        f"tokenizer       {spec.kind}, vocab {spec.vocab_size:,}, lowercase {spec.lowercase}",
+        f"sample          up to {spec.sample_docs:,} documents (seed {spec.seed})",
+        f"output          {out}  ({'exists: files replaced' if out.exists() else 'new folder'})",
+    ]
+    print("\n".join(lines))
+    print("dry run: inputs valid, nothing started")
+    return 0
+
+
+def print_prepare_plan(cfg: PrepareConfig) -> int:
+    from pipeline.data.prepare import PrepareError, foreign_files
+
+    sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
+    tok_dir = Path(cfg.tokenizer)
+    if not tok_dir.is_dir():
+        raise InputError(
+            f"tokenizer folder {tok_dir} does not exist: train one with `plm data tokenizer`"
+        )
+    _, meta = load_tokenizer(tok_dir)  # checks both files and the fingerprint
+    out = Path(cfg.output).resolve()
+    state = _output_state(out)
+    foreign = foreign_files(out)
+    if foreign and not cfg.force:
+        raise PrepareError(
+            f"output {out} holds files `plm data prepare` did not write: "
+            f"{', '.join(foreign[:10])}. Choose an empty or new --output, or pass --force."
+        )
+    if cfg.shard_docs:
+        shards = f"{cfg.shard_docs:,} documents per shard"
+    else:
+        shards = f"{cfg.effective_shard_bytes:,} bytes per shard"
+    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
+    ray = f"cluster at {address}" if address else f"local Ray ({cfg.num_cpus or 'all'} CPUs)"
+    lines = [
+        f"inputs          {_sources_line(sources)}",
+        f"tokenizer       {tok_dir}: {meta['kind']}, vocab {meta['vocab_size']:,}, "
+        f"sha256 {meta['sha256'][:12]}",
+        f"output          {out}  ({state})",
+        f"split           valid fraction {cfg.valid_fraction} (by a hash of each document)",
+        f"shards          {shards}; documents over {cfg.max_doc_tokens:,} tokens are cut",
+        f"ray             {ray}",
+    ]
+    print("\n".join(lines))
+    print("dry run: config valid, nothing started")
+    return 0

@@ -1,0 +1,94 @@
+"""ALBERT -> transformers ``AlbertForPreTraining`` (prediction_logits, sop_logits).
+
+transformers' ALBERT shares *whole layers* in groups: ``share: all`` exports as one
+group used by every layer, ``share: none`` as one group per layer. Sharing only the
+attention or only the feed-forward sublayers has no transformers equivalent; exporting
+such a model is a clear error.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import Tensor
+
+_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def _groups(cfg: Any) -> int:
+    if cfg.share == "all":
+        return 1
+    if cfg.share == "none":
+        return cfg.num_layers
+    raise ValueError(
+        f"model.share={cfg.share!r}: transformers' ALBERT shares whole layers only; "
+        "models with share 'all' or 'none' can be exported"
+    )
+
+
+def albert_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
+    V = cfg.vocab_size
+    out = {
+        "albert.embeddings.word_embeddings.weight": sd["embeddings.word.weight"][:V],
+        "albert.embeddings.position_embeddings.weight": sd["embeddings.position.weight"],
+        "albert.embeddings.token_type_embeddings.weight": sd["embeddings.token_type.weight"],
+        "albert.embeddings.LayerNorm.weight": sd["embeddings.ln.weight"],
+        "albert.embeddings.LayerNorm.bias": sd["embeddings.ln.bias"],
+        "albert.encoder.embedding_hidden_mapping_in.weight": sd["project.weight"],
+        "albert.encoder.embedding_hidden_mapping_in.bias": sd["project.bias"],
+        "albert.pooler.weight": sd["pooler.weight"],
+        "albert.pooler.bias": sd["pooler.bias"],
+        "predictions.dense.weight": sd["mlm_head.dense.weight"],
+        "predictions.dense.bias": sd["mlm_head.dense.bias"],
+        "predictions.LayerNorm.weight": sd["mlm_head.ln.weight"],
+        "predictions.LayerNorm.bias": sd["mlm_head.ln.bias"],
+        "predictions.bias": sd["mlm_head.bias"][:V],
+        "sop_classifier.classifier.weight": sd["sop_head.weight"],
+        "sop_classifier.classifier.bias": sd["sop_head.bias"],
+    }
+    for g in range(_groups(cfg)):
+        hf = f"albert.encoder.albert_layer_groups.{g}.albert_layers.0."
+        attn, ffn = f"attention.{g}.", f"ffn.{g}."
+        q, k, v = sd[f"{attn}attn.qkv.weight"].chunk(3, dim=0)  # rows [query; key; value]
+        qb, kb, vb = sd[f"{attn}attn.qkv.bias"].chunk(3, dim=0)
+        for name, w, b in (("query", q, qb), ("key", k, kb), ("value", v, vb)):
+            out[f"{hf}attention.{name}.weight"] = w.contiguous()
+            out[f"{hf}attention.{name}.bias"] = b.contiguous()
+        pairs = {
+            "attention.dense": f"{attn}attn.proj",
+            "attention.LayerNorm": f"{attn}ln",
+            "ffn": f"{ffn}mlp.fc",
+            "ffn_output": f"{ffn}mlp.proj",
+            "full_layer_layer_norm": f"{ffn}ln",
+        }
+        for hf_name, our_name in pairs.items():
+            for p in ("weight", "bias"):
+                out[f"{hf}{hf_name}.{p}"] = sd[f"{our_name}.{p}"]
+    return out
+
+
+def hf_albert_model(cfg: Any, roles: dict[str, int]):
+    """A freshly initialised ``AlbertForPreTraining`` with the shape of our AlbertConfig."""
+    import transformers
+
+    hf_cfg = transformers.AlbertConfig(
+        vocab_size=cfg.vocab_size,
+        embedding_size=cfg.embedding_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_hidden_groups=_groups(cfg),
+        inner_group_num=1,
+        num_attention_heads=cfg.num_heads,
+        intermediate_size=cfg.intermediate_size,
+        hidden_act=_ACTIVATIONS[cfg.activation],
+        hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.attention_dropout,
+        max_position_embeddings=cfg.max_positions,
+        type_vocab_size=cfg.type_vocab_size,
+        initializer_range=cfg.init_std,
+        layer_norm_eps=cfg.layer_norm_eps,
+        pad_token_id=roles.get("pad", 0),
+        bos_token_id=roles.get("cls"),
+        eos_token_id=roles.get("sep"),
+    )
+    return transformers.AlbertForPreTraining(hf_cfg)

@@ -1,0 +1,201 @@
+"""ALBERT (Lan et al., 2019): BERT with far fewer parameters, same compute per layer.
+
+1. Factorized embedding: tokens are embedded in E dimensions (``embedding_size``, 128)
+   and projected to the hidden size H: V*E + E*H parameters instead of V*H. The MLM
+   head goes back down to E and decodes with the (tied) E-dimensional word table.
+2. Cross-layer parameter sharing (``share``): ``all`` layers use one set of weights
+   (ALBERT's default), or only the ``attention`` sublayers, or only the ``ffn``
+   sublayers, or ``none``. A shared layer still runs ``num_layers`` times: compute is
+   unchanged, parameters shrink by ~L.
+3. Sentence-order prediction instead of NSP (``objective.kind: mlm+sop``), on a
+   pooled [CLS] (dense + tanh) like BERT's.
+
+A layer is post-LN like BERT's: x = LN(x + attn(x)); x = LN(x + ffn(x)). Each sublayer
+owns its LayerNorm (as in transformers' AlbertAttention / AlbertLayer), so sharing a
+sublayer shares its LayerNorm too.
+
+Outputs: {"mlm_logits": [B,T,Vpad], "sop_logits": [B,2], "hidden_states": [B,T,H]};
+sop_logits index 0 = segments in order, 1 = swapped (transformers' convention).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from pipeline.models.blocks import (
+    MLP,
+    SelfAttention,
+    TransformerConfig,
+    init_normal,
+    padding_mask,
+    vocab_pad_bias,
+)
+
+
+class AlbertConfig(TransformerConfig):
+    """ALBERT-base (v2) defaults: E 128, all layers shared, tanh GELU, no dropout (the
+    paper found removing dropout helps MLM accuracy, section 4.9)."""
+
+    embedding_size: int = Field(128, gt=0)
+    share: Literal["all", "attention", "ffn", "none"] = "all"
+    type_vocab_size: int = Field(2, gt=0)
+    activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
+    dropout: float = Field(0.0, ge=0, lt=1)
+    attention_dropout: float = Field(0.0, ge=0, lt=1)
+
+
+class AlbertEmbeddings(nn.Module):
+    """token + position + segment embeddings in E dimensions, LayerNorm, dropout."""
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        E = cfg.embedding_size
+        self.word = nn.Embedding(cfg.padded_vocab_size, E)
+        self.position = nn.Embedding(cfg.max_positions, E)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, E)
+        self.ln = nn.LayerNorm(E, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None
+    ) -> Tensor:
+        T = input_ids.shape[1]
+        if position_ids is None:
+            position_ids = torch.arange(T, device=input_ids.device)[None]
+        x = self.word(input_ids) + self.position(position_ids)
+        if token_type_ids is None:
+            x = x + self.token_type.weight[0]
+        else:
+            x = x + self.token_type(token_type_ids)
+        return self.dropout(self.ln(x))
+
+
+class AttentionSublayer(nn.Module):
+    """x -> LN(x + dropout(attn(x)))"""
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        self.attn = SelfAttention(cfg.hidden_size, cfg.num_heads, cfg.attention_dropout)
+        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        return self.ln(x + self.dropout(self.attn(x, attn_mask, False)))
+
+
+class FfnSublayer(nn.Module):
+    """x -> LN(x + dropout(mlp(x)))"""
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, cfg.activation)
+        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.ln(x + self.dropout(self.mlp(x)))
+
+
+class AlbertMLMHead(nn.Module):
+    """dense H -> E, activation, LayerNorm, then the decoder tied to the E-dim word table."""
+
+    def __init__(self, cfg: AlbertConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.embedding_size)
+        self.ln = nn.LayerNorm(cfg.embedding_size, eps=cfg.layer_norm_eps)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+        self.bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size))
+
+    def forward(self, h: Tensor, word_embeddings: Tensor, pad_bias: Tensor) -> Tensor:
+        h = self.ln(F.gelu(self.dense(h), approximate=self.approximate))
+        return F.linear(h, word_embeddings, (self.bias + pad_bias).to(word_embeddings.dtype))
+
+
+class Albert(nn.Module):
+    causal = False
+
+    def __init__(self, config: AlbertConfig):
+        super().__init__()
+        self.config = config
+        cfg = config
+        L = cfg.num_layers
+        self.embeddings = AlbertEmbeddings(cfg)
+        self.project = nn.Linear(cfg.embedding_size, cfg.hidden_size)  # E -> H
+        # Shared sublayers are stored once (no parameter appears under two names, so
+        # checkpoints, ZeRO partitioning and the bundle see each weight exactly once).
+        n_attn = 1 if cfg.share in ("all", "attention") else L
+        n_ffn = 1 if cfg.share in ("all", "ffn") else L
+        self.attention = nn.ModuleList(AttentionSublayer(cfg) for _ in range(n_attn))
+        self.ffn = nn.ModuleList(FfnSublayer(cfg) for _ in range(n_ffn))
+        self.mlm_head = AlbertMLMHead(cfg)
+        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.sop_head = nn.Linear(cfg.hidden_size, 2)
+        self.register_buffer(
+            "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
+        )
+        self.checkpointing = False
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        init_normal(self, self.config.init_std)
+        self.embeddings.word.weight[self.config.vocab_size :].zero_()
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self.checkpointing = enabled
+
+    def layer(self, i: int, x: Tensor, attn_mask: Tensor | None) -> Tensor:
+        """Layer i: its attention and feed-forward sublayers (shared ones are index 0)."""
+        attn = self.attention[i % len(self.attention)]
+        ffn = self.ffn[i % len(self.ffn)]
+        return ffn(attn(x, attn_mask))
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
+    ) -> dict[str, Tensor]:
+        T = input_ids.shape[1]
+        if T > self.config.max_positions:
+            raise ValueError(
+                f"sequence length {T} > model.max_positions {self.config.max_positions}"
+            )
+        x = self.project(self.embeddings(input_ids, token_type_ids, position_ids))
+        mask = padding_mask(attention_mask)
+        for i in range(self.config.num_layers):
+            if self.checkpointing and torch.is_grad_enabled():
+                x = checkpoint(self.layer, i, x, mask, use_reentrant=False)
+            else:
+                x = self.layer(i, x, mask)
+        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias)
+        pooled = torch.tanh(self.pooler(x[:, 0]))
+        return {"mlm_logits": mlm_logits, "sop_logits": self.sop_head(pooled), "hidden_states": x}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 * (N_used + E * Vpad) + 12 * L * H * T.
+
+        N_used counts the weights each token passes through: a shared layer's weights
+        once per layer that runs them (compute does not shrink with sharing, only the
+        parameter count), plus the E->H projection, the MLM head's dense H->E and the
+        pooler/SOP head; E * Vpad is the tied decoder matmul. Attention as for BERT.
+        """
+        cfg = self.config
+        L = cfg.num_layers
+
+        def count(module: nn.Module) -> int:
+            return sum(p.numel() for p in module.parameters())
+
+        per_layer = count(self.attention[0]) + count(self.ffn[0])
+        n = L * per_layer + count(self.project) + count(self.mlm_head)
+        n += count(self.pooler) + count(self.sop_head)
+        n += cfg.embedding_size * cfg.padded_vocab_size
+        return 6.0 * n + 12.0 * L * cfg.hidden_size * seq_len

@@ -1,0 +1,101 @@
+"""DistilBERT (Sanh et al., 2019): BERT with half the layers, trained by distillation.
+
+The student keeps BERT's post-LN layers and MLM head but drops the token-type (segment)
+embeddings and the pooler, as the paper does; the distillation itself (teacher, losses,
+initialisation from every other teacher layer) is the ``distill`` objective
+(pipeline/objectives/distill.py).
+
+Outputs: {"mlm_logits": [B,T,Vpad], "hidden_states": [B,T,H]}.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch import Tensor, nn
+
+from pipeline.models.bert import BertMLMHead
+from pipeline.models.blocks import (
+    TransformerConfig,
+    init_normal,
+    make_blocks,
+    non_embedding_params,
+    padding_mask,
+    run_blocks,
+    vocab_pad_bias,
+)
+
+
+class DistilBertConfig(TransformerConfig):
+    """DistilBERT-base: BERT-base with 6 layers."""
+
+    num_layers: int = Field(6, gt=0)
+
+
+class DistilBertEmbeddings(nn.Module):
+    """token + position embeddings (no segments), LayerNorm, dropout."""
+
+    def __init__(self, cfg: DistilBertConfig):
+        super().__init__()
+        self.word = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
+        self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
+        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        return self.dropout(self.ln(self.word(input_ids) + self.position(position_ids)))
+
+
+class DistilBert(nn.Module):
+    causal = False
+
+    def __init__(self, config: DistilBertConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = DistilBertEmbeddings(config)
+        self.blocks = make_blocks(config, pre_ln=False)
+        self.mlm_head = BertMLMHead(config)
+        self.register_buffer(
+            "pad_bias",
+            vocab_pad_bias(config.vocab_size, config.padded_vocab_size),
+            persistent=False,
+        )
+        self.checkpointing = False
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        init_normal(self, self.config.init_std)
+        self.embeddings.word.weight[self.config.vocab_size :].zero_()
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self.checkpointing = enabled
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
+    ) -> dict[str, Tensor]:
+        T = input_ids.shape[1]
+        if T > self.config.max_positions:
+            raise ValueError(
+                f"sequence length {T} > model.max_positions {self.config.max_positions}"
+            )
+        x = self.embeddings(input_ids, position_ids)
+        h = run_blocks(self.blocks, x, padding_mask(attention_mask), False, self.checkpointing)
+        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias)
+        return {"mlm_logits": mlm_logits, "hidden_states": h}
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 * (N + H * Vpad) + 12 * L * H * T, as Bert.flops_per_token (the teacher's
+        forward pass, run by the objective, is not counted)."""
+        cfg, e = self.config, self.embeddings
+        n = (
+            non_embedding_params(self, [e.word, e.position])
+            + cfg.hidden_size * cfg.padded_vocab_size
+        )
+        return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len

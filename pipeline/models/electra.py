@@ -1,0 +1,251 @@
+"""ELECTRA (Clark et al., 2020): a small generator trained with MLM proposes replacements
+for the masked tokens; the discriminator, the model we keep, tells for every token whether
+it was replaced (replaced token detection, RTD).
+
+One module holds both networks. They share the token, position and segment embeddings
+(and their LayerNorm), as the paper recommends: the generator's softmax over the whole
+vocabulary updates every embedding row densely, which the discriminator alone never would.
+The embeddings have their own width E (``embedding_size``, 128 for ELECTRA-small); each
+network projects them to its hidden size when the two differ. The generator is the
+discriminator scaled down by ``generator_size`` (hidden size, heads, FFN width; 1/4 by
+default, the paper finds 1/4-1/2 best), with as many layers unless ``generator_layers`` says.
+
+forward(input_ids, ..., mlm_labels):
+  * without mlm_labels (fine-tuning, export): the discriminator on the input as it is,
+    {"rtd_logits": [B,T], "hidden_states": [B,T,H]};
+  * with mlm_labels (pretraining: input_ids are the masked ids, mlm_labels the original id
+    at masked positions and -100 elsewhere): the generator predicts the masked positions,
+    a replacement is sampled from its softmax (torch's RNG, so checkpoints restore it),
+    the discriminator reads the corrupted sequence and the outputs add
+    "mlm_logits" [N,Vpad] (the N masked positions only, in row-major order),
+    "corrupted_ids" [B,T] and "rtd_labels" [B,T] = (corrupted != original). A sample that
+    happens to equal the original token counts as original, as in the paper.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field, model_validator
+from torch import Tensor, nn
+
+from pipeline.models.blocks import (
+    TransformerConfig,
+    init_normal,
+    make_blocks,
+    non_embedding_params,
+    padding_mask,
+    run_blocks,
+    vocab_pad_bias,
+)
+
+
+class ElectraConfig(TransformerConfig):
+    """The discriminator's shape (ELECTRA-base defaults) plus the generator's scale."""
+
+    embedding_size: int = Field(768, gt=0)
+    type_vocab_size: int = Field(2, gt=0)
+    generator_size: float = Field(0.25, gt=0, le=1)  # generator width / discriminator width
+    generator_layers: int | None = Field(None, gt=0)  # None: num_layers
+
+    @model_validator(mode="after")
+    def _generator_heads_divide(self):
+        g = self._generator_shape()
+        if g["hidden_size"] % g["num_heads"]:
+            raise ValueError(
+                f"the generator's hidden size {g['hidden_size']} (hidden_size x generator_size) "
+                f"is not divisible by its {g['num_heads']} heads; pick another generator_size"
+            )
+        return self
+
+    def _generator_shape(self) -> dict[str, int]:
+        s = self.generator_size
+        return {
+            "hidden_size": max(1, round(self.hidden_size * s)),
+            "num_heads": max(1, round(self.num_heads * s)),
+            "intermediate_size": max(1, round(self.intermediate_size * s)),
+            "num_layers": self.generator_layers or self.num_layers,
+        }
+
+    def generator_config(self) -> TransformerConfig:
+        """The generator: hidden size, heads and FFN width scaled by generator_size."""
+        base = self.model_dump(include=set(TransformerConfig.model_fields))
+        return TransformerConfig(**{**base, **self._generator_shape()})
+
+
+class ElectraEmbeddings(nn.Module):
+    """token + position + segment embeddings of width E, LayerNorm, dropout (shared)."""
+
+    def __init__(self, cfg: ElectraConfig):
+        super().__init__()
+        E = cfg.embedding_size
+        self.word = nn.Embedding(cfg.padded_vocab_size, E)
+        self.position = nn.Embedding(cfg.max_positions, E)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, E)
+        self.ln = nn.LayerNorm(E, eps=cfg.layer_norm_eps)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(
+        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None
+    ) -> Tensor:
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        x = self.word(input_ids) + self.position(position_ids)
+        if token_type_ids is None:
+            x = x + self.token_type.weight[0]
+        else:
+            x = x + self.token_type(token_type_ids)
+        return self.dropout(self.ln(x))
+
+
+class ElectraEncoder(nn.Module):
+    """Projection of the shared embeddings to this network's width (if needed) + layers."""
+
+    def __init__(self, cfg: TransformerConfig, embedding_size: int):
+        super().__init__()
+        self.project = (
+            nn.Linear(embedding_size, cfg.hidden_size)
+            if embedding_size != cfg.hidden_size
+            else None
+        )
+        self.blocks = make_blocks(cfg, pre_ln=False)
+
+    def forward(self, x: Tensor, attn_mask: Tensor | None, checkpointing: bool) -> Tensor:
+        if self.project is not None:
+            x = self.project(x)
+        return run_blocks(self.blocks, x, attn_mask, False, checkpointing)
+
+
+class GeneratorHead(nn.Module):
+    """dense (Hg -> E) -> exact GELU -> LayerNorm, then the tied word embeddings + bias."""
+
+    def __init__(self, hidden_size: int, embedding_size: int, padded_vocab: int, eps: float):
+        super().__init__()
+        self.dense = nn.Linear(hidden_size, embedding_size)
+        self.ln = nn.LayerNorm(embedding_size, eps=eps)
+        self.bias = nn.Parameter(torch.zeros(padded_vocab))
+
+    def forward(self, h: Tensor, word_embeddings: Tensor, pad_bias: Tensor) -> Tensor:
+        h = self.ln(F.gelu(self.dense(h)))
+        return F.linear(h, word_embeddings, (self.bias + pad_bias).to(word_embeddings.dtype))
+
+
+class DiscriminatorHead(nn.Module):
+    """dense (H -> H) -> activation -> one logit per token: "this token was replaced"."""
+
+    def __init__(self, cfg: ElectraConfig):
+        super().__init__()
+        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+        self.out = nn.Linear(cfg.hidden_size, 1)
+        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
+
+    def forward(self, h: Tensor) -> Tensor:
+        return self.out(F.gelu(self.dense(h), approximate=self.approximate)).squeeze(-1)
+
+
+def gumbel_sample(logits: Tensor) -> Tensor:
+    """One id per row drawn from softmax(logits) (Gumbel-max: argmax(logits - log E),
+    E ~ Exp(1)), from torch's RNG. Padded vocabulary rows (PAD_LOGIT) are never drawn."""
+    noise = torch.empty_like(logits).exponential_().log()
+    return (logits - noise).argmax(-1)
+
+
+class Electra(nn.Module):
+    causal = False
+
+    def __init__(self, config: ElectraConfig):
+        super().__init__()
+        self.config = config
+        cfg, gen = config, config.generator_config()
+        self.embeddings = ElectraEmbeddings(cfg)
+        self.discriminator = ElectraEncoder(cfg, cfg.embedding_size)
+        self.discriminator_head = DiscriminatorHead(cfg)
+        self.generator = ElectraEncoder(gen, cfg.embedding_size)
+        self.generator_head = GeneratorHead(
+            gen.hidden_size, cfg.embedding_size, cfg.padded_vocab_size, cfg.layer_norm_eps
+        )
+        self.register_buffer(
+            "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
+        )
+        self.checkpointing = False
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        init_normal(self, self.config.init_std)
+        self.embeddings.word.weight[self.config.vocab_size :].zero_()
+
+    def set_activation_checkpointing(self, enabled: bool) -> None:
+        self.checkpointing = enabled
+
+    def _check_length(self, input_ids: Tensor) -> None:
+        T = input_ids.shape[1]
+        if T > self.config.max_positions:
+            raise ValueError(
+                f"sequence length {T} > model.max_positions {self.config.max_positions}"
+            )
+
+    def discriminate(
+        self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None
+    ) -> tuple[Tensor, Tensor]:
+        """(rtd_logits [B,T], hidden_states [B,T,H]) of the discriminator."""
+        self._check_length(input_ids)
+        x = self.embeddings(input_ids, token_type_ids, position_ids)
+        h = self.discriminator(x, padding_mask(attention_mask), self.checkpointing)
+        return self.discriminator_head(h), h
+
+    def generator_logits(
+        self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, where=None
+    ) -> Tensor:
+        """The generator's MLM logits, [B,T,Vpad], or [N,Vpad] at the positions ``where``."""
+        self._check_length(input_ids)
+        x = self.embeddings(input_ids, token_type_ids, position_ids)
+        g = self.generator(x, padding_mask(attention_mask), self.checkpointing)
+        if where is not None:
+            g = g[where]  # only the masked rows go through the vocabulary projection
+        return self.generator_head(g, self.embeddings.word.weight, self.pad_bias)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        token_type_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
+        mlm_labels: Tensor | None = None,
+    ) -> dict[str, Tensor]:
+        if mlm_labels is None:
+            logits, h = self.discriminate(input_ids, token_type_ids, attention_mask, position_ids)
+            return {"rtd_logits": logits, "hidden_states": h}
+        masked = mlm_labels >= 0
+        mlm_logits = self.generator_logits(
+            input_ids, token_type_ids, attention_mask, position_ids, where=masked
+        )
+        with torch.no_grad():  # no gradient flows from the discriminator into the generator
+            sampled = gumbel_sample(mlm_logits.detach().float())
+            corrupted = input_ids.masked_scatter(masked, sampled.to(input_ids.dtype))
+            original = torch.where(masked, mlm_labels, input_ids)
+            rtd_labels = (corrupted != original).long()
+        logits, h = self.discriminate(corrupted, token_type_ids, attention_mask, position_ids)
+        return {
+            "mlm_logits": mlm_logits,
+            "rtd_logits": logits,
+            "rtd_labels": rtd_labels,
+            "corrupted_ids": corrupted,
+            "hidden_states": h,
+        }
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token, both networks (see Bert.flops_per_token):
+
+            6 * (N + E * Vpad) + 12 * T * (L * H + Lg * Hg)
+
+        N = parameters outside the embedding tables, E * Vpad the tied generator decoder,
+        counted for every token although it only runs on the masked ones: an upper bound.
+        """
+        cfg, gen = self.config, self.config.generator_config()
+        e = self.embeddings
+        n = non_embedding_params(self, [e.word, e.position, e.token_type])
+        n += cfg.embedding_size * cfg.padded_vocab_size
+        attn = cfg.num_layers * cfg.hidden_size + gen.num_layers * gen.hidden_size
+        return 6.0 * n + 12.0 * attn * seq_len

@@ -1,0 +1,113 @@
+"""launch/all_in_one.py on the CPU: a Ray head with token auth, `ray job submit` of the data
+stages, 2 training "nodes" through the deepspeed launcher's --no_ssh form, an MLflow
+server; checked from outside through the servers' own REST APIs, then stopped cleanly."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import REPO, synthetic_corpus
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+ALL_IN_ONE = REPO / "launch" / "all_in_one.py"
+
+
+def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
+    req = urllib.request.Request(url, headers=headers or {})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def mlflow_get(base: str, endpoint: str, **params: str) -> dict:
+    return get_json(f"{base}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}")
+
+
+def own_processes(marker: str) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker.encode() in (proc / "cmdline").read_bytes():
+                    found.append(int(proc.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_all_in_one_data_training_tracking(tmp_path):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(synthetic_corpus(), encoding="utf-8")
+    work = tmp_path / "aio"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "MLFLOW_"))}
+    env["PYTHONUNBUFFERED"] = "1"
+    cmd = [sys.executable, str(ALL_IN_ONE), "--workdir", str(work), "--input", str(corpus),
+           "--vocab-size", "300", "--steps", "6", "--keep"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    result_file = work / "result.json"
+    try:
+        deadline = time.time() + 900
+        while not result_file.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(1)
+        assert result_file.exists(), (proc.poll(), _logs(work))
+        time.sleep(0.5)  # written in one call; let it land
+        result = json.loads(result_file.read_text())
+        mlflow, ray = result["mlflow_url"], result["ray_address"]
+
+        # MLflow, through the server's REST API: the run, its loss curve, the registered model.
+        run = mlflow_get(mlflow, "runs/get", run_id=result["run_id"])["run"]
+        assert run["info"]["status"] == "FINISHED"
+        tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
+        assert tags["world_size"] == "2" and tags["arch"] == "bert"
+        hist = mlflow_get(
+            mlflow, "metrics/get-history", run_id=result["run_id"], metric_key="step_loss"
+        )["metrics"]
+        losses = [m["value"] for m in sorted(hist, key=lambda m: m["step"])]
+        assert len(losses) == 6 and all(v == v for v in losses)
+        assert losses[-1] < losses[0], losses
+        version = mlflow_get(mlflow, "registered-models/alias", name="bert-tiny", alias="current")
+        mv = version["model_version"]
+        assert mv["run_id"] == result["run_id"]
+        listed = mlflow_get(mlflow, "artifacts/list", run_id=result["run_id"], path="model")
+        names = {Path(f["path"]).name for f in listed["files"]}
+        assert {"config.yaml", "tokenizer.json", "model.safetensors"} <= names
+
+        # Ray: the dashboard refuses a request without the token, lists both jobs with it.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            get_json(f"{ray}/api/jobs/")
+        assert refused.value.code in (401, 403)
+        token = (Path(result["ray_temp_dir"]) / "auth_token").read_text().strip()
+        jobs = get_json(f"{ray}/api/jobs/", {"Authorization": f"Bearer {token}"})
+        ours = {j["submission_id"].split("-")[1]: j["status"] for j in jobs}
+        assert ours == {"tokenizer": "SUCCEEDED", "prepare": "SUCCEEDED"}, jobs
+        entrypoints = " | ".join(j["entrypoint"] for j in jobs)
+        assert "plm data tokenizer" in entrypoints and "plm data prepare" in entrypoints
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out[-4000:]
+    assert "[all-in-one] stopped" in out
+    # Stopped cleanly: no process of our head left, the MLflow port closed.
+    assert own_processes(result["ray_temp_dir"]) == []
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{mlflow}/health", timeout=5)
+
+
+def _logs(work: Path) -> str:
+    parts = []
+    for f in sorted((work / "logs").glob("*.log")):
+        parts.append(f"--- {f.name}\n{f.read_text(errors='replace')[-3000:]}")
+    return "\n".join(parts)

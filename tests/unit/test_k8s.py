@@ -1,0 +1,300 @@
+"""k8s/ offline: every kustomization renders, built-in kinds validate strictly against the
+Kubernetes schemas, RayJob/PyTorchJob against the schemas kept in k8s/schemas (their pod
+templates against the core schema), every pod meets the policy, and every `plm` command
+line in the manifests passes `plm ... --dry-run` on the configs it names."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import REPO
+
+K8S = REPO / "k8s"
+KUBECTL = shutil.which("kubectl")
+K8S_VERSION = "1.32"  # the kubectl on the dev machines; the manifests use nothing newer
+OVERLAYS = ["overlays/cpu-smoke", "overlays/gpu"]
+PARTS = ["base", "data", "training/pytorchjob", "training/indexed-job", "tracking"]
+CUSTOM = {("ray.io/v1", "RayJob"): "rayjob", ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob"}
+SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|ACCESS_KEY|CREDENTIAL", re.I)
+
+pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl not installed (needed to render)")
+
+
+def kustomize(path: Path) -> list[dict]:
+    proc = subprocess.run(
+        [KUBECTL, "kustomize", str(path)], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, f"kubectl kustomize {path}:\n{proc.stderr}"
+    return [d for d in yaml.safe_load_all(proc.stdout) if d]
+
+
+def with_s3_component(tmp_path: Path) -> Path:
+    """An overlay of gpu + components/mlflow-s3 (a component renders only inside one)."""
+    root = tmp_path / "gpu-s3"
+    root.mkdir()
+    rel = os.path.relpath(K8S, root)
+    (root / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources: [{rel}/overlays/gpu]\ncomponents: [{rel}/components/mlflow-s3]\n"
+    )
+    return root
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: kustomize(K8S / name) for name in OVERLAYS}
+
+
+def schema(name: str) -> dict:
+    return json.loads((K8S / "schemas" / f"{name}.schema.json").read_text())
+
+
+def pod_templates(doc: dict) -> list[tuple[str, dict]]:
+    """(where, PodTemplateSpec) of every pod the resource creates."""
+    spec, kind = doc.get("spec", {}), doc["kind"]
+    if kind in ("Deployment", "StatefulSet", "Job", "DaemonSet"):
+        return [(kind, spec["template"])]
+    if kind == "RayJob":
+        rc = spec["rayClusterSpec"]
+        found = [("head", rc["headGroupSpec"]["template"])]
+        found += [(g["groupName"], g["template"]) for g in rc.get("workerGroupSpecs", [])]
+        if "submitterPodTemplate" in spec:
+            found.append(("submitter", spec["submitterPodTemplate"]))
+        return found
+    if kind == "PyTorchJob":
+        return [(role, r["template"]) for role, r in spec["pytorchReplicaSpecs"].items()]
+    return []
+
+
+def validate_builtin(doc: dict) -> None:
+    kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
+def validate_custom(doc: dict) -> None:
+    jsonschema.Draft202012Validator(schema(CUSTOM[(doc["apiVersion"], doc["kind"])])).validate(doc)
+    for _, template in pod_templates(doc):
+        wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}}
+        validate_builtin({**wrapped, "template": template})
+
+
+def validate(doc: dict) -> None:
+    if (doc["apiVersion"], doc["kind"]) in CUSTOM:
+        validate_custom(doc)
+    else:
+        validate_builtin(doc)
+
+
+# ---------------------------------------------------------------------------
+# Rendering and schemas
+
+
+@pytest.mark.parametrize("name", OVERLAYS + PARTS)
+def test_every_kustomization_renders_and_validates_strictly(name):
+    docs = kustomize(K8S / name)
+    assert docs
+    for doc in docs:
+        validate(doc)
+
+
+def test_s3_artifact_component_renders_and_validates(tmp_path):
+    docs = kustomize(with_s3_component(tmp_path))
+    for doc in docs:
+        validate(doc)
+    mlflow = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "plm-mlflow"
+    )
+    env = {e["name"]: e for e in mlflow["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["MLFLOW_ARTIFACTS_DESTINATION"]["value"].startswith("s3://")
+    assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "plm-s3"
+    assert not any(d["metadata"]["name"] == "plm-mlflow-artifacts" for d in docs)
+
+
+def test_overlays_hold_what_the_issue_asks(rendered):
+    for name, docs in rendered.items():
+        kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+        assert {("Namespace", "plm"), ("ServiceAccount", "plm"), ("ConfigMap", "plm-config"),
+                ("PersistentVolumeClaim", "plm-data"), ("PersistentVolumeClaim", "plm-checkpoints"),
+                ("RayJob", "plm-data"), ("Deployment", "plm-mlflow"), ("Service", "plm-mlflow"),
+                ("StatefulSet", "plm-postgres")} <= kinds, name  # fmt: skip
+        assert all(d["metadata"].get("namespace", "plm") == "plm" for d in docs)
+        rayjob = next(d for d in docs if d["kind"] == "RayJob")
+        assert rayjob["spec"]["shutdownAfterJobFinishes"] is True
+        assert rayjob["spec"]["rayClusterSpec"]["authOptions"]["mode"] == "token"
+    smoke = {(d["kind"], d["metadata"]["name"]): d for d in rendered["overlays/cpu-smoke"]}
+    job = smoke[("Job", "plm-train")]
+    assert job["spec"]["completionMode"] == "Indexed"
+    assert smoke[("Service", "plm-train")]["spec"]["clusterIP"] == "None"
+    env = {e["name"]: e for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert (
+        int(env["WORLD_SIZE"]["value"]) == job["spec"]["completions"] == job["spec"]["parallelism"]
+    )
+    assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert (
+        env["MASTER_ADDR"]["value"] == f"plm-train-0.{job['spec']['template']['spec']['subdomain']}"
+    )
+    gpu = {(d["kind"], d["metadata"]["name"]): d for d in rendered["overlays/gpu"]}
+    ptj = gpu[("PyTorchJob", "plm-train")]
+    for role, template in pod_templates(ptj):
+        c = template["spec"]["containers"][0]
+        assert c["name"] == "pytorch", role  # the operator looks for this name
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert {"NCCL_SOCKET_IFNAME", "TORCH_NCCL_ASYNC_ERROR_HANDLING"} <= {
+            e["name"] for e in c["env"]
+        }
+        shm = [v for v in template["spec"]["volumes"] if v["name"] == "shm"]
+        assert shm and shm[0]["emptyDir"]["medium"] == "Memory"
+
+
+def test_a_misspelled_key_fails_validation(rendered):
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered["overlays/gpu"]}
+    bad = copy.deepcopy(docs[("RayJob", "plm-data")])
+    bad["spec"]["shutdownAfterJobFinish"] = bad["spec"].pop("shutdownAfterJobFinishes")
+    with pytest.raises(jsonschema.ValidationError, match="shutdownAfterJobFinish"):
+        validate(bad)
+    bad = copy.deepcopy(docs[("RayJob", "plm-data")])
+    bad["spec"]["rayClusterSpec"]["headGroupSpec"]["rayStartParams"]["num-cpus"] = 4  # not a str
+    with pytest.raises(jsonschema.ValidationError):
+        validate(bad)
+    bad = copy.deepcopy(docs[("PyTorchJob", "plm-train")])
+    bad["spec"]["pytorchReplicaSpecs"]["Worker"]["replica"] = 3
+    with pytest.raises(jsonschema.ValidationError, match="replica"):
+        validate(bad)
+    bad = copy.deepcopy(docs[("PyTorchJob", "plm-train")])  # inside a pod template: core schema
+    bad["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
+        "resource"
+    ] = {}
+    with pytest.raises(jsonschema.ValidationError, match="resource"):
+        validate(bad)
+    bad = copy.deepcopy(docs[("Deployment", "plm-mlflow")])
+    bad["spec"]["template"]["spec"]["containers"][0]["imagePullPolicyy"] = "Always"
+    with pytest.raises(jsonschema.ValidationError, match="imagePullPolicyy"):
+        validate(bad)
+
+
+# ---------------------------------------------------------------------------
+# Pod policy
+
+
+def all_pods(docs: list[dict]):
+    for doc in docs:
+        for where, template in pod_templates(doc):
+            yield f"{doc['kind']}/{doc['metadata']['name']}:{where}", template["spec"]
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_every_pod_is_non_root_limited_and_holds_no_credentials(rendered, name):
+    docs = rendered[name]
+    assert not [d for d in docs if d["kind"] == "Secret"], "Secrets are created, never committed"
+    pods = list(all_pods(docs))
+    assert len(pods) >= 5
+    for where, spec in pods:
+        sc = spec.get("securityContext", {})
+        assert sc.get("runAsNonRoot") is True and sc.get("runAsUser", 0) != 0, where
+        assert spec.get("serviceAccountName") == "plm", where
+        assert spec.get("automountServiceAccountToken") is False, where
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            who = f"{where}/{c['name']}"
+            res = c.get("resources", {})
+            for kind in ("requests", "limits"):
+                assert {"cpu", "memory"} <= set(res.get(kind, {})), f"{who}: {kind}"
+            csc = c.get("securityContext", {})
+            assert csc.get("allowPrivilegeEscalation") is False, who
+            assert csc.get("capabilities", {}).get("drop") == ["ALL"], who
+            assert not c.get("securityContext", {}).get("privileged"), who
+            for env in c.get("env", []):
+                if SECRET_NAME.search(env["name"]):
+                    assert "value" not in env, f"{who}: {env['name']} inline"
+                    assert "secretKeyRef" in env["valueFrom"], f"{who}: {env['name']}"
+            text = json.dumps(c)
+            assert not re.search(r"://[^:/\s\"]+:[^@$\s\"]+@", text), f"{who}: a password in a URI"
+
+
+# ---------------------------------------------------------------------------
+# Every plm command line is real
+
+
+def plm_commands(docs: list[dict]) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(where, argv after `plm`, env) for every `plm` the manifests run."""
+    found = []
+    for doc in docs:
+        name = f"{doc['kind']}/{doc['metadata']['name']}"
+        if doc["kind"] == "RayJob":
+            for part in doc["spec"]["entrypoint"].split("&&"):
+                argv = shlex.split(part)
+                assert argv[0] == "plm", f"{name}: entrypoint part {part!r} is not a plm command"
+                found.append((name, argv[1:], {}))
+        for where, spec in dict(pod_templates(doc)).items():
+            for c in spec["spec"]["containers"]:
+                argv = [*c.get("command", []), *c.get("args", [])]
+                if argv and argv[0] == "plm":
+                    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
+                    found.append((f"{name}:{where}", argv[1:], env))
+    return found
+
+
+def test_k8s_commands_name_real_plm_subcommands(rendered):
+    cmds = [c for docs in rendered.values() for c in plm_commands(docs)]
+    heads = {tuple(argv[:2]) if argv[0] == "data" else (argv[0],) for _, argv, _ in cmds}
+    assert heads == {("data", "tokenizer"), ("data", "prepare"), ("train",)}
+
+
+_CONTAINER_PATH = re.compile(r"(?<![\w./-])/(data|checkpoints|etc/plm)(?=/|\b)")
+
+
+@pytest.mark.slow
+def test_every_plm_command_passes_its_dry_run(rendered, tiny_data, tmp_path, monkeypatch, capsys):
+    """Each overlay's pod paths mapped under tmp_path: /etc/plm holds the rendered ConfigMap's
+    files, /data a corpus, the tokenizer and a prepared data dir, /checkpoints is empty.
+    In-process (`pipeline.cli.main`, as the `plm` script calls it): one import of torch."""
+    from pipeline.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    for name, docs in rendered.items():
+        root = tmp_path / name.replace("/", "-")
+
+        def mapped(text: str, root: Path = root) -> str:
+            return _CONTAINER_PATH.sub(lambda m: f"{root}/{m.group(1)}", text)
+
+        config = next(
+            d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "plm-config"
+        )
+        (root / "etc/plm").mkdir(parents=True)
+        for key, text in config["data"].items():
+            (root / "etc/plm" / key).write_text(mapped(text))
+        (root / "data/corpus").mkdir(parents=True)
+        (root / "data/corpus/part-0.txt").write_text("A short document for the dry run.\n")
+        shutil.copytree(tiny_data / "tokenizer", root / "data/tokenizer")
+        (root / "data/prepared").symlink_to(tiny_data)
+        (root / "checkpoints").mkdir()
+        seen = set()
+        for where, argv, env in plm_commands(docs):
+            argv = [mapped(a) for a in argv]
+            if tuple(argv) in seen:  # Master and Worker run the same command
+                continue
+            seen.add(tuple(argv))
+            world = env.get("WORLD_SIZE") or str(world_size(docs))
+            monkeypatch.setenv("WORLD_SIZE", world)  # what the operator / the Job sets
+            code = main([*argv, "--dry-run"])
+            out = capsys.readouterr()
+            assert code == 0, f"{name} {where}: plm {shlex.join(argv)}\n{out.err[-3000:]}"
+            assert "dry run:" in out.out and "nothing started" in out.out, out.out
+
+
+def world_size(docs: list[dict]) -> int:
+    for d in docs:
+        if d["kind"] == "PyTorchJob":
+            return sum(r.get("replicas", 1) for r in d["spec"]["pytorchReplicaSpecs"].values())
+        if d["kind"] == "Job" and d["metadata"]["name"] == "plm-train":
+            return d["spec"]["completions"]
+    raise AssertionError("no training job found")
