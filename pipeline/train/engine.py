@@ -177,7 +177,16 @@ def init_distributed() -> None:
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_factory):
     """``deepspeed.initialize`` with our param groups and LambdaLR; returns the engine."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
 
+    accelerator = get_accelerator()
+    for precision in ("fp16", "bf16"):
+        supported = getattr(accelerator, f"is_{precision}_supported")()
+        if ds_config[precision]["enabled"] and not supported:
+            raise ConfigError(
+                f"train.precision={precision}: the {accelerator.device_name()} accelerator "
+                f"here does not support {precision}; use train.precision=bf16 or fp32"
+            )
     wd = ds_config["optimizer"]["params"]["weight_decay"]
     engine, _, _, _ = deepspeed.initialize(
         model=model,

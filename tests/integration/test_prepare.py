@@ -389,6 +389,25 @@ def test_entity_list_writes_spans(ray_local, corpus, tokenizer_dir, tmp_path):
     assert mentions > 5
     settings = json.loads((out / "manifest.json").read_text())["data_config"]
     assert len(settings["entities_sha256"]) == 64
+    # ERNIE's entity stage on these very spans: every mention masked whole or not at all.
+    from pipeline.config import ObjectiveSection
+    from pipeline.objectives import Piece, Unit, build_objective
+
+    meta = json.loads((out / "tokenizer/tokenizer_meta.json").read_text())
+    cfg = ObjectiveSection(kind="ernie", ernie={"nsp": False, "stages": [
+        {"masking": "entity", "until": 1.0}]})  # fmt: skip
+    ernie = build_objective(cfg, meta["roles"], meta["vocab_size"], 128)
+    ernie.total_batches = 1
+    whole = 0
+    for d, doc in enumerate(data.iter_split("train")):
+        for seed in range(20):
+            unit = Unit(key=(d, 0), pieces=(Piece(d, 0, doc.n_tokens),))
+            ex = ernie.make_example(unit, [doc], np.random.default_rng([seed, d]), position=0)
+            selected = ex["mlm_labels"][1 : 1 + doc.n_tokens] >= 0  # [CLS] doc [SEP]
+            for a, b in doc.spans.tolist():
+                assert selected[a:b].all() or not selected[a:b].any()
+                whole += int(selected[a:b].all())
+    assert whole > 20
     # Without the list: no spans.npy at all.
     plain = run_prepare(config([corpus], tokenizer_dir, tmp_path / "plain"))
     assert all(d.spans is None for d in DataDir(plain).iter_split("train"))

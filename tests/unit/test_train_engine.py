@@ -73,3 +73,15 @@ def test_no_weight_decay_on_bias_and_layernorm():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert {id(p) for p in decay["params"]} == {id(model[0].weight), id(model[2].weight)}
     assert len(no_decay["params"]) == 4  # 2 biases + LayerNorm weight and bias
+
+
+def test_precision_the_accelerator_lacks_is_a_config_error():
+    from deepspeed.accelerator import get_accelerator
+
+    from pipeline.train.engine import initialize
+
+    if get_accelerator().is_fp16_supported():
+        pytest.skip("this accelerator supports fp16")
+    ds = build_ds_config(cfg_with(train={"precision": "fp16"}), 1)
+    with pytest.raises(ConfigError, match=r"train.precision=fp16: .* does not support fp16"):
+        initialize(torch.nn.Linear(2, 2), ds, None)
