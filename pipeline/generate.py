@@ -44,40 +44,14 @@ GENERATIVE = ("gpt", "gpt2", "transformer-xl")  # the archs decoding works for
 # ----------------------------------------------------------------------------- loading
 
 
-def is_mlflow_uri(model: str) -> bool:
-    return model.startswith(("models:/", "runs:/", "mlflow-artifacts:/"))
-
-
 def resolve_bundle(model: str, tracking_uri: str | None = None, dst: str | Path | None = None):
     """A local bundle folder for ``model`` (a folder, or an MLflow URI downloaded to dst)."""
-    if not is_mlflow_uri(model):
-        path = Path(model)
-        if not (path / "config.yaml").is_file():
-            raise ConfigError(
-                f"MODEL {model!r}: no model bundle there (no config.yaml); give a bundle folder "
-                "(e.g. RUN_DIR/bundles/final) or an MLflow URI models:/NAME@ALIAS, runs:/ID/model"
-            )
-        return path
-    import mlflow
-    from mlflow.exceptions import MlflowException
+    from pipeline.models.bundle import BundleNotFound, fetch_bundle
 
-    from pipeline.train.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(tracking_uri)
-    mlflow.set_tracking_uri(uri)
-    mlflow.set_registry_uri(uri)
-    dst = Path(dst or tempfile.mkdtemp(prefix="plm-generate-"))
     try:
-        local = Path(mlflow.artifacts.download_artifacts(artifact_uri=model, dst_path=str(dst)))
-    except (MlflowException, OSError) as err:
-        raise ConfigError(
-            f"MODEL {model!r}: could not download it from MLflow at {uri} "
-            f"({type(err).__name__}: {str(err)[:300]}); check the name/alias or run id, and "
-            "--tracking-uri / MLFLOW_TRACKING_URI"
-        ) from None
-    if not (local / "config.yaml").is_file():
-        raise ConfigError(f"MODEL {model!r}: the downloaded artifacts in {local} are no bundle")
-    return local
+        return fetch_bundle(model, tracking_uri, dst)
+    except BundleNotFound as err:
+        raise ConfigError(f"MODEL: {err}; --tracking-uri sets the MLflow store") from None
 
 
 # ----------------------------------------------------------------------------- decoders

@@ -25,33 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-_URI_SCHEMES = ("runs:/", "models:/", "mlflow-artifacts:/", "s3://", "gs://", "file:/")
-
 
 def resolve_bundle(model: str | Path) -> Path:
-    """A local bundle folder for a folder or an MLflow URI (downloaded to a temp dir)."""
-    text = str(model)
-    if text.startswith(_URI_SCHEMES):
-        import mlflow
+    """A local bundle folder for a folder or an MLflow URI (downloaded to a temp dir);
+    FileNotFoundError (``BundleNotFound``) naming it otherwise."""
+    from pipeline.models.bundle import fetch_bundle
 
-        from pipeline.train.tracking import resolve_tracking_uri
-
-        mlflow.set_tracking_uri(resolve_tracking_uri(None))
-        try:
-            local = Path(mlflow.artifacts.download_artifacts(artifact_uri=text))
-        except Exception as err:  # MLflow raises several types; one clear message
-            raise FileNotFoundError(
-                f"cannot fetch model {text!r} from MLflow at {mlflow.get_tracking_uri()}: "
-                f"{type(err).__name__}: {str(err)[:300]}"
-            ) from None
-    else:
-        local = Path(text)
-    if not (local / "config.yaml").is_file():
-        raise FileNotFoundError(
-            f"{model}: not a model bundle (no config.yaml in {local}); pass a bundle folder "
-            "(RUN_DIR/bundles/final) or an MLflow URI such as runs:/RUN_ID/model"
-        )
-    return local
+    return fetch_bundle(model)
 
 
 def special_ids(bundle: Path) -> set[int]:

@@ -65,6 +65,17 @@ def build_data_dir(root: Path, shard_docs: int = 40) -> Path:
     return Path(run_prepare(cfg))
 
 
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """Each test starts from the same environment: ``mlflow.set_tracking_uri`` (called by
+    in-process tests of generate/neighbors/fine-tuning) also sets MLFLOW_TRACKING_URI,
+    which the ``plm`` subprocesses of later tests would otherwise inherit."""
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared data dir (read-only for tests: copy it before corrupting anything)."""

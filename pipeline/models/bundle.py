@@ -178,3 +178,48 @@ def load_bundle(bundle_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     model.load_state_dict(state, strict=True)
     model.eval()
     return model, config
+
+
+MLFLOW_SCHEMES = ("models:/", "runs:/", "mlflow-artifacts:/")
+
+
+class BundleNotFound(FileNotFoundError):
+    """A model reference that names no bundle (missing folder, unknown MLflow model/run)."""
+
+
+def fetch_bundle(
+    ref: str | Path, tracking_uri: str | None = None, dst: str | Path | None = None
+) -> Path:
+    """A local bundle folder for ``ref``: a bundle folder, ``models:/NAME@ALIAS`` (or
+    ``/VERSION``) or ``runs:/RUN_ID/PATH``. MLflow URIs are downloaded (into ``dst``,
+    else a temp folder) from ``tracking_uri``, else MLFLOW_TRACKING_URI, else the local
+    store training writes to, without changing MLflow's process-wide tracking URI (which
+    would also set MLFLOW_TRACKING_URI for every subprocess started later).
+    Raises BundleNotFound naming the reference and the store."""
+    text = str(ref)
+    if not text.startswith(MLFLOW_SCHEMES):
+        if not (Path(text) / CONFIG_FILE).is_file():
+            raise BundleNotFound(
+                f"{text!r} is not a model bundle (no {CONFIG_FILE}); give a bundle folder "
+                "(e.g. RUN_DIR/bundles/final), models:/NAME@ALIAS or runs:/RUN_ID/model"
+            )
+        return Path(text)
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    from pipeline.train.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(tracking_uri)
+    dst = Path(dst or tempfile.mkdtemp(prefix="plm-bundle-"))
+    try:
+        local = mlflow.artifacts.download_artifacts(
+            artifact_uri=text, dst_path=str(dst), tracking_uri=uri, registry_uri=uri
+        )
+    except (MlflowException, OSError) as err:
+        raise BundleNotFound(
+            f"cannot fetch {text!r} from MLflow at {uri} ({type(err).__name__}: "
+            f"{str(err)[:300]}); check the name/alias or run id and the tracking URI"
+        ) from None
+    if not (Path(local) / CONFIG_FILE).is_file():
+        raise BundleNotFound(f"{text!r} downloaded to {local}, which holds no model bundle")
+    return Path(local)

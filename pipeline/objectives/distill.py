@@ -43,25 +43,12 @@ def default_layers(n_teacher: int, n_student: int) -> list[int]:
 
 def resolve_bundle(ref: str, tracking_uri: str | None = None) -> Path:
     """A local bundle folder for a folder path, ``runs:/...`` or ``models:/...`` URI."""
-    if ref.startswith(("runs:/", "models:/")):
-        import mlflow
+    from pipeline.models.bundle import BundleNotFound, fetch_bundle
 
-        from pipeline.train.tracking import resolve_tracking_uri
-
-        uri = resolve_tracking_uri(tracking_uri)
-        try:
-            return Path(mlflow.artifacts.download_artifacts(artifact_uri=ref, tracking_uri=uri))
-        except Exception as err:
-            raise ConfigError(
-                f"objective.distill.teacher: cannot download {ref} from {uri}: {err}"
-            ) from None
-    path = Path(ref)
-    if not (path / "config.yaml").is_file():
-        raise ConfigError(
-            f"objective.distill.teacher: {ref!r} is not a model bundle (no config.yaml); give "
-            "a bundle folder, runs:/RUN_ID/model or models:/NAME@ALIAS"
-        )
-    return path
+    try:
+        return fetch_bundle(ref, tracking_uri)
+    except BundleNotFound as err:
+        raise ConfigError(f"objective.distill.teacher: {err}") from None
 
 
 def load_teacher(ref: str, tracking_uri: str | None = None) -> tuple[nn.Module, dict[str, Any]]:

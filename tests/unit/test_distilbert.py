@@ -152,6 +152,6 @@ def test_teacher_from_mlflow_uris(tmp_path, monkeypatch):
         assert (local / "model.safetensors").read_bytes() == (
             bundle / "model.safetensors"
         ).read_bytes()
-    with pytest.raises(ConfigError, match="cannot download"):
+    with pytest.raises(ConfigError, match="cannot fetch .models:/nobody@current. from MLflow"):
         resolve_bundle("models:/nobody@current", uri)
     np.testing.assert_equal(default_layers(12, 6), [1, 3, 5, 7, 9, 11])

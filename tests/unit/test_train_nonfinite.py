@@ -6,7 +6,7 @@ import torch
 from pipeline.config import validate_dict
 from pipeline.train import engine as ds_engine
 from pipeline.train.schedule import scheduler_factory
-from pipeline.train.trainer import Trainer
+from pipeline.train.trainer import Trainer, forward_keys
 
 pytestmark = pytest.mark.slow
 
@@ -53,8 +53,10 @@ def make_trainer(grad_accum: int, stage: int = 2):
     trainer = Trainer.__new__(Trainer)  # only what train_step needs, no data dir
     trainer.cfg, trainer.dev, trainer.world = cfg, torch.device("cpu"), 1
     trainer.objective = PoisonableObjective()
+    model = TinyLM()
+    trainer.input_keys, trainer.uses_memory = forward_keys(model), False
     trainer.engine = ds_engine.initialize(
-        TinyLM(), ds_engine.build_ds_config(cfg, 1), scheduler_factory(cfg.train)
+        model, ds_engine.build_ds_config(cfg, 1), scheduler_factory(cfg.train)
     )
     return trainer
 
