@@ -3,8 +3,10 @@ tokenizer trainer and the real `plm data prepare` (a local Ray job)."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -44,15 +46,16 @@ def synthetic_corpus(n_docs: int = 240, seed: int = 7) -> str:
     return "\n\n".join(docs) + "\n"
 
 
-def build_data_dir(root: Path, shard_docs: int = 40) -> Path:
-    """Tokenizer (wordpiece, tiny vocab) + shards, through the real components."""
+def build_data_dir(root: Path, shard_docs: int = 40, kind: str = "wordpiece") -> Path:
+    """Tokenizer (tiny vocab) + shards, through the real components."""
     from pipeline.data.prepare import PrepareConfig, run_prepare
     from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
 
     corpus = root / "corpus.txt"
     corpus.write_text(synthetic_corpus(), encoding="utf-8")
     tok = root / "tok"
-    train_tokenizer([str(corpus)], TokenizerSpec(kind="wordpiece", vocab_size=300), tok)
+    vocab = 300 if kind == "wordpiece" else 400  # byte-level BPE starts from 256 bytes
+    train_tokenizer([str(corpus)], TokenizerSpec(kind=kind, vocab_size=vocab), tok)
     cfg = PrepareConfig(
         inputs=[str(corpus)],
         tokenizer=str(tok),
@@ -99,3 +102,99 @@ def plm(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int =
             f"stderr:\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+# --- 2 ranks through the real `deepspeed` launcher on the CPU ------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def deepspeed_launch(target: list[str], cwd: Path, timeout: int = 900):
+    """``deepspeed --num_gpus 2 TARGET`` on the CPU accelerator (gloo); asserts exit 0.
+    TARGET: ``["--module", "pipeline.cli", "train", ...]`` or a script and its arguments."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+           "--master_port", str(free_port()), *target]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    return proc
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """The rows the trainer wrote to RUN_DIR/metrics.jsonl (rank 0)."""
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def step_losses(run_dir: Path) -> list[float]:
+    return [r["step_loss"] for r in metrics_rows(run_dir) if "step_loss" in r]
+
+
+def falls(values: list[float], by: float = 0.1) -> bool:
+    """Finite, and the sum of the last three is clearly below that of the first three."""
+    return all(v == v for v in values) and sum(values[-3:]) < sum(values[:3]) - by
+
+
+# Every tiny architecture of the family, trained one after another in the same two ranks
+# (tests/integration/train_many.py): one launcher start-up instead of eleven. Each entry:
+# config, steps, and the overrides its tests need (eval/save intervals, lr).
+FAMILY = {
+    "roberta": ("roberta-tiny", 10, ["train.eval_every=0", "train.save_every=0"]),
+    "bert-wwm": ("bert-wwm-tiny", 10, ["train.eval_every=0", "train.save_every=0"]),
+    "albert": ("albert-tiny", 10, ["train.eval_every=0", "train.save_every=0"]),
+    "electra": ("electra-tiny", 10, ["train.eval_every=0", "train.save_every=10"]),
+    "distilbert": ("distilbert-tiny", 10, ["train.eval_every=0", "train.save_every=10"]),
+    "ernie": ("ernie-tiny", 10, ["train.eval_every=0", "train.save_every=10"]),
+    "gpt": (
+        "gpt-tiny",
+        12,
+        ["train.eval_every=6", "train.save_every=6", "train.lr=2.0e-3", "mlflow.register=true"],
+    ),  # fmt: skip
+    "transformer-xl": (
+        "transformer-xl-tiny",
+        12,
+        ["train.eval_every=6", "train.save_every=6", "train.lr=2.0e-3"],
+    ),
+    "xlnet": ("xlnet-tiny", 10, ["train.eval_every=5", "train.save_every=5", "train.lr=2.0e-3"]),
+    "elmo": ("elmo-tiny", 10, ["train.eval_every=5", "train.save_every=0"]),
+    "word2vec": ("word2vec-tiny", 10, ["train.eval_every=5", "train.save_every=0"]),
+}
+
+
+@pytest.fixture(scope="session")
+def family_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """{name: run dir} of every FAMILY run, trained for real under the `deepspeed` launcher
+    (2 ranks, ZeRO-2, CPU). RoBERTa reads a byte-level BPE data dir (its tokenizer kind);
+    DistilBERT's teacher is a fresh bert-tiny bundle on the data's tokenizer. The MLflow
+    store is ROOT/mlflow.db (the launch's working directory)."""
+    import torch
+
+    from pipeline.models import build_model, resolve_model_config
+    from pipeline.models.bundle import save_bundle
+
+    root = tmp_path_factory.mktemp("family")
+    bpe_data = build_data_dir(tmp_path_factory.mktemp("bpe_data"), kind="bpe")
+    meta = json.loads((tiny_data / "tokenizer" / "tokenizer_meta.json").read_text())
+    teacher_cfg = resolve_model_config({"arch": "bert", "preset": "bert-tiny"}, meta["vocab_size"])
+    torch.manual_seed(0)
+    teacher = build_model("bert", teacher_cfg)
+    teacher_dir = save_bundle(root / "teacher", "bert", teacher_cfg, teacher.state_dict(),
+                              tiny_data / "tokenizer")  # fmt: skip
+    plan = []
+    for name, (config, steps, overrides) in FAMILY.items():
+        data = bpe_data if name == "roberta" else tiny_data
+        extra = [f"objective.distill.teacher={teacher_dir}"] if name == "distilbert" else []
+        plan.append({
+            "config": str(REPO / "configs/test" / f"{config}.yaml"),
+            "overrides": [f"data.path={data}", f"train.out_dir={root / name}",
+                          "deepspeed=configs/deepspeed/zero2.json", f"train.max_steps={steps}",
+                          "mlflow.register=false", *overrides, *extra],
+        })  # fmt: skip
+    (root / "plan.json").write_text(json.dumps(plan, indent=1))
+    driver = REPO / "tests" / "integration" / "train_many.py"
+    proc = deepspeed_launch([str(driver), str(root / "plan.json")], cwd=root, timeout=1800)
+    assert proc.stdout.count("world size 2, ZeRO 2") == len(FAMILY), proc.stdout[-4000:]
+    return {name: root / name for name in FAMILY}

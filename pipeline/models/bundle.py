@@ -212,8 +212,9 @@ def fetch_bundle(
     uri = resolve_tracking_uri(tracking_uri)
     dst = Path(dst or tempfile.mkdtemp(prefix="plm-bundle-"))
     try:
+        source = _registered_version_uri(text, uri) if text.startswith("models:/") else text
         local = mlflow.artifacts.download_artifacts(
-            artifact_uri=text, dst_path=str(dst), tracking_uri=uri, registry_uri=uri
+            artifact_uri=source, dst_path=str(dst), tracking_uri=uri
         )
     except (MlflowException, OSError) as err:
         raise BundleNotFound(
@@ -223,3 +224,22 @@ def fetch_bundle(
     if not (Path(local) / CONFIG_FILE).is_file():
         raise BundleNotFound(f"{text!r} downloaded to {local}, which holds no model bundle")
     return Path(local)
+
+
+def _registered_version_uri(ref: str, uri: str) -> str:
+    """Where the artifacts of ``models:/NAME@ALIAS[/PATH]`` or ``models:/NAME/VERSION[/PATH]``
+    live, asked of the registry at ``uri``. (MLflow's own models:/ resolver reads the
+    process-wide registry URI whatever registry_uri it is given.)"""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
+    parts = ref[len("models:/") :].split("/")
+    if "@" in parts[0]:
+        name, alias = parts[0].split("@", 1)
+        version, rest = client.get_model_version_by_alias(name, alias), parts[1:]
+    else:
+        if len(parts) < 2:
+            raise BundleNotFound(f"{ref!r}: give models:/NAME@ALIAS or models:/NAME/VERSION")
+        version, rest = client.get_model_version(parts[0], parts[1]), parts[2:]
+    base = client.get_model_version_download_uri(version.name, version.version).rstrip("/")
+    return "/".join([base, *rest])

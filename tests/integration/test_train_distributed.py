@@ -4,66 +4,54 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, deepspeed_launch, falls, free_port, step_losses
 from safetensors.torch import load_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
+STAGES = ("zero0", "zero1", "zero2", "zero3")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(tmp_path: Path, data: Path, stage: str, steps: int = 12) -> Path:
-    run_dir = tmp_path / stage
-    cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-        "--master_port", str(free_port()), "--module", "pipeline.cli",
-        "train", BERT, f"data.path={data}", f"train.out_dir={run_dir}",
-        f"deepspeed=configs/deepspeed/{stage}.json", f"train.max_steps={steps}",
-        "train.save_every=6", "train.eval_every=6", "mlflow.register=false",
+@pytest.fixture(scope="module")
+def zero_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
+    """bert-tiny for 12 steps under each ZeRO stage, same seed, in one 2-rank launch
+    (tests/integration/train_many.py runs them one after another in the same ranks)."""
+    root = tmp_path_factory.mktemp("zero")
+    plan = [
+        {"config": BERT, "overrides": [
+            f"data.path={tiny_data}", f"train.out_dir={root / stage}",
+            f"deepspeed=configs/deepspeed/{stage}.json", "train.max_steps=12",
+            "train.save_every=6", "train.eval_every=6", "mlflow.register=false"]}
+        for stage in STAGES
     ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    assert "world size 2" in proc.stdout
-    return run_dir
-
-
-def losses(run_dir: Path) -> list[float]:
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_loss"] for r in rows if "step_loss" in r]
-
-
-def falls(values: list[float]) -> bool:
-    return all(v == v for v in values) and sum(values[-3:]) < sum(values[:3]) - 0.1
+    (root / "plan.json").write_text(json.dumps(plan))
+    driver = REPO / "tests" / "integration" / "train_many.py"
+    proc = deepspeed_launch([str(driver), str(root / "plan.json")], cwd=root)
+    for stage in STAGES:
+        assert f"world size 2, ZeRO {stage[-1]}" in proc.stdout
+    return {stage: root / stage for stage in STAGES}
 
 
 @pytest.mark.parametrize("stage", ["zero1", "zero2"])
-def test_two_ranks_zero_1_2(tiny_data, tmp_path, stage):
-    run_dir = launch(tmp_path, tiny_data, stage)
-    values = losses(run_dir)
+def test_two_ranks_zero_1_2(zero_runs, stage):
+    run_dir = zero_runs[stage]
+    values = step_losses(run_dir)
     assert len(values) == 12 and falls(values), values
     # both ranks wrote their loader/RNG state into every checkpoint
     ckpt = run_dir / "checkpoints" / "step00000012"
     assert (ckpt / "trainer_rank0.pt").is_file() and (ckpt / "trainer_rank1.pt").is_file()
 
 
-def test_zero3_bundle_equals_zero0(tiny_data, tmp_path):
-    z0 = launch(tmp_path, tiny_data, "zero0")
-    z3 = launch(tmp_path, tiny_data, "zero3")
-    l0, l3 = losses(z0), losses(z3)
+def test_zero3_bundle_equals_zero0(zero_runs):
+    z0, z3 = zero_runs["zero0"], zero_runs["zero3"]
+    l0, l3 = step_losses(z0), step_losses(z3)
     assert falls(l3), l3
     assert l3 == pytest.approx(l0, abs=1e-4)
     w0 = load_file(z0 / "bundles" / "final" / "model.safetensors")
@@ -92,5 +80,5 @@ def test_torchrun_style_env_two_ranks(tiny_data, tmp_path):
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "world size 2" in outs[0]
-    assert len(losses(run_dir)) == 6
+    assert len(step_losses(run_dir)) == 6
     assert (run_dir / "checkpoints" / "step00000006" / "trainer_rank1.pt").is_file()

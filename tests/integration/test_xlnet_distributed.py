@@ -1,54 +1,24 @@
 """XLNet-tiny, permutation LM with memory, 2 ranks on the CPU through the real `deepspeed`
-launcher (gloo, ZeRO-2): the loss falls, validation perplexity is reported, and each rank
+launcher (gloo, ZeRO-2; the session's ``family_runs``): the loss falls, validation perplexity is reported, and each rank
 checkpoints its own recurrent memory."""
 
 from __future__ import annotations
 
 import json
 import math
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import falls, metrics_rows, step_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-XLNET = str(REPO / "configs/test/xlnet-tiny.yaml")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(tmp_path: Path, data: Path, steps: int = 10) -> tuple[Path, str]:
-    run_dir = tmp_path / "xlnet"
-    cmd = [
-        sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-        "--master_port", str(free_port()), "--module", "pipeline.cli",
-        "train", XLNET, f"data.path={data}", f"train.out_dir={run_dir}",
-        "deepspeed=configs/deepspeed/zero2.json", f"train.max_steps={steps}",
-        "train.save_every=5", "train.eval_every=5", "train.lr=2.0e-3", "mlflow.register=false",
-    ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
-    return run_dir, proc.stdout
-
-
-def test_xlnet_two_ranks_zero2_loss_falls_and_reports_perplexity(tiny_data, tmp_path):
-    run_dir, stdout = launch(tmp_path, tiny_data)
-    assert "world size 2, ZeRO 2" in stdout
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    losses = [r["step_loss"] for r in rows if "step_loss" in r]
+def test_xlnet_two_ranks_zero2_loss_falls_and_reports_perplexity(tiny_data, family_runs):
+    run_dir = family_runs["xlnet"]
+    rows = metrics_rows(run_dir)
+    losses = step_losses(run_dir)
     assert len(losses) == 10 and all(math.isfinite(v) for v in losses), losses
-    assert sum(losses[-3:]) < sum(losses[:3]) - 0.1, losses
+    assert falls(losses), losses
     evals = [r for r in rows if "eval_plm_ppl" in r]
     assert [r["step"] for r in evals] == [5, 10]
     # perplexity over the predicted tokens: finite, below a uniform guess, and improving
