@@ -25,6 +25,12 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from pipeline.export.hf_albert import albert_to_hf_state, hf_albert_model
+from pipeline.export.hf_common import (
+    ACTIVATIONS,
+    embeddings_state,
+    encoder_config_fields,
+    encoder_layer_state,
+)
 from pipeline.export.hf_distilbert import distilbert_to_hf_state, hf_distilbert_model
 from pipeline.export.hf_electra import electra_to_hf_state, hf_electra_model, write_generator
 from pipeline.export.hf_ernie import ernie_to_hf_state, hf_ernie_model
@@ -34,20 +40,13 @@ from pipeline.export.hf_xlnet import hf_xlnet_model, xlnet_template, xlnet_to_hf
 from pipeline.models.bundle import WEIGHTS_FILE, read_bundle_config, replace_dir
 from pipeline.models.registry import ARCHITECTURES
 
-_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
-
-
 # ----------------------------------------------------------------------------- bert
 
 
 def _bert_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
     V = cfg.vocab_size
     out = {
-        "bert.embeddings.word_embeddings.weight": sd["embeddings.word.weight"][:V],
-        "bert.embeddings.position_embeddings.weight": sd["embeddings.position.weight"],
-        "bert.embeddings.token_type_embeddings.weight": sd["embeddings.token_type.weight"],
-        "bert.embeddings.LayerNorm.weight": sd["embeddings.ln.weight"],
-        "bert.embeddings.LayerNorm.bias": sd["embeddings.ln.bias"],
+        **embeddings_state(sd, "bert.", V),
         "bert.pooler.dense.weight": sd["pooler.weight"],
         "bert.pooler.dense.bias": sd["pooler.bias"],
         "cls.predictions.transform.dense.weight": sd["mlm_head.dense.weight"],
@@ -59,23 +58,7 @@ def _bert_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
         "cls.seq_relationship.bias": sd["nsp_head.bias"],
     }
     for i in range(cfg.num_layers):
-        ours, hf = f"blocks.{i}.", f"bert.encoder.layer.{i}."
-        # our fused qkv rows are [query; key; value]
-        weights = sd[f"{ours}attn.qkv.weight"].chunk(3, dim=0)
-        biases = sd[f"{ours}attn.qkv.bias"].chunk(3, dim=0)
-        for j, part in enumerate(("query", "key", "value")):
-            out[f"{hf}attention.self.{part}.weight"] = weights[j].contiguous()
-            out[f"{hf}attention.self.{part}.bias"] = biases[j].contiguous()
-        pairs = {
-            "attention.output.dense": "attn.proj",
-            "attention.output.LayerNorm": "ln_1",
-            "intermediate.dense": "mlp.fc",
-            "output.dense": "mlp.proj",
-            "output.LayerNorm": "ln_2",
-        }
-        for hf_name, our_name in pairs.items():
-            for p in ("weight", "bias"):
-                out[f"{hf}{hf_name}.{p}"] = sd[f"{ours}{our_name}.{p}"]
+        out.update(encoder_layer_state(sd, f"blocks.{i}.", f"bert.encoder.layer.{i}."))
     return out
 
 
@@ -83,21 +66,7 @@ def hf_bert_model(cfg: Any, roles: dict[str, int]):
     """A freshly initialised `BertForPreTraining` with the shape of our BertConfig."""
     import transformers
 
-    hf_cfg = transformers.BertConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        hidden_act=_ACTIVATIONS[cfg.activation],
-        hidden_dropout_prob=cfg.dropout,
-        attention_probs_dropout_prob=cfg.attention_dropout,
-        max_position_embeddings=cfg.max_positions,
-        type_vocab_size=cfg.type_vocab_size,
-        initializer_range=cfg.init_std,
-        layer_norm_eps=cfg.layer_norm_eps,
-        pad_token_id=roles.get("pad", 0),
-    )
+    hf_cfg = transformers.BertConfig(**encoder_config_fields(cfg, roles))
     return transformers.BertForPreTraining(hf_cfg)
 
 
@@ -137,7 +106,7 @@ def hf_gpt2_model(cfg: Any, roles: dict[str, int]):
         n_layer=cfg.num_layers,
         n_head=cfg.num_heads,
         n_inner=cfg.intermediate_size,
-        activation_function=_ACTIVATIONS[cfg.activation],
+        activation_function=ACTIVATIONS[cfg.activation],
         resid_pdrop=cfg.dropout,
         embd_pdrop=cfg.dropout,
         attn_pdrop=cfg.attention_dropout,

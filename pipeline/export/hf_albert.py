@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+from pipeline.export.hf_common import embeddings_state, encoder_config_fields, split_qkv
 
 
 def _groups(cfg: Any) -> int:
@@ -29,11 +29,7 @@ def _groups(cfg: Any) -> int:
 def albert_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
     V = cfg.vocab_size
     out = {
-        "albert.embeddings.word_embeddings.weight": sd["embeddings.word.weight"][:V],
-        "albert.embeddings.position_embeddings.weight": sd["embeddings.position.weight"],
-        "albert.embeddings.token_type_embeddings.weight": sd["embeddings.token_type.weight"],
-        "albert.embeddings.LayerNorm.weight": sd["embeddings.ln.weight"],
-        "albert.embeddings.LayerNorm.bias": sd["embeddings.ln.bias"],
+        **embeddings_state(sd, "albert.", V),
         "albert.encoder.embedding_hidden_mapping_in.weight": sd["project.weight"],
         "albert.encoder.embedding_hidden_mapping_in.bias": sd["project.bias"],
         "albert.pooler.weight": sd["pooler.weight"],
@@ -49,11 +45,9 @@ def albert_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
     for g in range(_groups(cfg)):
         hf = f"albert.encoder.albert_layer_groups.{g}.albert_layers.0."
         attn, ffn = f"attention.{g}.", f"ffn.{g}."
-        q, k, v = sd[f"{attn}attn.qkv.weight"].chunk(3, dim=0)  # rows [query; key; value]
-        qb, kb, vb = sd[f"{attn}attn.qkv.bias"].chunk(3, dim=0)
-        for name, w, b in (("query", q, qb), ("key", k, kb), ("value", v, vb)):
-            out[f"{hf}attention.{name}.weight"] = w.contiguous()
-            out[f"{hf}attention.{name}.bias"] = b.contiguous()
+        for name, w, b in split_qkv(sd, f"{attn}attn."):
+            out[f"{hf}attention.{name}.weight"] = w
+            out[f"{hf}attention.{name}.bias"] = b
         pairs = {
             "attention.dense": f"{attn}attn.proj",
             "attention.LayerNorm": f"{attn}ln",
@@ -72,22 +66,10 @@ def hf_albert_model(cfg: Any, roles: dict[str, int]):
     import transformers
 
     hf_cfg = transformers.AlbertConfig(
-        vocab_size=cfg.vocab_size,
+        **encoder_config_fields(cfg, roles),
         embedding_size=cfg.embedding_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
         num_hidden_groups=_groups(cfg),
         inner_group_num=1,
-        num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        hidden_act=_ACTIVATIONS[cfg.activation],
-        hidden_dropout_prob=cfg.dropout,
-        attention_probs_dropout_prob=cfg.attention_dropout,
-        max_position_embeddings=cfg.max_positions,
-        type_vocab_size=cfg.type_vocab_size,
-        initializer_range=cfg.init_std,
-        layer_norm_eps=cfg.layer_norm_eps,
-        pad_token_id=roles.get("pad", 0),
         bos_token_id=roles.get("cls"),
         eos_token_id=roles.get("sep"),
     )

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+from pipeline.export.hf_common import ACTIVATIONS
 
 
 def distilbert_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
@@ -64,7 +64,7 @@ def hf_distilbert_model(cfg: Any, roles: dict[str, int]):
         hidden_dim=cfg.intermediate_size,
         dropout=cfg.dropout,
         attention_dropout=cfg.attention_dropout,
-        activation=_ACTIVATIONS[cfg.activation],
+        activation=ACTIVATIONS[cfg.activation],
         initializer_range=cfg.init_std,
         pad_token_id=roles.get("pad", 0),
     )

@@ -13,41 +13,15 @@ from typing import Any
 
 from torch import Tensor
 
-_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+from pipeline.export.hf_common import embeddings_state, encoder_config_fields, encoder_layer_state
+
 GENERATOR_DIR = "generator"
-
-
-def encoder_layer_state(sd: dict[str, Tensor], ours: str, hf: str) -> dict[str, Tensor]:
-    """One post-LN layer (our fused QKV) -> transformers' BERT-style layer names."""
-    out = {}
-    weights = sd[f"{ours}attn.qkv.weight"].chunk(3, dim=0)  # rows [query; key; value]
-    biases = sd[f"{ours}attn.qkv.bias"].chunk(3, dim=0)
-    for j, part in enumerate(("query", "key", "value")):
-        out[f"{hf}attention.self.{part}.weight"] = weights[j].contiguous()
-        out[f"{hf}attention.self.{part}.bias"] = biases[j].contiguous()
-    pairs = {
-        "attention.output.dense": "attn.proj",
-        "attention.output.LayerNorm": "ln_1",
-        "intermediate.dense": "mlp.fc",
-        "output.dense": "mlp.proj",
-        "output.LayerNorm": "ln_2",
-    }
-    for hf_name, our_name in pairs.items():
-        for p in ("weight", "bias"):
-            out[f"{hf}{hf_name}.{p}"] = sd[f"{ours}{our_name}.{p}"]
-    return out
 
 
 def _encoder_state(sd: dict[str, Tensor], cfg: Any, net: str, n_layers: int) -> dict[str, Tensor]:
     """Shared embeddings + one network (``discriminator`` or ``generator``) under electra."""
     V = cfg.vocab_size
-    out = {
-        "electra.embeddings.word_embeddings.weight": sd["embeddings.word.weight"][:V],
-        "electra.embeddings.position_embeddings.weight": sd["embeddings.position.weight"],
-        "electra.embeddings.token_type_embeddings.weight": sd["embeddings.token_type.weight"],
-        "electra.embeddings.LayerNorm.weight": sd["embeddings.ln.weight"],
-        "electra.embeddings.LayerNorm.bias": sd["embeddings.ln.bias"],
-    }
+    out = embeddings_state(sd, "electra.", V)
     if f"{net}.project.weight" in sd:
         out["electra.embeddings_project.weight"] = sd[f"{net}.project.weight"]
         out["electra.embeddings_project.bias"] = sd[f"{net}.project.bias"]
@@ -81,22 +55,14 @@ def electra_generator_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, 
 def _hf_config(cfg: Any, net: Any, roles: dict[str, int]):
     import transformers
 
-    return transformers.ElectraConfig(
-        vocab_size=cfg.vocab_size,
-        embedding_size=cfg.embedding_size,
+    fields = encoder_config_fields(cfg, roles)
+    fields.update(  # the network's own sizes (the generator is narrower)
         hidden_size=net.hidden_size,
         num_hidden_layers=net.num_layers,
         num_attention_heads=net.num_heads,
         intermediate_size=net.intermediate_size,
-        hidden_act=_ACTIVATIONS[cfg.activation],
-        hidden_dropout_prob=cfg.dropout,
-        attention_probs_dropout_prob=cfg.attention_dropout,
-        max_position_embeddings=cfg.max_positions,
-        type_vocab_size=cfg.type_vocab_size,
-        initializer_range=cfg.init_std,
-        layer_norm_eps=cfg.layer_norm_eps,
-        pad_token_id=roles.get("pad", 0),
     )
+    return transformers.ElectraConfig(**fields, embedding_size=cfg.embedding_size)
 
 
 def hf_electra_model(cfg: Any, roles: dict[str, int]):

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import Tensor
 
-_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+from pipeline.export.hf_common import encoder_config_fields
 
 
 def ernie_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
@@ -23,20 +23,5 @@ def hf_ernie_model(cfg: Any, roles: dict[str, int]):
     """A freshly initialised ``ErnieForPreTraining`` with the shape of our ErnieConfig."""
     import transformers
 
-    hf_cfg = transformers.ErnieConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_heads,
-        intermediate_size=cfg.intermediate_size,
-        hidden_act=_ACTIVATIONS[cfg.activation],
-        hidden_dropout_prob=cfg.dropout,
-        attention_probs_dropout_prob=cfg.attention_dropout,
-        max_position_embeddings=cfg.max_positions,
-        type_vocab_size=cfg.type_vocab_size,
-        initializer_range=cfg.init_std,
-        layer_norm_eps=cfg.layer_norm_eps,
-        use_task_id=False,
-        pad_token_id=roles.get("pad", 0),
-    )
+    hf_cfg = transformers.ErnieConfig(**encoder_config_fields(cfg, roles), use_task_id=False)
     return transformers.ErnieForPreTraining(hf_cfg)

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor
 
-_ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
+from pipeline.export.hf_common import ACTIVATIONS
 
 
 def xlnet_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
@@ -56,7 +56,7 @@ def hf_xlnet_config(cfg: Any, roles: dict[str, int]):
         n_layer=cfg.num_layers,
         n_head=cfg.num_heads,
         d_inner=cfg.intermediate_size,
-        ff_activation=_ACTIVATIONS[cfg.activation],
+        ff_activation=ACTIVATIONS[cfg.activation],
         attn_type="bi",
         bi_data=False,
         same_length=False,
