@@ -23,11 +23,11 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from pipeline.models.bert import BertEmbeddings, BertMLMHead
 from pipeline.models.blocks import (
     MLP,
     SelfAttention,
@@ -48,32 +48,6 @@ class AlbertConfig(TransformerConfig):
     activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
     dropout: float = Field(0.0, ge=0, lt=1)
     attention_dropout: float = Field(0.0, ge=0, lt=1)
-
-
-class AlbertEmbeddings(nn.Module):
-    """token + position + segment embeddings in E dimensions, LayerNorm, dropout."""
-
-    def __init__(self, cfg: AlbertConfig):
-        super().__init__()
-        E = cfg.embedding_size
-        self.word = nn.Embedding(cfg.padded_vocab_size, E)
-        self.position = nn.Embedding(cfg.max_positions, E)
-        self.token_type = nn.Embedding(cfg.type_vocab_size, E)
-        self.ln = nn.LayerNorm(E, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(
-        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None
-    ) -> Tensor:
-        T = input_ids.shape[1]
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)[None]
-        x = self.word(input_ids) + self.position(position_ids)
-        if token_type_ids is None:
-            x = x + self.token_type.weight[0]
-        else:
-            x = x + self.token_type(token_type_ids)
-        return self.dropout(self.ln(x))
 
 
 class AttentionSublayer(nn.Module):
@@ -102,21 +76,6 @@ class FfnSublayer(nn.Module):
         return self.ln(x + self.dropout(self.mlp(x)))
 
 
-class AlbertMLMHead(nn.Module):
-    """dense H -> E, activation, LayerNorm, then the decoder tied to the E-dim word table."""
-
-    def __init__(self, cfg: AlbertConfig):
-        super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.embedding_size)
-        self.ln = nn.LayerNorm(cfg.embedding_size, eps=cfg.layer_norm_eps)
-        self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
-        self.bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size))
-
-    def forward(self, h: Tensor, word_embeddings: Tensor, pad_bias: Tensor) -> Tensor:
-        h = self.ln(F.gelu(self.dense(h), approximate=self.approximate))
-        return F.linear(h, word_embeddings, (self.bias + pad_bias).to(word_embeddings.dtype))
-
-
 class Albert(nn.Module):
     causal = False
 
@@ -125,7 +84,7 @@ class Albert(nn.Module):
         self.config = config
         cfg = config
         L = cfg.num_layers
-        self.embeddings = AlbertEmbeddings(cfg)
+        self.embeddings = BertEmbeddings(cfg, width=cfg.embedding_size)
         self.project = nn.Linear(cfg.embedding_size, cfg.hidden_size)  # E -> H
         # Shared sublayers are stored once (no parameter appears under two names, so
         # checkpoints, ZeRO partitioning and the bundle see each weight exactly once).
@@ -133,7 +92,7 @@ class Albert(nn.Module):
         n_ffn = 1 if cfg.share in ("all", "ffn") else L
         self.attention = nn.ModuleList(AttentionSublayer(cfg) for _ in range(n_attn))
         self.ffn = nn.ModuleList(FfnSublayer(cfg) for _ in range(n_ffn))
-        self.mlm_head = AlbertMLMHead(cfg)
+        self.mlm_head = BertMLMHead(cfg, width=cfg.embedding_size)  # H -> E, tied to E-dim words
         self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
         self.sop_head = nn.Linear(cfg.hidden_size, 2)
         self.register_buffer(

@@ -32,14 +32,16 @@ class BertConfig(TransformerConfig):
 
 
 class BertEmbeddings(nn.Module):
-    """token + position + segment embeddings, then LayerNorm and dropout."""
+    """token + position + segment embeddings, then LayerNorm and dropout. ``width``: the
+    embedding width when it is not the hidden size (ALBERT's and ELECTRA's E)."""
 
-    def __init__(self, cfg: BertConfig):
+    def __init__(self, cfg: BertConfig, width: int | None = None):
         super().__init__()
-        self.word = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
-        self.position = nn.Embedding(cfg.max_positions, cfg.hidden_size)
-        self.token_type = nn.Embedding(cfg.type_vocab_size, cfg.hidden_size)
-        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        width = width or cfg.hidden_size
+        self.word = nn.Embedding(cfg.padded_vocab_size, width)
+        self.position = nn.Embedding(cfg.max_positions, width)
+        self.token_type = nn.Embedding(cfg.type_vocab_size, width)
+        self.ln = nn.LayerNorm(width, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
@@ -57,12 +59,14 @@ class BertEmbeddings(nn.Module):
 
 
 class BertMLMHead(nn.Module):
-    """dense -> GELU -> LayerNorm, then the decoder tied to the word embeddings (+ bias)."""
+    """dense -> GELU -> LayerNorm, then the decoder tied to the word embeddings (+ bias).
+    ``width``: the word embeddings' width when it is not the hidden size (ALBERT's E)."""
 
-    def __init__(self, cfg: BertConfig):
+    def __init__(self, cfg: BertConfig, width: int | None = None):
         super().__init__()
-        self.dense = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        width = width or cfg.hidden_size
+        self.dense = nn.Linear(cfg.hidden_size, width)
+        self.ln = nn.LayerNorm(width, eps=cfg.layer_norm_eps)
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         self.bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size))
 

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from pipeline.models.bert import BertEmbeddings
 from pipeline.models.blocks import (
     TransformerConfig,
     init_normal,
@@ -71,31 +72,6 @@ class ElectraConfig(TransformerConfig):
         """The generator: hidden size, heads and FFN width scaled by generator_size."""
         base = self.model_dump(include=set(TransformerConfig.model_fields))
         return TransformerConfig(**{**base, **self._generator_shape()})
-
-
-class ElectraEmbeddings(nn.Module):
-    """token + position + segment embeddings of width E, LayerNorm, dropout (shared)."""
-
-    def __init__(self, cfg: ElectraConfig):
-        super().__init__()
-        E = cfg.embedding_size
-        self.word = nn.Embedding(cfg.padded_vocab_size, E)
-        self.position = nn.Embedding(cfg.max_positions, E)
-        self.token_type = nn.Embedding(cfg.type_vocab_size, E)
-        self.ln = nn.LayerNorm(E, eps=cfg.layer_norm_eps)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(
-        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None
-    ) -> Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        x = self.word(input_ids) + self.position(position_ids)
-        if token_type_ids is None:
-            x = x + self.token_type.weight[0]
-        else:
-            x = x + self.token_type(token_type_ids)
-        return self.dropout(self.ln(x))
 
 
 class ElectraEncoder(nn.Module):
@@ -157,7 +133,7 @@ class Electra(nn.Module):
         super().__init__()
         self.config = config
         cfg, gen = config, config.generator_config()
-        self.embeddings = ElectraEmbeddings(cfg)
+        self.embeddings = BertEmbeddings(cfg, width=cfg.embedding_size)  # shared by both nets
         self.discriminator = ElectraEncoder(cfg, cfg.embedding_size)
         self.discriminator_head = DiscriminatorHead(cfg)
         self.generator = ElectraEncoder(gen, cfg.embedding_size)
