@@ -38,6 +38,7 @@ class GPT2Config(TransformerConfig):
 
 class GPT2(nn.Module):
     causal = True  # fine-tuning pools the last real token of causal models, [CLS] otherwise
+    pre_ln = True  # GPT (pipeline/models/gpt.py) is this model with post-LN blocks
 
     def __init__(self, config: GPT2Config):
         super().__init__()
@@ -46,8 +47,11 @@ class GPT2(nn.Module):
         self.wte = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.wpe = nn.Embedding(cfg.max_positions, cfg.hidden_size)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.blocks = make_blocks(cfg, pre_ln=True)
-        self.ln_f = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
+        self.blocks = make_blocks(cfg, pre_ln=self.pre_ln)
+        # pre-LN blocks leave the residual stream unnormalised: one LayerNorm at the end
+        self.ln_f = (
+            nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps) if self.pre_ln else nn.Identity()
+        )
         # not persistent: derived from the config, never saved in a checkpoint
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
