@@ -18,17 +18,22 @@ from pipeline.config import CONFIGS_DIR, load_config
 
 CORPUS = "builtin:python-docs"
 NAME = "bert-tiny-demo"
+# A small vocabulary: each embedding row gets many updates in a short run, and the tied MLM
+# decoder (most of a tiny BERT's compute) stays cheap.
+VOCAB_SIZE = 2000
 
 
 def _tokenizer(workdir: Path) -> Path:
     from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
 
     out = workdir / "tokenizer"
-    if (out / "tokenizer_meta.json").is_file():
+    meta = out / "tokenizer_meta.json"
+    if meta.is_file() and json.loads(meta.read_text())["spec"]["vocab_size"] == VOCAB_SIZE:
         print(f"[demo] tokenizer: reusing {out}")
         return out
-    print(f"[demo] tokenizer: training WordPiece (vocab 6000) on {CORPUS}")
-    return Path(train_tokenizer([CORPUS], TokenizerSpec(kind="wordpiece", vocab_size=6000), out))
+    print(f"[demo] tokenizer: training WordPiece (vocab {VOCAB_SIZE}) on {CORPUS}")
+    spec = TokenizerSpec(kind="wordpiece", vocab_size=VOCAB_SIZE)
+    return Path(train_tokenizer([CORPUS], spec, out))
 
 
 def _shards(workdir: Path, tokenizer: Path) -> Path:
@@ -53,7 +58,12 @@ def _mlm_losses(run_dir: Path) -> tuple[float, float]:
     return values[0], values[-1]
 
 
-def run_demo(workdir: str | Path = "demo", steps: int = 300, finetune_epochs: int = 3) -> int:
+def run_demo(
+    workdir: str | Path = "demo",
+    steps: int = 1500,
+    finetune_epochs: int = 10,
+    objective: str = "mlm+nsp",
+) -> int:
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     tokenizer = _tokenizer(workdir)
@@ -67,9 +77,10 @@ def run_demo(workdir: str | Path = "demo", steps: int = 300, finetune_epochs: in
             f"name={NAME}",
             f"data.path={data}",
             "data.seq_len=128",
+            f"objective.kind={objective}",
             f"train.max_steps={steps}",
             "train.micro_batch_size=16",
-            "train.lr=2.0e-3",
+            "train.lr=3.0e-3",
             f"train.warmup_steps={max(1, steps // 10)}",
             "train.log_every=10",
             f"train.eval_every={max(1, steps // 3)}",
@@ -112,7 +123,7 @@ def _finetune(workdir: Path, result, cfg, epochs: int) -> tuple[float, float]:
     """Fine-tune the demo BERT on the python-docs topic task (pipeline/finetune/demo_task.py),
     and the same architecture from random initialisation, with the same seed and steps."""
     from pipeline.finetune.config import validate_finetune
-    from pipeline.finetune.demo_task import build_topic_task
+    from pipeline.finetune.demo_task import build_topic_task, topic_finetune_config
     from pipeline.finetune.loop import finetune
 
     paths = build_topic_task(workdir / "task")
@@ -124,26 +135,17 @@ def _finetune(workdir: Path, result, cfg, epochs: int) -> tuple[float, float]:
     for init in ("pretrained", "random"):
         name = f"{NAME}-topic" if init == "pretrained" else f"{NAME}-topic-random"
         print(f"[demo] fine-tuning {source} ({init} weights) on the topic task -> {name}")
-        ft = validate_finetune(
-            {
-                "name": name,
-                "model": {"source": source, "init": init},
-                "task": {"type": "classification", "max_length": 64},
-                "data": paths,
-                "train": {
-                    "epochs": epochs,
-                    "micro_batch_size": 16,
-                    "lr": 1.0e-3,
-                    "out_dir": str(workdir / "runs" / name),
-                    "patience": 0,
-                },
-                "mlflow": {
-                    "tracking_uri": cfg.mlflow.tracking_uri,
-                    "register": init == "pretrained",
-                },
-            },
-            "demo fine-tuning",
+        raw = topic_finetune_config(
+            source,
+            init,
+            paths,
+            workdir / "runs" / name,
+            name,
+            tracking_uri=cfg.mlflow.tracking_uri,
+            register=init == "pretrained",
+            epochs=epochs,
         )
+        ft = validate_finetune(raw, "demo fine-tuning")
         res = finetune(ft)
         scores[init] = res.test["accuracy"]
         if res.model_version:

@@ -2,7 +2,7 @@
 
 Input formats follow the papers:
 - encoders (BERT family): ``[CLS] A [SEP]`` or ``[CLS] A [SEP] B [SEP]`` with segment ids
-  0 / 1; the head reads the [CLS] vector.
+  0 / 1; the head reads the [CLS] vector. RoBERTa's pairs: ``<s> A </s></s> B </s>``.
 - causal models (GPT family), GPT's input transformations: ``<start> A <delim> B <extract>``
   with start = the tokenizer's bos, delim = sep, extract = eod (the token a causal model
   saw at the end of every pretraining document); the head reads the extract token.
@@ -32,6 +32,8 @@ from tokenizers import Tokenizer
 from pipeline.finetune.config import FinetuneError, TaskSection
 
 FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet"}
+# Architectures whose pair input puts two separators between the segments (RoBERTa).
+DOUBLE_SEP_ARCHS = {"roberta"}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -169,12 +171,18 @@ class Encoder:
     """Turns rows into Examples for one task, tokenizer and model family."""
 
     def __init__(
-        self, tokenizer: Tokenizer, roles: dict[str, int], causal: bool, task: TaskSection
+        self,
+        tokenizer: Tokenizer,
+        roles: dict[str, int],
+        causal: bool,
+        task: TaskSection,
+        arch: str | None = None,
     ):
         self.tok = tokenizer
         self.sp = specials_for(roles, causal)
         self.causal = causal
         self.task = task
+        self.double_sep = arch in DOUBLE_SEP_ARCHS
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(str(text), add_special_tokens=False).ids
@@ -184,12 +192,13 @@ class Encoder:
         return [self.sp.start, *a, self.sp.end], [0] * (len(a) + 2)
 
     def pair(self, a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
-        budget = self.task.max_length - 3
+        delim = [self.sp.delim] * (2 if self.double_sep else 1)
+        budget = self.task.max_length - 2 - len(delim)
         a, b = list(a), list(b)
         while len(a) + len(b) > budget:  # longest first, from the end (BERT's truncate_seq_pair)
             (a if len(a) >= len(b) else b).pop()
-        ids = [self.sp.start, *a, self.sp.delim, *b, self.sp.end]
-        return ids, [0] * (len(a) + 2) + [1] * (len(b) + 1)
+        ids = [self.sp.start, *a, *delim, *b, self.sp.end]
+        return ids, [0] * (len(a) + 1 + len(delim)) + [1] * (len(b) + 1)
 
     def encode(self, rows: list[dict[str, Any]], labels: list[str], path: str, labelled: bool):
         t = self.task

@@ -123,7 +123,7 @@ def prepare(cfg: FinetuneConfig, download_to: Path) -> Prepared:
     check_task_fits(arch, cfg)
     tokenizer, _ = load_tokenizer(source.path)
     roles = bundle_cfg["vocab"]["roles"]
-    encoder = Encoder(tokenizer, roles, bool(getattr(backbone, "causal", False)), cfg.task)
+    encoder = Encoder(tokenizer, roles, bool(getattr(backbone, "causal", False)), cfg.task, arch)
     data = load_task_data(cfg, encoder)
     return Prepared(source, backbone, bundle_cfg, arch, roles, encoder, data)
 

@@ -30,7 +30,7 @@ def predict_rows(model_dir: Path, rows: list[dict[str, Any]], where: str, batch_
     check_columns(rows, task, where, labelled=False)
     tokenizer, tok_meta = load_tokenizer(backbone_dir)
     causal = bool(getattr(model.backbone, "causal", False))
-    encoder = Encoder(tokenizer, tok_meta["roles"], causal, task)
+    encoder = Encoder(tokenizer, tok_meta["roles"], causal, task, meta.get("arch"))
     examples = encoder.encode(rows, meta["labels"], where, labelled=False)
     raw = run_model(
         lambda b: model(b),

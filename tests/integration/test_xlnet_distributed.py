@@ -13,6 +13,7 @@ from conftest import falls, metrics_rows, step_losses
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
+
 def test_xlnet_two_ranks_zero2_loss_falls_and_reports_perplexity(tiny_data, family_runs):
     run_dir = family_runs["xlnet"]
     rows = metrics_rows(run_dir)

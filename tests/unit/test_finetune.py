@@ -18,6 +18,10 @@ from pipeline.finetune.heads import CRF, TaskModel, layer_depth, param_groups
 from pipeline.finetune.loop import prepare
 from pipeline.models.registry import ARCHITECTURES, build_model, resolve_model_config
 
+# Pretrained vs random init on the demo task (see the test's xfail reason)
+PRETRAIN_STEPS = 2000
+TRAIN_PER_CLASS = 25
+MARGIN = 0.1
 WORDS = "the cat dog reads a good bad book very new york red blue color is what".split()
 
 
@@ -55,7 +59,7 @@ def encoder_for(bundle: Path, task: TaskSection) -> tuple[Encoder, torch.nn.Modu
     model, cfg = load_bundle(bundle)
     tok, _ = load_tokenizer(bundle)
     roles = cfg["vocab"]["roles"]
-    return Encoder(tok, roles, bool(model.causal), task), model, roles
+    return Encoder(tok, roles, bool(model.causal), task, cfg["arch"]), model, roles
 
 
 # ----------------------------------------------------------------------------- metrics
@@ -119,6 +123,12 @@ def test_encoder_and_gpt_input_transformations(bundles):
         len(ids) - ids.index(roles["sep"]) - 1
     )
     assert len(ex.views) == 2  # both orders (GPT's similarity input)
+
+    enc, _, roles = encoder_for(bundles["roberta"], pair)
+    (ex,) = enc.encode([{"text": "the cat", "b": "a dog", "label": "x"}], ["x", "y"], "t", True)
+    ids, _ = ex.views[0]
+    sep = ids.index(roles["sep"])
+    assert ids[sep + 1] == roles["sep"] and ids.count(roles["sep"]) == 3  # <s> A </s></s> B </s>
 
     enc, _, roles = encoder_for(bundles["gpt2"], pair)
     (ex,) = enc.encode([{"text": "the cat", "b": "a dog", "label": "y"}], ["x", "y"], "t", True)
@@ -201,40 +211,63 @@ def tiny_batch(task: str, enc: Encoder):
 @pytest.mark.parametrize(
     "task", ["classification", "regression", "tagging", "multiple_choice", "span_qa"]
 )
-def test_every_head_learns_on_every_architecture(bundles, task):
-    """A few steps on one batch: the loss falls, on bert, gpt2 and every landed arch."""
+@pytest.mark.parametrize("arch", ["bert", "gpt2"])  # one encoder, one causal model
+def test_every_head_learns(bundles, task, arch):
+    """A few steps on one batch: the loss falls (CRF tagging on the causal model)."""
+    sec = TaskSection(type=task, crf=task == "tagging" and arch == "gpt2", max_length=24)
+    enc, backbone, _ = encoder_for(bundles[arch], sec)
+    batch, n_labels = tiny_batch(task, enc)
+    torch.manual_seed(0)
+    model = TaskModel(backbone, task, n_labels, crf=sec.crf)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model.train()
+    losses = []
+    for _ in range(12):
+        loss = model(batch)["loss"]
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.8 * losses[0], (arch, task, losses)
+
+
+def test_every_architecture_takes_every_head(bundles):
+    """Every landed architecture: each head it supports gives outputs of the right shape
+    and a finite loss whose gradient reaches the head (and the backbone unless frozen)."""
+    from pipeline.finetune.heads import FEATURES_ONLY, UNSUPPORTED, backbone_layers
+
+    shapes = {
+        "classification": ("logits", (8, 2)),
+        "regression": ("logits", (8,)),
+        "tagging": ("logits", (8, 3, 2)),
+        "multiple_choice": ("logits", (8, 2)),
+    }
     for arch, bundle in bundles.items():
-        from pipeline.finetune.heads import FEATURES_ONLY, UNSUPPORTED
-
-        if task in UNSUPPORTED.get(arch, {}):
-            continue
         mode = "features" if arch in FEATURES_ONLY else "full"
-        sec = TaskSection(type=task, crf=task == "tagging" and arch == "gpt2", max_length=24)
-        enc, backbone, _ = encoder_for(bundle, sec)
-        batch, n_labels = tiny_batch(task, enc)
-        torch.manual_seed(0)
-        n_layers = 0
-        if mode == "features":
-            from pipeline.finetune.heads import backbone_layers
-
-            n_layers = backbone_layers(backbone(input_ids=batch["input_ids"][:, 0])).shape[1]
-        model = TaskModel(
-            backbone, task, n_labels, mode=mode, crf=sec.crf, n_feature_layers=n_layers
-        )
-        opt = torch.optim.AdamW(
-            [p for p in model.parameters() if p.requires_grad],
-            lr=2e-2 if mode == "features" else 3e-3,
-        )
-        model.train()
-        losses = []
-        # features mode trains a BiLSTM from scratch on frozen features: more steps
-        for _ in range(30 if mode == "features" else 12):
-            loss = model(batch)["loss"]
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        assert losses[-1] < (0.9 if mode == "features" else 0.8) * losses[0], (arch, task, losses)
+        for task in [*shapes, "span_qa"]:
+            if task in UNSUPPORTED.get(arch, {}):
+                continue
+            enc, backbone, _ = encoder_for(bundle, TaskSection(type=task, max_length=24))
+            batch, n_labels = tiny_batch(task, enc)
+            n_layers = 0
+            if mode == "features":
+                with torch.no_grad():
+                    outputs = backbone(input_ids=batch["input_ids"][:, 0])
+                n_layers = backbone_layers(outputs).shape[1]
+            torch.manual_seed(0)
+            model = TaskModel(backbone, task, n_labels, mode=mode, n_feature_layers=n_layers)
+            out = model(batch)
+            if task == "span_qa":
+                n, _, T = batch["input_ids"].shape  # one example per context window
+                assert out["start_logits"].shape == out["end_logits"].shape == (n, T)
+            else:
+                key, shape = shapes[task]
+                assert tuple(out[key].shape) == shape, (arch, task, out[key].shape)
+            out["loss"].backward()
+            assert torch.isfinite(out["loss"]), (arch, task)
+            assert model.head.weight.grad.abs().sum() > 0, (arch, task)
+            grads = [p.grad for p in backbone.parameters() if p.grad is not None]
+            assert bool(grads) == (mode == "full"), (arch, task)
 
 
 def test_pooling_reads_cls_for_encoders_and_last_real_token_for_causal(bundles):
@@ -338,3 +371,138 @@ def test_task_the_architecture_cannot_do():
     )
     with pytest.raises(FinetuneError, match="span_qa cannot run on arch 'elmo'"):
         check_task_fits("elmo", qa)
+
+
+# ----------------------------------------------------------------------------- real engine
+
+
+def topic_rows(n: int, seed: int) -> list[dict[str, str]]:
+    """A tiny two-class task in the bundles' vocabulary: is it about a cat or a dog?"""
+    r = random.Random(seed)
+    rows = []
+    for i in range(n):
+        animal = ["cat", "dog"][i % 2]
+        words = [r.choice(WORDS) for _ in range(4)]
+        words.insert(r.randrange(5), animal)
+        rows.append({"text": " ".join(words), "label": animal})
+    return rows
+
+
+@pytest.mark.slow
+def test_frozen_mode_leaves_the_encoder_bit_identical(bundles, tmp_path):
+    """train.mode=frozen through the real DeepSpeed engine: the head learns, every encoder
+    weight in the saved model equals the source bundle's bit for bit."""
+    from safetensors.torch import load_file
+
+    from pipeline.finetune.loop import finetune
+
+    train = write_jsonl(tmp_path / "train.jsonl", topic_rows(32, 1))
+    valid = write_jsonl(tmp_path / "valid.jsonl", topic_rows(8, 2))
+    cfg = validate_finetune(
+        {
+            "name": "frozen",
+            "model": {"source": str(bundles["bert"])},
+            "task": {"type": "classification", "max_length": 16},
+            "data": {"train": train, "valid": valid},
+            "train": {
+                "mode": "frozen",
+                "epochs": 2,
+                "micro_batch_size": 8,
+                "lr": 1e-2,
+                "out_dir": str(tmp_path / "run"),
+            },  # fmt: skip
+            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "register": False},
+        }
+    )
+    res = finetune(cfg)
+    assert res.steps == 8
+    source = load_file(str(bundles["bert"] / "model.safetensors"))
+    tuned = load_file(str(res.model_dir / "backbone" / "model.safetensors"))
+    assert source.keys() == tuned.keys()
+    for k in source:
+        assert torch.equal(source[k], tuned[k]), k
+    head = load_file(str(res.model_dir / "head.safetensors"))
+    assert head["head.weight"].abs().sum() > 0 and head["head.bias"].abs().sum() > 0
+
+
+def mlm_pretrain(tokenizer_dir: Path, out: Path, steps: int, seed: int = 0) -> Path:
+    """A short MLM pretraining of the demo's BERT on builtin:python-docs, in-process: the
+    project's masking and MLM head, plain AdamW (the DeepSpeed trainer is tested elsewhere;
+    this only has to give a model that is past MLM's word-frequency plateau, cheaply)."""
+    import numpy as np
+
+    from pipeline.config import MlmConfig
+    from pipeline.data.readers import python_docs
+    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.models.bundle import save_bundle
+    from pipeline.models.registry import resolve_model_config
+    from pipeline.objectives.mlm import mask_tokens, masked_lm_loss
+
+    tok, meta = load_tokenizer(tokenizer_dir)
+    roles = meta["roles"]
+    T, B = 64, 32
+    chunks = []
+    for doc in python_docs():
+        ids = tok.encode(doc, add_special_tokens=False).ids
+        chunks += [ids[i : i + T - 2] for i in range(0, len(ids), T - 2) if len(ids) - i >= 8]
+    special = np.array(sorted(set(roles.values())))
+    replacements = np.setdiff1d(np.arange(meta["vocab_size"]), special)
+    cfg = resolve_model_config(
+        {"arch": "bert", "preset": "bert-tiny", "dropout": 0.0, "attention_dropout": 0.0},
+        meta["vocab_size"],
+    )
+    torch.manual_seed(seed)
+    model = build_model("bert", cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    warmup = steps // 10
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        x = np.full((B, T), roles["pad"])
+        y = np.full((B, T), -100)
+        for b, c in enumerate(rng.integers(0, len(chunks), B)):
+            ids = np.array([roles["cls"], *chunks[c], roles["sep"]])
+            inp, lab = mask_tokens(
+                ids, ~np.isin(ids, special), rng, MlmConfig(), roles["mask"], replacements
+            )
+            x[b, : len(ids)], y[b, : len(ids)] = inp, lab
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        h = model(input_ids=x, attention_mask=(x != roles["pad"]).long())["hidden_states"]
+        picked = y != -100  # the decoder only where a token was masked: 6x cheaper
+        logits = model.mlm_head(h[picked], model.embeddings.word.weight, model.pad_bias)
+        loss, _ = masked_lm_loss(logits[:, None], y[picked][:, None])
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    return save_bundle(out, "bert", cfg, model.state_dict(), tokenizer_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    run=False,
+    reason="not yet true: with fixed seeds (2000 MLM steps, 25 train paragraphs per class) "
+    "it measured test accuracy 0.5375 pretrained vs 0.619 random init (88 s); see "
+    "README.md, section 6 (Fine-tuning)",
+)
+def test_pretrained_beats_random_init_on_the_demo_task(tmp_path):
+    """The demo's task (which stdlib package a python-docs paragraph comes from), the demo's
+    tokenizer and fine-tuning recipe, fixed seeds: the BERT pretrained with MLM on the same
+    (unlabelled) text beats the same architecture from random initialisation by a clear
+    margin in test accuracy, both fine-tuned through the real DeepSpeed engine."""
+    from pipeline.demo import _tokenizer
+    from pipeline.finetune.demo_task import build_topic_task, topic_finetune_config
+    from pipeline.finetune.loop import finetune
+
+    bundle = mlm_pretrain(_tokenizer(tmp_path), tmp_path / "bundle", steps=PRETRAIN_STEPS)
+    paths = build_topic_task(tmp_path / "task", train_per_class=TRAIN_PER_CLASS)
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    acc = {}
+    for init in ("pretrained", "random"):
+        raw = topic_finetune_config(
+            str(bundle), init, paths, tmp_path / init, f"topic-{init}", store, register=False
+        )
+        acc[init] = finetune(validate_finetune(raw)).test["accuracy"]
+    print(acc)
+    assert acc["pretrained"] >= acc["random"] + MARGIN, acc
