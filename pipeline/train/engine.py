@@ -182,7 +182,7 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_fact
     accelerator = get_accelerator()
     for precision in ("fp16", "bf16"):
         supported = getattr(accelerator, f"is_{precision}_supported")()
-        if ds_config[precision]["enabled"] and not supported:
+        if ds_config.get(precision, {}).get("enabled") and not supported:
             raise ConfigError(
                 f"train.precision={precision}: the {accelerator.device_name()} accelerator "
                 f"here does not support {precision}; use train.precision=bf16 or fp32"
