@@ -198,3 +198,24 @@ def family_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     proc = deepspeed_launch([str(driver), str(root / "plan.json")], cwd=root, timeout=1800)
     assert proc.stdout.count("world size 2, ZeRO 2") == len(FAMILY), proc.stdout[-4000:]
     return {name: root / name for name in FAMILY}
+
+
+# --- tiny models for in-process tests ---------------------------------------------------
+
+
+def tiny_model(arch: str, vocab_size: int = 100, **overrides):
+    """A model of the ``<arch>-tiny`` preset, seeded (vocab 100 is padded to 128)."""
+    import torch
+
+    from pipeline.models import build_model, resolve_model_config
+
+    section = {"arch": arch, "preset": f"{arch}-tiny", **overrides}
+    cfg = resolve_model_config(section, vocab_size)
+    torch.manual_seed(0)
+    return build_model(arch, cfg)
+
+
+def random_ids(B: int = 2, T: int = 16, seed: int = 1, vocab_size: int = 100):
+    import torch
+
+    return torch.randint(0, vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))

@@ -11,24 +11,15 @@ import json
 import numpy as np
 import pytest
 import torch
+from conftest import random_ids as ids
+from conftest import tiny_model as tiny
 
 from pipeline.config import ConfigError, ObjectiveSection
-from pipeline.models import build_model, resolve_model_config
+from pipeline.models import resolve_model_config
 from pipeline.models.blocks import PAD_LOGIT
 from pipeline.objectives import build_objective
 
 VOCAB = 100  # padded to 128
-
-
-def tiny(arch: str, **overrides):
-    preset = {"gpt": "gpt-tiny", "transformer-xl": "transformer-xl-tiny"}[arch]
-    cfg = resolve_model_config({"arch": arch, "preset": preset, **overrides}, VOCAB)
-    torch.manual_seed(0)
-    return build_model(arch, cfg)
-
-
-def ids(B=2, T=16, seed=1):
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("arch", ["gpt", "transformer-xl"])

@@ -3,23 +3,14 @@ checkpointing equivalence, FLOPs accounting and config errors."""
 
 import pytest
 import torch
+from conftest import random_ids as ids
+from conftest import tiny_model as tiny
 
 from pipeline.config import ConfigError
 from pipeline.models import ARCHITECTURES, build_model, resolve_model_config
 from pipeline.models.blocks import PAD_LOGIT
 
 VOCAB = 100  # padded to 128 by the model
-
-
-def tiny(arch: str, **overrides):
-    preset = {"bert": "bert-tiny", "gpt2": "gpt2-tiny"}[arch]
-    cfg = resolve_model_config({"arch": arch, "preset": preset, **overrides}, VOCAB)
-    torch.manual_seed(0)
-    return build_model(arch, cfg)
-
-
-def ids(B=2, T=16, seed=1):
-    return torch.randint(0, VOCAB, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
