@@ -27,6 +27,8 @@ from torch import Tensor
 from pipeline.export.hf_albert import albert_to_hf_state, hf_albert_model
 from pipeline.export.hf_common import (
     ACTIVATIONS,
+    decoder_config_fields,
+    decoder_layer_state,
     embeddings_state,
     encoder_config_fields,
     encoder_layer_state,
@@ -82,16 +84,7 @@ def _gpt2_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
         "transformer.ln_f.bias": sd["ln_f.bias"],
     }
     for i in range(cfg.num_layers):
-        ours, hf = f"blocks.{i}.", f"transformer.h.{i}."
-        for p in ("weight", "bias"):
-            out[f"{hf}ln_1.{p}"] = sd[f"{ours}ln_1.{p}"]
-            out[f"{hf}ln_2.{p}"] = sd[f"{ours}ln_2.{p}"]
-        # HF GPT-2 uses Conv1D: weight stored [in, out], the transpose of nn.Linear's.
-        pairs = {"attn.c_attn": "attn.qkv", "attn.c_proj": "attn.proj", "mlp.c_fc": "mlp.fc"}
-        pairs["mlp.c_proj"] = "mlp.proj"
-        for hf_name, our_name in pairs.items():
-            out[f"{hf}{hf_name}.weight"] = sd[f"{ours}{our_name}.weight"].t().contiguous()
-            out[f"{hf}{hf_name}.bias"] = sd[f"{ours}{our_name}.bias"]
+        out.update(decoder_layer_state(sd, f"blocks.{i}.", f"transformer.h.{i}."))
     return out
 
 
@@ -100,21 +93,9 @@ def hf_gpt2_model(cfg: Any, roles: dict[str, int]):
     import transformers
 
     hf_cfg = transformers.GPT2Config(
-        vocab_size=cfg.vocab_size,
-        n_positions=cfg.max_positions,
-        n_embd=cfg.hidden_size,
-        n_layer=cfg.num_layers,
-        n_head=cfg.num_heads,
+        **decoder_config_fields(cfg, roles),
         n_inner=cfg.intermediate_size,
         activation_function=ACTIVATIONS[cfg.activation],
-        resid_pdrop=cfg.dropout,
-        embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.attention_dropout,
-        layer_norm_epsilon=cfg.layer_norm_eps,
-        initializer_range=cfg.init_std,
-        bos_token_id=roles.get("bos"),
-        eos_token_id=roles.get("eos"),
-        pad_token_id=roles.get("pad"),
     )
     return transformers.GPT2LMHeadModel(hf_cfg)
 

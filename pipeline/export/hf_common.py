@@ -72,3 +72,44 @@ def encoder_layer_state(sd: dict[str, Tensor], ours: str, hf: str) -> dict[str, 
         for p in ("weight", "bias"):
             out[f"{hf}{hf_name}.{p}"] = sd[f"{ours}{our_name}.{p}"]
     return out
+
+
+# --- the GPT family (transformers' Conv1D layers) -----------------------------------------
+
+
+def decoder_config_fields(cfg: Any, roles: dict[str, int]) -> dict[str, Any]:
+    """The keyword arguments GPT2Config and OpenAIGPTConfig both take."""
+    return {
+        "vocab_size": cfg.vocab_size,
+        "n_positions": cfg.max_positions,
+        "n_embd": cfg.hidden_size,
+        "n_layer": cfg.num_layers,
+        "n_head": cfg.num_heads,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.attention_dropout,
+        "layer_norm_epsilon": cfg.layer_norm_eps,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": roles.get("bos"),
+        "eos_token_id": roles.get("eos"),
+        "pad_token_id": roles.get("pad"),
+    }
+
+
+def decoder_layer_state(sd: dict[str, Tensor], ours: str, hf: str) -> dict[str, Tensor]:
+    """One of our decoder layers as transformers' GPT / GPT-2 layer ``{hf}``. Their
+    Conv1D stores weights [in, out], the transpose of nn.Linear's."""
+    out = {}
+    for p in ("weight", "bias"):
+        out[f"{hf}ln_1.{p}"] = sd[f"{ours}ln_1.{p}"]
+        out[f"{hf}ln_2.{p}"] = sd[f"{ours}ln_2.{p}"]
+    pairs = {
+        "attn.c_attn": "attn.qkv",
+        "attn.c_proj": "attn.proj",
+        "mlp.c_fc": "mlp.fc",
+        "mlp.c_proj": "mlp.proj",
+    }
+    for hf_name, our_name in pairs.items():
+        out[f"{hf}{hf_name}.weight"] = sd[f"{ours}{our_name}.weight"].t().contiguous()
+        out[f"{hf}{hf_name}.bias"] = sd[f"{ours}{our_name}.bias"]
+    return out

@@ -43,58 +43,37 @@ class ModelSource:
     tags: dict[str, str] = field(default_factory=dict)
 
 
-def _mlflow(tracking_uri: str | None):
-    import mlflow
-
-    from pipeline.train.tracking import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(tracking_uri)
-    mlflow.set_tracking_uri(uri)
-    return mlflow, uri
-
-
 def resolve_source(uri: str, tracking_uri: str | None, download_to: Path) -> ModelSource:
-    """A local folder for ``uri``; MLflow URIs are downloaded into ``download_to``.
+    """A local folder for ``uri``; MLflow URIs are downloaded into ``download_to``
+    (``fetch_bundle``: MLflow's process-wide tracking URI is left alone).
     Raises FinetuneError naming the URI (and the store) when it does not exist."""
-    if uri.startswith("models:/"):
-        mlflow, store = _mlflow(tracking_uri)
-        from mlflow import MlflowClient
+    if uri.startswith(("models:/", "runs:/")):
         from mlflow.exceptions import MlflowException
 
-        spec = uri[len("models:/") :]
+        from pipeline.models.bundle import BundleNotFound, fetch_bundle, registered_version
+        from pipeline.train.tracking import resolve_tracking_uri
+
+        store = resolve_tracking_uri(tracking_uri)
+        if download_to.exists():
+            shutil.rmtree(download_to)
         try:
-            client = MlflowClient()
-            if "@" in spec:
-                name, alias = spec.split("@", 1)
-                mv = client.get_model_version_by_alias(name, alias)
-            elif "/" in spec:
-                name, version = spec.split("/", 1)
-                mv = client.get_model_version(name, version)
-            else:
-                raise FinetuneError(
-                    f"model URI {uri!r}: use models:/NAME@ALIAS or models:/NAME/VERSION"
-                )
-            path = _download(mlflow, mv.source, download_to)
+            if uri.startswith("runs:/"):
+                run_id = uri[len("runs:/") :].split("/", 1)[0]
+                path = fetch_bundle(uri, store, download_to, require=None)
+                return ModelSource(path, uri, run_id)
+            mv, _ = registered_version(uri, store)
+            path = fetch_bundle(uri, store, download_to, require=None)
         except MlflowException as err:
             raise FinetuneError(
                 f"model URI {uri!r} does not exist in the MLflow store {store}: "
                 f"{err.message.splitlines()[0]}; list models with `mlflow ui` or set "
                 "mlflow.tracking_uri / MLFLOW_TRACKING_URI"
             ) from None
-        return ModelSource(path, uri, mv.run_id, name, str(mv.version), dict(mv.tags or {}))
-    if uri.startswith("runs:/"):
-        mlflow, store = _mlflow(tracking_uri)
-        from mlflow.exceptions import MlflowException
-
-        run_id = uri[len("runs:/") :].split("/", 1)[0]
-        try:
-            path = _download(mlflow, uri, download_to)
-        except (MlflowException, OSError) as err:
-            msg = getattr(err, "message", str(err)).splitlines()[0]
+        except BundleNotFound as err:
             raise FinetuneError(
-                f"model URI {uri!r} does not exist in the MLflow store {store}: {msg}"
+                f"model URI {uri!r} does not exist or holds no bundle: {err}"
             ) from None
-        return ModelSource(path, uri, run_id)
+        return ModelSource(path, uri, mv.run_id, mv.name, str(mv.version), dict(mv.tags or {}))
     path = Path(uri)
     if not path.exists():
         raise FinetuneError(
@@ -102,13 +81,6 @@ def resolve_source(uri: str, tracking_uri: str | None, download_to: Path) -> Mod
             "runs:/RUN_ID/model or a local bundle folder"
         )
     return ModelSource(path, uri)
-
-
-def _download(mlflow, artifact_uri: str, dst: Path) -> Path:
-    if dst.exists():
-        shutil.rmtree(dst)
-    dst.mkdir(parents=True)
-    return Path(mlflow.artifacts.download_artifacts(artifact_uri=artifact_uri, dst_path=str(dst)))
 
 
 def load_backbone(source: ModelSource):

@@ -188,17 +188,21 @@ class BundleNotFound(FileNotFoundError):
 
 
 def fetch_bundle(
-    ref: str | Path, tracking_uri: str | None = None, dst: str | Path | None = None
+    ref: str | Path,
+    tracking_uri: str | None = None,
+    dst: str | Path | None = None,
+    require: str | None = CONFIG_FILE,
 ) -> Path:
     """A local bundle folder for ``ref``: a bundle folder, ``models:/NAME@ALIAS`` (or
     ``/VERSION``) or ``runs:/RUN_ID/PATH``. MLflow URIs are downloaded (into ``dst``,
     else a temp folder) from ``tracking_uri``, else MLFLOW_TRACKING_URI, else the local
     store training writes to, without changing MLflow's process-wide tracking URI (which
     would also set MLFLOW_TRACKING_URI for every subprocess started later).
-    Raises BundleNotFound naming the reference and the store."""
+    ``require``: the file the folder must hold (None: any folder, e.g. a fine-tuned
+    model, whose loader checks it). Raises BundleNotFound naming the reference and store."""
     text = str(ref)
     if not text.startswith(MLFLOW_SCHEMES):
-        if not (Path(text) / CONFIG_FILE).is_file():
+        if require is not None and not (Path(text) / require).is_file():
             raise BundleNotFound(
                 f"{text!r} is not a model bundle (no {CONFIG_FILE}); give a bundle folder "
                 "(e.g. RUN_DIR/bundles/final), models:/NAME@ALIAS or runs:/RUN_ID/model"
@@ -221,25 +225,33 @@ def fetch_bundle(
             f"cannot fetch {text!r} from MLflow at {uri} ({type(err).__name__}: "
             f"{str(err)[:300]}); check the name/alias or run id and the tracking URI"
         ) from None
-    if not (Path(local) / CONFIG_FILE).is_file():
+    if require is not None and not (Path(local) / require).is_file():
         raise BundleNotFound(f"{text!r} downloaded to {local}, which holds no model bundle")
     return Path(local)
 
 
-def _registered_version_uri(ref: str, uri: str) -> str:
-    """Where the artifacts of ``models:/NAME@ALIAS[/PATH]`` or ``models:/NAME/VERSION[/PATH]``
-    live, asked of the registry at ``uri``. (MLflow's own models:/ resolver reads the
-    process-wide registry URI whatever registry_uri it is given.)"""
+def registered_version(ref: str, uri: str):
+    """(the ModelVersion that ``models:/NAME@ALIAS[/PATH]`` or ``models:/NAME/VERSION[/PATH]``
+    names, PATH) asked of the registry at ``uri``; MlflowException if there is none."""
     from mlflow import MlflowClient
 
     client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     parts = ref[len("models:/") :].split("/")
     if "@" in parts[0]:
         name, alias = parts[0].split("@", 1)
-        version, rest = client.get_model_version_by_alias(name, alias), parts[1:]
-    else:
-        if len(parts) < 2:
-            raise BundleNotFound(f"{ref!r}: give models:/NAME@ALIAS or models:/NAME/VERSION")
-        version, rest = client.get_model_version(parts[0], parts[1]), parts[2:]
+        return client.get_model_version_by_alias(name, alias), "/".join(parts[1:])
+    if len(parts) < 2:
+        raise BundleNotFound(f"{ref!r}: give models:/NAME@ALIAS or models:/NAME/VERSION")
+    return client.get_model_version(parts[0], parts[1]), "/".join(parts[2:])
+
+
+def _registered_version_uri(ref: str, uri: str) -> str:
+    """Where the artifacts of a ``models:/`` reference live, asked of the registry at
+    ``uri``. (MLflow's own models:/ resolver reads the process-wide registry URI whatever
+    registry_uri it is given.)"""
+    from mlflow import MlflowClient
+
+    version, rest = registered_version(ref, uri)
+    client = MlflowClient(tracking_uri=uri, registry_uri=uri)
     base = client.get_model_version_download_uri(version.name, version.version).rstrip("/")
-    return "/".join([base, *rest])
+    return f"{base}/{rest}" if rest else base
