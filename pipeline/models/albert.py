@@ -15,7 +15,8 @@ owns its LayerNorm (as in transformers' AlbertAttention / AlbertLayer), so shari
 sublayer shares its LayerNorm too.
 
 Outputs: {"mlm_logits": [B,T,Vpad], "sop_logits": [B,2], "hidden_states": [B,T,H]};
-sop_logits index 0 = segments in order, 1 = swapped (transformers' convention).
+sop_logits index 0 = segments in order, 1 = swapped (transformers' convention). Given
+``mlm_labels``, "mlm_logits" is [N,Vpad]: the labelled positions only, as for BERT.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Albert(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
+        mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
     ) -> dict[str, Tensor]:
         T = input_ids.shape[1]
         if T > self.config.max_positions:
@@ -135,7 +137,7 @@ class Albert(nn.Module):
                 x = checkpoint(self.layer, i, x, mask, use_reentrant=False)
             else:
                 x = self.layer(i, x, mask)
-        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias)
+        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias, mlm_labels)
         pooled = torch.tanh(self.pooler(x[:, 0]))
         return {"mlm_logits": mlm_logits, "sop_logits": self.sop_head(pooled), "hidden_states": x}
 

@@ -1,7 +1,8 @@
 """BERT (Devlin et al., 2018): a post-LN transformer encoder with the two pretraining heads,
 masked-LM (tied to the input embeddings) and next-sentence prediction on the pooled [CLS].
 
-Outputs: {"mlm_logits": [B,T,Vpad], "nsp_logits": [B,2], "hidden_states": [B,T,H]}.
+Outputs: {"mlm_logits": [B,T,Vpad], "nsp_logits": [B,2], "hidden_states": [B,T,H]}; given
+``mlm_labels`` (the trainer passes them), "mlm_logits" is [N,Vpad]: the N labelled positions.
 Vpad is vocab_size rounded up to a multiple of 64; the padded rows get a logit of
 PAD_LOGIT so they never win. nsp_logits index 0 = "B follows A", 1 = "B is random"
 (the original BERT / transformers convention).
@@ -70,7 +71,14 @@ class BertMLMHead(nn.Module):
         self.approximate = "tanh" if cfg.activation == "gelu_tanh" else "none"
         self.bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size))
 
-    def forward(self, h: Tensor, word_embeddings: Tensor, pad_bias: Tensor) -> Tensor:
+    def forward(
+        self, h: Tensor, word_embeddings: Tensor, pad_bias: Tensor, labels: Tensor | None = None
+    ) -> Tensor:
+        """[B,T,Vpad] logits; with MLM ``labels`` (training), [N,Vpad] for the N labelled
+        positions only (row-major): the vocabulary projection is most of a small model's
+        compute, and ~85% of the positions carry no loss."""
+        if labels is not None:
+            h = h[labels >= 0]
         h = self.ln(F.gelu(self.dense(h), approximate=self.approximate))
         # pad_bias is a buffer; cast so bf16/fp16 engines (which may leave buffers in fp32) match.
         return F.linear(h, word_embeddings, (self.bias + pad_bias).to(word_embeddings.dtype))
@@ -112,6 +120,7 @@ class Bert(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
+        mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
     ) -> dict[str, Tensor]:
         T = input_ids.shape[1]
         if T > self.config.max_positions:
@@ -120,7 +129,7 @@ class Bert(nn.Module):
             )
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         h = run_blocks(self.blocks, x, padding_mask(attention_mask), False, self.checkpointing)
-        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias)
+        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias, mlm_labels)
         pooled = torch.tanh(self.pooler(h[:, 0]))  # the [CLS] position
         return {"mlm_logits": mlm_logits, "nsp_logits": self.nsp_head(pooled), "hidden_states": h}
 

@@ -12,7 +12,8 @@ Two details follow fairseq/transformers so exported models match:
   (1 with our BPE tokenizer, as in RoBERTa; the objective checks it);
 - one segment type (``type_vocab_size`` 1) and LayerNorm eps 1e-5.
 
-Outputs: {"mlm_logits": [B,T,Vpad], "hidden_states": [B,T,H]}.
+Outputs: {"mlm_logits": [B,T,Vpad], "hidden_states": [B,T,H]}; [N,Vpad] (the labelled positions)
+when given ``mlm_labels``, as for BERT.
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ class Roberta(nn.Module):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
+        mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
     ) -> dict[str, Tensor]:
         cfg = self.config
         T = input_ids.shape[1]
@@ -103,7 +105,7 @@ class Roberta(nn.Module):
             position_ids = roberta_position_ids(input_ids, cfg.pad_token_id)
         x = self.embeddings(input_ids, token_type_ids, position_ids)
         h = run_blocks(self.blocks, x, padding_mask(attention_mask), False, self.checkpointing)
-        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias)
+        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias, mlm_labels)
         return {"mlm_logits": mlm_logits, "hidden_states": h}
 
     def flops_per_token(self, seq_len: int) -> float:

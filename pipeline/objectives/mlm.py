@@ -149,13 +149,14 @@ def word_starts_in(doc: Document, start: int, stop: int) -> np.ndarray:
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy, accuracy) over the labelled positions.
 
-    Only the labelled rows (~15%) of ``logits`` [B, T, Vpad] are gathered. The padded
+    ``logits`` are [B, T, Vpad], of which the labelled rows (~15%) are gathered, or already
+    [N, Vpad] for the N labelled positions (models that take ``mlm_labels``). The padded
     vocabulary columns stay in the softmax (labels are always < the real vocabulary, so
     training pushes them down, as in Megatron); slicing them off would copy all logits.
     A batch without any labelled position gives a zero loss that still has a graph.
     """
     selected = labels != IGNORE_INDEX
-    picked = logits[selected].float()
+    picked = (logits if logits.dim() == 2 else logits[selected]).float()
     target = labels[selected]
     if target.numel() == 0:
         zero = logits.sum() * 0.0

@@ -203,3 +203,26 @@ def test_sequence_longer_than_positions_is_a_clear_error():
     model = tiny("gpt2", max_positions=16)
     with pytest.raises(ValueError, match="max_positions"):
         model(ids(1, 17))
+
+
+@pytest.mark.parametrize("arch", ["bert", "roberta", "albert", "ernie"])
+def test_mlm_labels_restrict_the_decoder_to_labelled_positions(arch):
+    """Given mlm_labels, the MLM head decodes only the labelled positions: the rows equal
+    those of the full [B,T,Vpad] logits, and the loss and its gradients are the same."""
+    from pipeline.objectives.mlm import masked_lm_loss
+
+    model = tiny(arch).eval()  # no dropout: the passes must be comparable
+    x = ids(B=3, T=12)
+    labels = torch.full_like(x, -100)
+    labels[0, 3], labels[1, 0], labels[1, 7], labels[2, 11] = 5, 6, 7, 8
+    full = model(input_ids=x)["mlm_logits"]
+    picked = model(input_ids=x, mlm_labels=labels)["mlm_logits"]
+    assert picked.shape == (4, full.shape[-1])
+    torch.testing.assert_close(picked, full[labels != -100])
+    grads = []
+    for kwargs in ({}, {"mlm_labels": labels}):
+        model.zero_grad()
+        loss, _ = masked_lm_loss(model(input_ids=x, **kwargs)["mlm_logits"], labels)
+        loss.backward()
+        grads.append(model.embeddings.word.weight.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1])
