@@ -143,6 +143,8 @@ class Bert(nn.Module):
         entries costs 2n FLOPs per token forward and 4n backward. 12 * L * H * T is the
         attention itself (QK^T and AV: 2 * 2 * T * H per layer forward, x3 for training).
         The pooler/NSP head (once per sequence) is counted per token: a slight over-count.
+        So is the decoder in training, where it runs on the labelled positions only (~15%):
+        this is the cost of scoring every position, as transformers' model does.
         """
         cfg = self.config
         e = self.embeddings
