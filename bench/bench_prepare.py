@@ -1,6 +1,6 @@
 """Throughput of `plm data prepare` vs the same tokenizer's raw `encode_batch`, at 1 and 2 CPUs.
 
-    python bench/bench_prepare.py [--copies 1] [--workdir /tmp/bench-prepare]
+    python bench/bench_prepare.py [--copies 1] [--workdir /tmp/bench-prepare] [--stage-only]
 
 Corpus: builtin:python-docs (about 1.7 MB), or --copies K variants of it written to a
 txt file (each document prefixed with its copy number, so dedup keeps them all).
@@ -142,6 +142,11 @@ def main() -> int:
     parser.add_argument("--copies", type=int, default=1)
     parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-prepare-"))
     parser.add_argument("--cpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--stage-only",
+        action="store_true",
+        help="only the in-process stage vs raw CPU seconds (robust on a loaded machine)",
+    )
     args = parser.parse_args()
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
@@ -182,6 +187,8 @@ def main() -> int:
     print(f"stage in one process (CPU s, best of 3): raw encode_batch {stage['raw_cpu']:.2f}, "
           f"Encoder {stage['stage_cpu']:.2f} -> {stage['raw_cpu'] / stage['stage_cpu']:.2f}x "
           f"(the ceiling of prepare/raw at 1 CPU)")  # fmt: skip
+    if args.stage_only:
+        return 0
     rows = {}
     for cpus in args.cpus:
         raw = run_raw(tok, texts_json, cpus)

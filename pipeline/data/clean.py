@@ -30,6 +30,17 @@ _CJK = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef
 _LETTER = re.compile(r"[^\W\d_]")  # letters of any script (CJK ideographs included)
 
 
+# The characters of _CONTROL below 128, for bytes.translate.
+_ASCII_CONTROLS = bytes(c for c in range(128) if _CONTROL.match(chr(c)))
+
+
+def _has_ascii_control(text: str) -> bool:
+    """Does ASCII ``text`` hold a character _CONTROL removes? (bytes.translate deletes at
+    memcpy-like speed, the regex visits every character: ~10x cheaper for clean text)."""
+    data = text.encode("ascii")
+    return len(data.translate(None, _ASCII_CONTROLS)) != len(data)
+
+
 class CleanConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -49,7 +60,8 @@ def clean(text: str, cfg: CleanConfig | None = None) -> str:
     cfg = cfg or CleanConfig()
     if "\r" in text or not text.isascii():  # the other newlines are not ASCII
         text = _NEWLINES.sub("\n", text)
-    text = _CONTROL.sub("", text)
+    if not text.isascii() or _has_ascii_control(text):
+        text = _CONTROL.sub("", text)
     ascii_only = text.isascii()
     if cfg.normalization != "none" and not ascii_only:
         text = unicodedata.normalize(cfg.normalization, text)

@@ -11,8 +11,10 @@ order (a violation is an error, not a silent reshuffle). The split is a hash of 
 cleaned text (``split_of``), dedup keeps the first occurrence in source order.
 
 The driver stays light: actors already serialize each sample to its tar bytes
-(``shards.sample_bytes``), the driver appends bytes to the current shard. It holds one
-16-byte hash per kept document (for dedup), never the corpus.
+(``shards.sample_record``) and pack a whole batch into one Arrow row (``_Rows``: the
+samples end to end, an int64 table of keys and index columns, dedup keys, strings), the
+driver appends slices of those bytes to the current shard. It holds one 16-byte hash per
+kept document (for dedup), never the corpus.
 
 Idempotence: the manifest records a fingerprint of (sources' sha256, tokenizer sha256,
 output-relevant config, code version); the same fingerprint means "up to date". The
@@ -23,6 +25,7 @@ leaves a folder without manifest that the next run cleans and completes.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import importlib
 import json
@@ -63,6 +66,7 @@ from pipeline.data.shards import (
     atomic_write_bytes,
     brace_pattern,
     load_manifest,
+    meta_json,
     sample_record,
     shard_name,
     split_of,
@@ -370,8 +374,10 @@ def read_sources(
 class Encoder:
     """Actor stage: clean, filter, tokenize (one encode_batch per batch), segment, serialize.
 
-    Emits one row per piece of a kept document and one row per rejected document, in
-    input order, so the driver sees the whole corpus in source order.
+    Covers every input document, in input order: one row per piece of a kept document,
+    one per rejected document. Returns them packed as ONE Arrow row per batch (see
+    ``_Rows``): Ray then moves four binary cells per batch instead of a dozen columns of
+    per-sample Python objects, which cost it more than the serialization itself.
     """
 
     def __init__(
@@ -388,133 +394,183 @@ class Encoder:
         # Set before the first encode, which is when the Rust thread pool is built.
         os.environ["RAYON_NUM_THREADS"] = "1"
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        from pipeline.data.segment import entity_pattern, process_documents
+        from pipeline.data.segment import entity_pattern, process_documents, wordpiece_continuations
 
         self._process = process_documents
         self.entities = entity_pattern(entities) if entities else None
         self.tokenizer, meta = load_tokenizer(tokenizer_dir)
+        self.continuation = wordpiece_continuations(self.tokenizer)
         self.dtype = token_dtype(meta["vocab_size"])
         self.source_ids = source_ids
         self.source_uris = source_uris
         self.clean_cfg = CleanConfig(**clean_cfg)
         self.valid_fraction = valid_fraction
         self.max_doc_tokens = max_doc_tokens
+        self._meta_parts = _meta_template
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        n = len(batch["source"])
-        rows: list[list[tuple]] = [[] for _ in range(n)]
+    def __call__(self, batch: dict[str, np.ndarray]):
+        sources, ordinals = batch["source"].tolist(), batch["ordinal"].tolist()
+        lines, raw_texts = batch["line"].tolist(), batch["text"]
+        read_rejects, details = batch["reject"], batch["detail"]
+        n = len(sources)
+        reasons: list[str | None] = [None] * n
         kept, texts, langs = [], [], []
         for i in range(n):
-            source, ordinal = int(batch["source"][i]), int(batch["ordinal"][i])
-            reason = batch["reject"][i] or None
-            text = ""
+            reason = read_rejects[i] or None
             if reason is None:
-                text = clean(batch["text"][i], self.clean_cfg)
+                text = clean(raw_texts[i], self.clean_cfg)
                 reason = reject_reason(text, self.clean_cfg)
-            if reason is not None:
-                line, detail = int(batch["line"][i]), batch["detail"][i]
-                rows[i].append(_row(source, ordinal, reject=reason, line=line, detail=detail))
+                if reason is None:
+                    kept.append(i)
+                    texts.append(text)
+                    langs.append(_language(text))
+            reasons[i] = reason
+        pieces = self._process(
+            texts, langs, self.tokenizer, self.max_doc_tokens, self.entities, self.continuation
+        )
+        done = dict(zip(kept, zip(texts, langs, pieces, strict=True), strict=True))
+        rows = _Rows()
+        for i in range(n):
+            source, ordinal = sources[i], ordinals[i]
+            if reasons[i] is not None:
+                rows.reject(source, ordinal, reasons[i], lines[i], details[i])
                 continue
-            kept.append(i)
-            texts.append(text)
-            # Fast path with the same answer: no CJK ideograph at all means share 0 -> "other"
-            # (language_of counts every letter, the costliest step for long English text).
-            langs.append(language_of(text) if _ANY_CJK.search(text) else "other")
-        for i, text, lang, pieces in zip(
-            kept,
-            texts,
-            langs,
-            self._process(texts, langs, self.tokenizer, self.max_doc_tokens, self.entities),
-            strict=True,
-        ):
-            source, ordinal = int(batch["source"][i]), int(batch["ordinal"][i])
-            if not pieces:
-                line = int(batch["line"][i])
-                rows[i].append(_row(source, ordinal, reject="no_tokens", line=line))
+            text, lang, doc_pieces = done[i]
+            if not doc_pieces:
+                rows.reject(source, ordinal, "no_tokens", lines[i], "")
                 continue
             key = dedup_key(text)
             split = split_of(text, self.valid_fraction)
-            for k, piece in enumerate(pieces):
+            prefix = f"{self.source_ids[source]}-{ordinal:010d}-"
+            uri = self.source_uris[source]
+            meta_head, meta_tail = self._meta_parts(uri, lang)
+            for k, piece in enumerate(doc_pieces):
+                meta = {"source": uri, "language": lang, "n_tokens": piece.n_tokens}
                 doc = Document(
-                    key=f"{self.source_ids[source]}-{ordinal:010d}-{k:04d}",
+                    key=f"{prefix}{k:04d}",
                     tokens=piece.tokens,
                     sents=piece.sents,
                     words=piece.words,
                     spans=piece.spans,
-                    meta={
-                        "source": self.source_uris[source],
-                        "language": lang,
-                        "n_tokens": piece.n_tokens,
-                    },
+                    meta=meta,
                 )
-                rows[i].append(
-                    _row(
-                        source,
-                        ordinal,
-                        piece=k,
-                        dedup=key,
-                        split=split,
-                        language=lang,
-                        n_tokens=piece.n_tokens,
-                        sample=sample_record(doc, self.dtype),
-                    )
-                )
-        flat = [row for per_doc in rows for row in per_doc]
-        columns = list(zip(*flat, strict=True)) if flat else [[] for _ in _OUT_COLUMNS]
-        out = {}
-        for (name, dtype), values in zip(_OUT_COLUMNS, columns, strict=True):
-            if dtype is object:
-                out[name] = _objects(values)
-            elif name == "index":
-                out[name] = np.array(values, dtype=dtype).reshape(-1, len(_NO_INDEX))
-            else:
-                out[name] = np.array(values, dtype=dtype)
-        return out
+                meta_bytes = b"%s%d%s" % (meta_head, piece.n_tokens, meta_tail)
+                data, columns = sample_record(doc, self.dtype, meta_bytes)
+                rows.sample(source, ordinal, k, split, data, columns, key, lang)
+        return rows.table()
 
 
+@functools.cache
+def _meta_template(uri: str, language: str) -> tuple[bytes, bytes]:
+    """meta_json({"source": uri, "language": language, "n_tokens": N}) cut around N, so a
+    sample's meta.json is one %-format, not a json.dumps (tests check the bytes equal).
+
+    The first '"n_tokens": 0' is the key's: inside a JSON string a quote is escaped."""
+    full = meta_json({"source": uri, "language": language, "n_tokens": 0})
+    head, key, tail = full.partition(b'"n_tokens": 0')
+    return head + key[:-1], tail
+
+
+def _language(text: str) -> str:
+    """``language_of``, skipping its letter count when the answer is sure: ASCII text
+    (``isascii`` is a flag lookup) or no CJK ideograph at all means share 0, "other"."""
+    if text.isascii() or not _ANY_CJK.search(text):
+        return "other"
+    return language_of(text)
+
+
+# One int64 row per output row of a batch: its ordering key, its split (-1: rejected), the
+# reader's line (rejects), the sample's byte size, then its index columns (shards').
+_KEY_COLUMNS = ("source", "ordinal", "piece", "split", "line", "size")
+_N_INTS = len(_KEY_COLUMNS) + INDEX_COLUMNS - 2
+_SPLIT_CODES = {split: code for code, split in enumerate(SPLITS)}
 _NO_INDEX = (0,) * (INDEX_COLUMNS - 2)  # the index columns of a rejected document's row
+_NO_DEDUP = bytes(16)  # dedup_key's size
+_PACKED = ("ints", "samples", "dedup", "strings")  # the cells of a packed batch, in order
 
 
-def _row(
-    source: int,
-    ordinal: int,
-    piece: int = 0,
-    reject: str = "",
-    dedup: bytes = b"",
-    split: str = "",
-    language: str = "",
-    n_tokens: int = 0,
-    sample: tuple[bytes, tuple[int, ...]] = (b"", _NO_INDEX),
-    line: int = 0,
-    detail: str = "",
-) -> tuple:
-    """One output row (the order of _OUT_COLUMNS): a piece, or a rejected document."""
-    data, index = sample
-    return (
-        source, ordinal, piece, reject, dedup, split, language, n_tokens, data, index, line, detail
-    )  # fmt: skip
+class _Rows:
+    """The output rows of one batch, packed into one Arrow row of four cells:
+
+    ``ints``: int64 (rows, _N_INTS) bytes; ``samples``: the samples' bytes end to end (the
+    ``size`` column cuts them); ``dedup``: 16 bytes per row (the dedup key of a piece, zeros
+    for a reject); ``strings``: JSON [reject, language, detail] per row.
+    """
+
+    def __init__(self):
+        self.ints: list[int] = []
+        self.samples: list[bytes] = []
+        self.dedup: list[bytes] = []
+        self.strings: list[tuple[str, str, str]] = []
+
+    def reject(self, source: int, ordinal: int, reason: str, line: int, detail: str) -> None:
+        self.ints += (source, ordinal, 0, -1, line, 0, *_NO_INDEX)
+        self.dedup.append(_NO_DEDUP)
+        self.strings.append((reason, "", detail))
+
+    def sample(
+        self,
+        source: int,
+        ordinal: int,
+        piece: int,
+        split: str,
+        data: bytes,
+        columns: tuple[int, ...],
+        dedup: bytes,
+        language: str,
+    ) -> None:
+        self.ints += (source, ordinal, piece, _SPLIT_CODES[split], 0, len(data), *columns)
+        self.samples.append(data)
+        self.dedup.append(dedup)
+        self.strings.append(("", language, ""))
+
+    def table(self):
+        import pyarrow as pa
+
+        cells = (
+            np.array(self.ints, dtype=np.int64).tobytes(),
+            b"".join(self.samples),
+            b"".join(self.dedup),
+            json.dumps(self.strings, ensure_ascii=False).encode("utf-8"),
+        )
+
+        def cell(data: bytes):  # a one-value binary column over data's buffer (no copy)
+            offsets = pa.py_buffer(np.array([0, len(data)], dtype=np.int64))
+            return pa.LargeBinaryArray.from_buffers(
+                pa.large_binary(), 1, [None, offsets, pa.py_buffer(data)]
+            )
+
+        return pa.table({k: cell(v) for k, v in zip(_PACKED, cells, strict=True)})
 
 
-_OUT_COLUMNS = (
-    ("source", np.int32),
-    ("ordinal", np.int64),
-    ("piece", np.int32),
-    ("reject", object),
-    ("dedup", object),
-    ("split", object),
-    ("language", object),
-    ("n_tokens", np.int64),
-    ("sample", object),
-    ("index", np.int64),  # (n, INDEX_COLUMNS - 2): the sample's index row after offset, size
-    ("line", np.int64),
-    ("detail", object),
-)
-
-
-def _objects(values) -> np.ndarray:
-    arr = np.empty(len(values), dtype=object)
-    arr[:] = list(values)
-    return arr
+def unpack_rows(ints, samples, dedup: bytes, strings: bytes):
+    """The rows ``_Rows`` packed: (source, ordinal, piece, split or "", line, sample bytes,
+    index columns, dedup key, reject, language, detail) each, in order. ``ints`` and
+    ``samples``: bytes or any buffer (the samples come back as memoryview slices)."""
+    table = np.frombuffer(ints, dtype=np.int64).reshape(-1, _N_INTS).tolist()
+    texts = json.loads(strings)
+    if len(texts) != len(table) or len(dedup) != 16 * len(table):
+        raise RuntimeError("a packed batch of the prepare actors is inconsistent")
+    view = memoryview(samples)
+    at = 0
+    for i, (row, (reject, language, detail)) in enumerate(zip(table, texts, strict=True)):
+        source, ordinal, piece, split, line, size = row[:6]
+        yield (
+            source,
+            ordinal,
+            piece,
+            SPLITS[split] if split >= 0 else "",
+            line,
+            view[at : at + size],
+            tuple(row[6:]),
+            dedup[16 * i : 16 * i + 16],
+            reject,
+            language,
+            detail,
+        )
+        at += size
+    if at != len(view):
+        raise RuntimeError("a packed batch of the prepare actors is inconsistent")
 
 
 # ---------------------------------------------------------------------------
@@ -585,8 +641,10 @@ class _Tally:
             examples.append(example)
 
 
-def _write_ordered(batches, out: Path, dtype, cfg: PrepareConfig, uris: list[str]):
-    """Consume the ordered stream: check order, dedup, split, write. Returns splits + tally."""
+def _write_ordered(tables, out: Path, dtype, cfg: PrepareConfig, uris: list[str]):
+    """Consume the ordered stream: check order, dedup, split, write. Returns splits + tally.
+
+    ``tables``: pyarrow batches of the Encoder's packed rows (``_Rows``)."""
     writers = {
         split: _SplitWriter(out, split, dtype, cfg.shard_docs, cfg.effective_shard_bytes)
         for split in SPLITS
@@ -595,34 +653,35 @@ def _write_ordered(batches, out: Path, dtype, cfg: PrepareConfig, uris: list[str
     seen: set[bytes] = set()
     last = (-1, -1, -1)
     skip_doc = (-1, -1)  # (source, ordinal) of a duplicate whose pieces are skipped
-    for batch in batches:
-        source, ordinal, piece = batch["source"], batch["ordinal"], batch["piece"]
-        reject, dedup, split = batch["reject"], batch["dedup"], batch["split"]
-        samples, index = batch["sample"], batch["index"]
-        for i in range(len(source)):
-            s, o, p = int(source[i]), int(ordinal[i]), int(piece[i])
-            if (s, o, p) <= last:
-                raise RuntimeError(
-                    f"document order broken: {(s, o, p)} after {last}; refusing to write "
-                    "shards in a non-deterministic order"
-                )
-            last = (s, o, p)
-            if p == 0:
-                tally.read[s] += 1
-            if reject[i]:
-                tally.reject(reject[i], uris[s], o, int(batch["line"][i]), batch["detail"][i])
-                continue
-            if p == 0:
-                if dedup[i] in seen:
-                    skip_doc = (s, o)
-                    tally.reject("duplicate", uris[s], o, 0, "")
+    for table in tables:
+        packed = [table.column(k) for k in _PACKED]
+        for j in range(table.num_rows):
+            # The cells' own buffers (no copy of the samples); dedup keys as bytes for `seen`.
+            ints, samples, dedup, strings = (column[j].as_buffer() for column in packed)
+            rows = unpack_rows(ints, samples, dedup.to_pybytes(), strings.to_pybytes())
+            for s, o, p, split, line, data, columns, key, reject, lang, detail in rows:
+                if (s, o, p) <= last:
+                    raise RuntimeError(
+                        f"document order broken: {(s, o, p)} after {last}; refusing to write "
+                        "shards in a non-deterministic order"
+                    )
+                last = (s, o, p)
+                if p == 0:
+                    tally.read[s] += 1
+                if reject:
+                    tally.reject(reject, uris[s], o, line, detail)
                     continue
-                seen.add(dedup[i])
-                tally.kept[s] += 1
-                tally.languages[batch["language"][i]] += 1
-            elif (s, o) == skip_doc:
-                continue
-            writers[split[i]].add(samples[i], tuple(index[i].tolist()))
+                if p == 0:
+                    if key in seen:
+                        skip_doc = (s, o)
+                        tally.reject("duplicate", uris[s], o, 0, "")
+                        continue
+                    seen.add(key)
+                    tally.kept[s] += 1
+                    tally.languages[lang] += 1
+                elif (s, o) == skip_doc:
+                    continue
+                writers[split].add(data, columns)
     return {split: w.finish() for split, w in writers.items()}, tally
 
 
@@ -668,7 +727,7 @@ def _import_in_background(*modules: str) -> None:
 
 
 def _ordered_batches(cfg: PrepareConfig, sources: list[Source], source_ids: list[str]):
-    """The Ray Data pipeline; yields numpy batches in source order."""
+    """The Ray Data pipeline; yields pyarrow batches of packed rows (``_Rows``) in order."""
     import ray
     import ray.data
 
@@ -705,7 +764,7 @@ def _ordered_batches(cfg: PrepareConfig, sources: list[Source], source_ids: list
     ds = ds.map_batches(
         Encoder,
         batch_size=cfg.batch_docs,
-        batch_format="numpy",
+        batch_format="numpy",  # in: numpy columns; out: one packed Arrow row (see _Rows)
         fn_constructor_kwargs={
             "tokenizer_dir": str(Path(cfg.output) / TOKENIZER_DIR),
             "source_ids": source_ids,
@@ -718,7 +777,7 @@ def _ordered_batches(cfg: PrepareConfig, sources: list[Source], source_ids: list
         compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=4),
         num_cpus=1,
     )
-    yield from ds.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=4)
+    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=4)
     if os.environ.get("PLM_RAY_STATS"):  # per-stage wall/CPU time, for tuning
         print(ds.stats(), file=sys.stderr)
 

@@ -160,7 +160,7 @@ def encode_document(doc: Document, dtype: np.dtype, npy=_npy_bytes) -> dict[str,
         "tokens.npy": npy(np.ascontiguousarray(doc.tokens, dtype=dtype)),
         "sents.npy": npy(np.ascontiguousarray(doc.sents, dtype=np.int32)),
         "words.npy": npy(np.ascontiguousarray(doc.words, dtype=np.int32)),
-        "meta.json": json.dumps(doc.meta, sort_keys=True, ensure_ascii=False).encode("utf-8"),
+        "meta.json": meta_json(doc.meta),
     }
     if doc.spans is not None:
         sample["spans.npy"] = npy(np.ascontiguousarray(doc.spans, dtype=np.int32))
@@ -172,48 +172,66 @@ def sample_bytes(doc: Document, dtype: np.dtype) -> bytes:
     return sample_record(doc, dtype)[0]
 
 
-def sample_record(doc: Document, dtype: np.dtype) -> tuple[bytes, tuple[int, ...]]:
-    """(the sample's bytes, its index columns after OFFSET and SIZE): see ``sample_bytes``.
+def meta_json(meta: dict[str, Any]) -> bytes:
+    """A sample's meta.json bytes (what ``encode_document`` writes)."""
+    return json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
 
+
+def sample_record(
+    doc: Document, dtype: np.dtype, meta: bytes | None = None
+) -> tuple[bytes, tuple[int, ...]]:
+    """(the sample's bytes, its index columns after OFFSET and SIZE): see ``sample_bytes``.
 
     Lets workers (e.g. Ray actors) serialize samples in parallel, so the process that
     writes the shard only appends bytes (``ShardWriter.write_bytes``). The hot path of
-    `plm data prepare`: the .npy headers are cached (``_npy_bytes_fast``) and the tar
-    headers skip tarfile's pax check where it cannot apply (``_tar_header``);
-    tests/integration/test_prepare.py checks the bytes against ``ShardWriter.write``.
+    `plm data prepare`: the members of ``encode_document`` in the order TarWriter writes
+    them (sorted by name), .npy headers cached (``_npy_bytes_fast``), tar headers from a
+    template (``_tar_header``); tests/integration/test_prepare.py checks the bytes against
+    webdataset's TarWriter. ``meta``: ``meta_json(doc.meta)`` when the caller has it
+    cheaper (json.dumps is a third of the cost here).
     """
-    sample = encode_document(doc, dtype, _npy_bytes_fast)
+    if "." in doc.key:
+        raise ValueError(f"sample key {doc.key!r} must not contain dots")
+    tokens = np.ascontiguousarray(doc.tokens, dtype=dtype)
+    sents = np.ascontiguousarray(doc.sents, dtype=np.int32)
+    words = np.ascontiguousarray(doc.words, dtype=np.int32)
+    spans = None if doc.spans is None else np.ascontiguousarray(doc.spans, dtype=np.int32)
+    if meta is None:
+        meta = meta_json(doc.meta)
+    members = [("meta.json", meta), ("sents.npy", sents)]  # sorted by name
+    if spans is not None:
+        members.append(("spans.npy", spans))
+    members += [("tokens.npy", tokens), ("words.npy", words)]
     parts, at, pos = [], {}, 0
-    for name in sorted(k for k in sample if k != "__key__"):
-        data = sample[name]
-        header = _tar_header(f"{doc.key}.{name}", len(data))
-        at[name] = (pos + len(header), len(data))  # where the member's bytes start
-        pad = tarfile.NUL * (-len(data) % tarfile.BLOCKSIZE)
-        parts += [header, data, pad]
-        pos += len(header) + len(data) + len(pad)
-
-    def array_at(name: str, array: np.ndarray) -> tuple[int, int]:
-        start, size = at[name]
-        return start + size - array.nbytes, array.size  # the data ends the .npy member
-
-    tokens = np.asarray(doc.tokens)
-    item = np.dtype(dtype).itemsize
-    spans = (-1, 0)
-    if doc.spans is not None:  # N_SPANS counts (start, end) pairs
-        spans_at, n_values = array_at("spans.npy", np.asarray(doc.spans, dtype=np.int32))
-        spans = (spans_at, n_values // 2)
+    for name, value in members:
+        data = value if name == "meta.json" else _npy_bytes_fast(value)
+        size = len(data)
+        parts.append(_tar_header(f"{doc.key}.{name}", size))
+        parts.append(data)
+        pad = -size % tarfile.BLOCKSIZE
+        if pad:
+            parts.append(_ZERO_BLOCK[:pad])
+        pos += tarfile.BLOCKSIZE
+        # where the member's bytes start (meta.json) or its array's data (.npy: it ends them)
+        at[name] = pos if name == "meta.json" else pos + size - value.nbytes
+        pos += size + pad
     columns = (
-        doc.n_tokens,
-        *at["meta.json"],
-        array_at("tokens.npy", tokens.astype(dtype, copy=False))[0],
-        item,
-        *array_at("sents.npy", np.asarray(doc.sents, dtype=np.int32)),
-        *array_at("words.npy", np.asarray(doc.words, dtype=np.int32)),
-        *spans,
+        int(tokens.shape[0]),
+        at["meta.json"],
+        len(meta),
+        at["tokens.npy"],
+        tokens.itemsize,
+        at["sents.npy"],
+        sents.size,
+        at["words.npy"],
+        words.size,
+        at["spans.npy"] if spans is not None else -1,
+        spans.size // 2 if spans is not None else 0,  # N_SPANS counts (start, end) pairs
     )
     return b"".join(parts), columns
 
 
+_ZERO_BLOCK = tarfile.NUL * tarfile.BLOCKSIZE
 _USTAR_MAX_SIZE = 8**11  # 11 octal digits; larger sizes need a pax header
 
 
@@ -221,14 +239,47 @@ def _tar_header(name: str, size: int) -> bytes:
     """tarfile's header for a regular member, with the fields ShardWriter's TarWriter sets.
 
     tarfile's default (pax) format writes a plain ustar header, and no pax header, for
-    an ASCII name of at most 100 bytes and a size under 8 GiB; asking tarfile for the
-    ustar header then gives the same bytes without the pax check (~10% of the cost).
+    an ASCII name of at most 100 bytes and a size under 8 GiB: that header is built here
+    from a template (``_ustar_header``); anything else goes through tarfile itself.
     """
+    if name.isascii() and len(name) <= tarfile.LENGTH_NAME and 0 <= size < _USTAR_MAX_SIZE:
+        return _ustar_header(name.encode("ascii"), size)
+    return _tarfile_header(name, size)
+
+
+def _tarfile_header(name: str, size: int, fmt: int = tarfile.DEFAULT_FORMAT) -> bytes:
+    """The header tarfile writes (the reference ``_ustar_header`` is tested against)."""
     info = tarfile.TarInfo(name)
     info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o644, "", ""
-    plain = name.isascii() and len(name) <= tarfile.LENGTH_NAME and size < _USTAR_MAX_SIZE
-    fmt = tarfile.USTAR_FORMAT if plain else tarfile.DEFAULT_FORMAT
     return info.tobuf(fmt, tarfile.ENCODING, "surrogateescape")
+
+
+# The fixed fields of the ustar header tarfile writes for ShardWriter's members (mode
+# 0o644, uid/gid 0, mtime 0, empty owner names, a regular file, no link, no prefix), cut
+# from a header tarfile itself made (its device fields differ between Python versions).
+# Layout (tarfile.TarInfo._create_header): name 0:100, mode/uid/gid 100:124, size
+# 124:136, mtime 136:148, checksum 148:156, the rest 156:512.
+_PROBE = _tarfile_header("probe", 0, tarfile.USTAR_FORMAT)
+_UIDS_MODE, _MTIME, _TAIL = _PROBE[100:124], _PROBE[136:148], _PROBE[156:]
+# tarfile's checksum: the sum of the header's bytes with the checksum field as 8 spaces.
+_FIXED_SUM = sum(_UIDS_MODE) + sum(_MTIME) + sum(_TAIL) + 8 * ord(" ")
+
+
+def _ustar_header(name: bytes, size: int) -> bytes:
+    """The ustar header of a member named ``name`` (ASCII, <= 100 bytes) of ``size`` bytes."""
+    size_field = b"%011o\0" % size
+    checksum = _FIXED_SUM + sum(name) + sum(size_field)
+    return b"".join(
+        (
+            name,
+            tarfile.NUL * (tarfile.LENGTH_NAME - len(name)),
+            _UIDS_MODE,
+            size_field,
+            _MTIME,
+            b"%06o\0 " % checksum,
+            _TAIL,
+        )
+    )
 
 
 def decode_document(sample: dict[str, Any]) -> Document:

@@ -1,0 +1,204 @@
+"""The fast paths of `plm data prepare` give exactly what the plain ways give.
+
+Each speed-up of the actors' work (tar headers from a template, the one-class sentence
+regex, word starts from WordPiece ids, the ASCII control check, the packed batch rows)
+is checked here against the slower reference it replaced, on real text and on edge
+cases, so the shards stay byte-identical.
+"""
+
+import io
+import json
+import random
+import re
+import tarfile
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from pipeline.data import clean as clean_mod
+from pipeline.data import segment
+from pipeline.data.clean import clean
+from pipeline.data.prepare import _meta_template, _Rows, unpack_rows
+from pipeline.data.readers import CORPORA_DIR
+from pipeline.data.segment import _sorted_unique, sentence_ends, wordpiece_continuations
+from pipeline.data.shards import INDEX_COLUMNS, _tar_header, meta_json
+from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
+
+ZH = (CORPORA_DIR / "zh_sample.txt").read_text(encoding="utf-8").split("\n\n")
+
+
+def _en_docs(n: int = 80) -> list[str]:
+    from pydoc_data.topics import topics
+
+    return [clean(topics[k]) for k in sorted(topics)[:n]]
+
+
+# -- tar headers --------------------------------------------------------------------------
+
+
+def tarfile_header(name: str, size: int) -> bytes:
+    """The header webdataset's TarWriter gets from tarfile: its TarInfo, the stream's
+    default (pax) format, tarfile's encoding."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uname, info.gname = size, 0, 0o644, "", ""
+    return info.tobuf(tarfile.DEFAULT_FORMAT, tarfile.ENCODING, "surrogateescape")
+
+
+NAMES = [
+    "a.b",
+    "0123456789abcdef-0000000001-0000.meta.json",
+    "k" * 89 + ".tokens.npy",  # exactly 100 bytes: the longest plain ustar name
+    "k" * 90 + ".tokens.npy",  # 101: tarfile writes a pax header first
+    "clé-ключ-键.npy",  # non-ASCII: a pax header with the UTF-8 path
+]
+SIZES = [0, 1, 511, 512, 513, 0o7777777, 0o7777777 + 1, 2**21 + 5, 8**11 - 1, 8**11, 8**11 + 7]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tar_header_template_equals_tarfile(name):
+    for size in SIZES:  # past 7 octal digits (2 MiB) and past 11 (8 GiB: pax size record)
+        assert _tar_header(name, size) == tarfile_header(name, size), (name, size)
+
+
+def test_tar_header_template_equals_webdataset_stream():
+    """The first member of a TarWriter sample of 2 MiB + 5 bytes starts with our header."""
+    data = bytes(range(256)) * (2**13) + b"12345"
+    for key in ("0123456789abcdef-0000000001-0000", "x" * 95, "ключ"):
+        buf = io.BytesIO()
+        with wds.TarWriter(buf, user="", group="", mode=0o644, mtime=0) as tar:
+            tar.write({"__key__": key, "bin": data})
+        header = _tar_header(f"{key}.bin", len(data))
+        assert buf.getvalue()[: len(header)] == header
+
+
+# -- sentence ends ------------------------------------------------------------------------
+
+# The two-branch form the one-class regex replaced (the same closers and CJK classes).
+_REFERENCE = re.compile(
+    f"([。！？；…]+){segment._CLOSERS}|([.!?;]+){segment._CLOSERS}(?=[\\s{segment._CJK_CHARS}])"
+)
+
+
+def reference_sentence_ends(text: str) -> list[int]:
+    ends, n = [], len(text)
+    for m in _REFERENCE.finditer(text):
+        end = m.end()
+        if end >= n:
+            continue
+        ascii_run = m.group(2)
+        if ascii_run is not None and not segment._CJK_CHAR.match(text, end):
+            if ascii_run == ";":
+                continue
+            if text[end : end + 8].lstrip()[:1].islower():
+                continue
+        ends.append(end)
+    ends.extend(m.start() for m in segment._PARAGRAPH.finditer(text))
+    return sorted({e for e in ends if 0 < e < n})
+
+
+def test_sentence_ends_equal_the_two_branch_regex_on_real_text():
+    texts = _en_docs() + ZH + [clean(t) for t in ZH]
+    assert [sentence_ends(t) for t in texts] == [reference_sentence_ends(t) for t in texts]
+
+
+def test_sentence_ends_equal_the_two_branch_regex_on_random_text():
+    rng = random.Random(0)
+    alphabet = list(".!?;。！？；…\"'”’)]}」』》〉）aZ中“ \n")
+    for _ in range(20000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 14)))
+        assert sentence_ends(text) == reference_sentence_ends(text), repr(text)
+
+
+# -- word starts from WordPiece ids -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tok")
+    corpus = root / "corpus.jsonl"
+    corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in _en_docs(40) + ZH))
+    out = {}
+    for kind in ("wordpiece", "bpe", "unigram"):
+        spec = TokenizerSpec(kind=kind, vocab_size=2000)
+        out[kind] = load_tokenizer(train_tokenizer([str(corpus)], spec, root / kind))[0]
+    return out
+
+
+def test_wordpiece_word_starts_from_ids_equal_word_ids(trained):
+    tok = trained["wordpiece"]
+    continuation = wordpiece_continuations(tok)
+    assert continuation is not None and continuation.any()
+    texts = _en_docs() + ZH + ["## ### #a ##b a##b [UNK] [MASK] x" * 3, "naïve café ÆØÅ " * 5]
+    tok.encode_special_tokens = True
+    for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False), strict=True):
+        ids = np.array(enc.word_ids, dtype=np.int64)
+        by_word_ids = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+        by_ids = np.flatnonzero(~continuation[np.array(enc.ids)])
+        assert np.array_equal(by_ids, by_word_ids), text[:60]
+        # and the whole segmentation is the same with and without the shortcut
+        for lang in ("other", "zh"):
+            fast = segment.segment_encoding(text, lang, enc, 64, continuation=continuation)
+            slow = segment.segment_encoding(text, lang, enc, 64)
+            assert len(fast) == len(slow)
+            for a, b in zip(fast, slow, strict=True):
+                assert np.array_equal(a.tokens, b.tokens)
+                assert np.array_equal(a.sents, b.sents)
+                assert np.array_equal(a.words, b.words)
+
+
+def test_word_start_shortcut_only_for_wordpiece(trained):
+    assert wordpiece_continuations(trained["bpe"]) is None
+    assert wordpiece_continuations(trained["unigram"]) is None
+
+
+def test_sorted_unique_equals_np_unique():
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 5, 100):
+        values = np.sort(rng.integers(0, 10, n))
+        assert np.array_equal(_sorted_unique(values), np.unique(values))
+
+
+# -- cleaning -----------------------------------------------------------------------------
+
+
+def test_ascii_control_check_matches_the_regex():
+    for c in range(128):
+        text = f"ab{chr(c)}cd"
+        assert clean_mod._has_ascii_control(text) == bool(clean_mod._CONTROL.search(text))
+    assert clean("a\x00b\x7fc\x1fd long enough text") == "abcd long enough text"
+
+
+# -- packed batch rows --------------------------------------------------------------------
+
+
+def test_packed_rows_round_trip():
+    rows = _Rows()
+    rows.reject(0, 1, "too_short", 3, "détail")
+    cols = tuple(range(INDEX_COLUMNS - 2))
+    rows.sample(0, 2, 0, "train", b"x" * 1024, cols, b"k" * 16, "zh")
+    rows.sample(0, 2, 1, "valid", b"", cols, b"k" * 16, "zh")
+    rows.sample(1, 0, 0, "train", b"y" * 7, cols, b"j" * 16, "other")
+    (cells,) = rows.table().to_pylist()
+    out = list(unpack_rows(cells["ints"], cells["samples"], cells["dedup"], cells["strings"]))
+    assert [(r[0], r[1], r[2], r[3]) for r in out] == [
+        (0, 1, 0, ""),
+        (0, 2, 0, "train"),
+        (0, 2, 1, "valid"),
+        (1, 0, 0, "train"),
+    ]
+    assert out[0][4] == 3 and out[0][8:] == ("too_short", "", "détail")
+    assert [bytes(r[5]) for r in out] == [b"", b"x" * 1024, b"", b"y" * 7]
+    assert out[1][6] == cols and out[1][7] == b"k" * 16 and out[3][9] == "other"
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        list(unpack_rows(cells["ints"], cells["samples"] + b"z", cells["dedup"], cells["strings"]))
+
+
+def test_meta_template_equals_json_dumps():
+    uris = ["builtin:python-docs", '/data/"n_tokens": 0/a.txt', "C:\\x\\y.jsonl", "ключ\u2028\x00"]
+    for uri in uris:
+        for language in ("zh", "other"):
+            head, tail = _meta_template(uri, language)
+            for n in (0, 1, 1024, 10**9):
+                meta = {"source": uri, "language": language, "n_tokens": n}
+                assert head + b"%d" % n + tail == meta_json(meta), (uri, language, n)
