@@ -1,6 +1,6 @@
 import pytest
 
-from pipeline.config import ConfigError, apply_overrides, load_config, validate_dict
+from pipeline.config import CONFIGS_DIR, ConfigError, apply_overrides, load_config, validate_dict
 
 BASE = {"name": "x", "model": {"arch": "bert", "preset": "bert-tiny"}, "data": {"path": "d"}}
 
@@ -26,3 +26,16 @@ def test_bad_value_names_key(tmp_path):
         load_config(path)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.yaml")
+
+
+@pytest.mark.parametrize(
+    "path", sorted((CONFIGS_DIR / "experiments").glob("*.yaml")), ids=lambda p: p.stem
+)
+def test_every_experiment_config_validates_with_its_model_preset(path):
+    """The shipped experiment configs are what users start from: each must load, and its
+    model section must resolve against its preset (a renamed preset or key fails here)."""
+    from pipeline.models import resolve_model_config
+
+    cfg = load_config(path, [])
+    model = resolve_model_config(cfg.model.model_dump(), 1000)
+    assert model.vocab_size == 1000
