@@ -152,18 +152,24 @@ def _npy_bytes_fast(array: np.ndarray) -> bytes:
     return header + array.tobytes()
 
 
-def encode_document(doc: Document, dtype: np.dtype, npy=_npy_bytes) -> dict[str, Any]:
+def _member_arrays(doc: Document, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """The .npy members of a sample, in their on-disk dtypes (spans.npy only when the
+    document has spans): the one place that says which arrays a sample holds."""
     if "." in doc.key:
         raise ValueError(f"sample key {doc.key!r} must not contain dots")
-    sample: dict[str, Any] = {
-        "__key__": doc.key,
-        "tokens.npy": npy(np.ascontiguousarray(doc.tokens, dtype=dtype)),
-        "sents.npy": npy(np.ascontiguousarray(doc.sents, dtype=np.int32)),
-        "words.npy": npy(np.ascontiguousarray(doc.words, dtype=np.int32)),
-        "meta.json": meta_json(doc.meta),
+    arrays = {
+        "tokens.npy": np.ascontiguousarray(doc.tokens, dtype=dtype),
+        "sents.npy": np.ascontiguousarray(doc.sents, dtype=np.int32),
+        "words.npy": np.ascontiguousarray(doc.words, dtype=np.int32),
     }
     if doc.spans is not None:
-        sample["spans.npy"] = npy(np.ascontiguousarray(doc.spans, dtype=np.int32))
+        arrays["spans.npy"] = np.ascontiguousarray(doc.spans, dtype=np.int32)
+    return arrays
+
+
+def encode_document(doc: Document, dtype: np.dtype, npy=_npy_bytes) -> dict[str, Any]:
+    sample: dict[str, Any] = {"__key__": doc.key, "meta.json": meta_json(doc.meta)}
+    sample.update((name, npy(array)) for name, array in _member_arrays(doc, dtype).items())
     return sample
 
 
@@ -190,18 +196,10 @@ def sample_record(
     webdataset's TarWriter. ``meta``: ``meta_json(doc.meta)`` when the caller has it
     cheaper (json.dumps is a third of the cost here).
     """
-    if "." in doc.key:
-        raise ValueError(f"sample key {doc.key!r} must not contain dots")
-    tokens = np.ascontiguousarray(doc.tokens, dtype=dtype)
-    sents = np.ascontiguousarray(doc.sents, dtype=np.int32)
-    words = np.ascontiguousarray(doc.words, dtype=np.int32)
-    spans = None if doc.spans is None else np.ascontiguousarray(doc.spans, dtype=np.int32)
+    arrays = _member_arrays(doc, dtype)
     if meta is None:
         meta = meta_json(doc.meta)
-    members = [("meta.json", meta), ("sents.npy", sents)]  # sorted by name
-    if spans is not None:
-        members.append(("spans.npy", spans))
-    members += [("tokens.npy", tokens), ("words.npy", words)]
+    members = sorted([("meta.json", meta), *arrays.items()], key=lambda m: m[0])
     parts, at, pos = [], {}, 0
     for name, value in members:
         data = value if name == "meta.json" else _npy_bytes_fast(value)
@@ -215,6 +213,7 @@ def sample_record(
         # where the member's bytes start (meta.json) or its array's data (.npy: it ends them)
         at[name] = pos if name == "meta.json" else pos + size - value.nbytes
         pos += size + pad
+    tokens, spans = arrays["tokens.npy"], arrays.get("spans.npy")
     columns = (
         int(tokens.shape[0]),
         at["meta.json"],
@@ -222,9 +221,9 @@ def sample_record(
         at["tokens.npy"],
         tokens.itemsize,
         at["sents.npy"],
-        sents.size,
+        arrays["sents.npy"].size,
         at["words.npy"],
-        words.size,
+        arrays["words.npy"].size,
         at["spans.npy"] if spans is not None else -1,
         spans.size // 2 if spans is not None else 0,  # N_SPANS counts (start, end) pairs
     )
