@@ -100,7 +100,7 @@ def _neighbors(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
-    return run_demo(args.workdir, steps=args.steps)
+    return run_demo(args.workdir, steps=args.steps, seed=args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
     demo.add_argument("--workdir", default="demo")
-    demo.add_argument("--steps", type=int, default=1500)
+    demo.add_argument("--steps", type=int, default=6000)
+    demo.add_argument("--seed", type=int, default=1234, help="pretraining seed")
     demo.set_defaults(func=_demo)
     return parser
 
