@@ -58,7 +58,7 @@ def _mlm_losses(run_dir: Path) -> tuple[float, float]:
     return values[0], values[-1]
 
 
-# Fine-tuning seeds: one accuracy from 40 labelled paragraphs is noisy (+-0.03 between
+# Fine-tuning seeds: one accuracy from 40 labelled paragraphs is noisy (up to 0.07 apart between
 # seeds), so the demo reports the mean and each seed, for both initialisations.
 FINETUNE_SEEDS = (0, 1, 2)
 
