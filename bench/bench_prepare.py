@@ -14,7 +14,7 @@ Both sides get the same documents; MB/s counts raw UTF-8 text in.
 - stage: the actors' work without Ray, in one process, one thread: `Encoder` (clean,
   segment, encode_batch, serialize) over the same documents in batches of 256, CPU
   seconds against raw `encode_batch` CPU seconds. The ceiling of prepare/raw at one CPU
-  were Ray free, and robust to a loaded machine (CPU time, best of 3).
+  were Ray free, and robust to a loaded machine (CPU time, median of 5 rounds, run round-robin with its parts).
 Peak memory: the largest sum of RSS over the process tree (driver + Ray processes),
 sampled every 0.1 s, and the driver's own peak RSS.
 """
@@ -46,34 +46,79 @@ print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": sum(len(e.id
 """
 
 STAGE = r"""
-import json, os, sys, time
+import json, os, statistics, sys, time
 os.environ["RAYON_NUM_THREADS"] = "1"
 import numpy as np
-from pipeline.data.prepare import Encoder
+from pipeline.data import segment
+from pipeline.data.clean import CleanConfig, clean, dedup_key, reject_reason
+from pipeline.data.prepare import Encoder, _language
+from pipeline.data.shards import Document, sample_record, split_of, token_dtype
 from pipeline.data.tokenizer import load_tokenizer
 texts = json.load(open(sys.argv[2]))
-tok, _ = load_tokenizer(sys.argv[1])
+tok, meta = load_tokenizer(sys.argv[1])
 enc = Encoder(sys.argv[1], ["0" * 16], ["bench"], {}, 0.02, 1024)
 n = len(texts)
 batch = {"source": np.zeros(n, np.int32), "ordinal": np.arange(n), "line": np.zeros(n, np.int64),
          "text": np.array(texts, dtype=object), "reject": np.array([""] * n, dtype=object),
          "detail": np.array([""] * n, dtype=object)}
-def cpu(f):
-    best = float("inf")
-    for _ in range(3):
-        c = time.process_time(); f(); best = min(best, time.process_time() - c)
-    return best
-raw = cpu(lambda: tok.encode_batch(texts, add_special_tokens=False))
-stage = cpu(lambda: [enc({k: v[i : i + 256] for k, v in batch.items()}) for i in range(0, n, 256)])
-print(json.dumps({"raw_cpu": raw, "stage_cpu": stage}))
+cfg = CleanConfig()
+kept = [(c, _language(c)) for c in (clean(t, cfg) for t in texts) if reject_reason(c, cfg) is None]
+docs, langs = [t for t, _ in kept], [g for _, g in kept]
+tok.encode_special_tokens = True
+batches = [slice(i, i + 256) for i in range(0, len(docs), 256)]  # as the actor gets them
+encodings = [e for b in batches for e in tok.encode_batch(docs[b], add_special_tokens=False)]
+specials, unk = segment._special_ids(tok)
+cont = segment.wordpiece_continuations(tok)
+dtype = token_dtype(meta["vocab_size"])
+def segmentation():
+    return [segment.segment_encoding(t, g, e, 1024, specials, unk, None, cont)
+            for t, g, e in zip(docs, langs, encodings)]
+pieces = segmentation()
+def serialize():
+    for t, g, ps in zip(docs, langs, pieces):
+        dedup_key(t), split_of(t, 0.02)
+        for k, p in enumerate(ps):
+            meta = {"source": "bench", "language": g, "n_tokens": p.n_tokens}
+            sample_record(Document(key=f"{'0' * 16}-{k:010d}-0000", tokens=p.tokens,
+                                   sents=p.sents, words=p.words, meta=meta), dtype)
+# The whole Encoder, raw encode_batch, and the Encoder's parts one at a time on the same
+# documents, measured round-robin (this VM's speed drifts), medians of 5 rounds.
+timed = {
+    "raw": lambda: tok.encode_batch(texts, add_special_tokens=False),
+    "stage": lambda: [enc({k: v[i : i + 256] for k, v in batch.items()}) for i in range(0, n, 256)],
+    "clean + filter + language": lambda: [
+        reject_reason(c, cfg) or _language(c) for c in (clean(t, cfg) for t in texts)],
+    "encode_batch (actor: cleaned, 256 per call)": lambda: [
+        tok.encode_batch(docs[b], add_special_tokens=False) for b in batches],
+    "  sentence_ends (regex)": lambda: [segment.sentence_ends(t) for t in docs],
+    "  Encoding.offsets -> numpy": lambda: [segment._token_starts(e) for e in encodings],
+    "  Encoding.ids -> numpy": lambda: [np.array(e.ids, dtype=np.int32) for e in encodings],
+    "segmentation (all of segment_encoding)": segmentation,
+    "dedup key + split + sample_record": serialize,
+}
+runs = {k: [] for k in timed}
+for _ in range(5):
+    for k, f in timed.items():
+        c = time.process_time(); f(); runs[k].append(time.process_time() - c)
+med = {k: statistics.median(v) for k, v in runs.items()}
+ratio = statistics.median(r / s for r, s in zip(runs["raw"], runs["stage"]))
+print(json.dumps({"raw_cpu": med.pop("raw"), "stage_cpu": med.pop("stage"), "ratio": ratio,
+                  "parts": med, "tokens": int(sum(len(p.tokens) for ps in pieces for p in ps))}))
 """
 
 
-def documents(copies: int) -> list[str]:
+def documents(copies: int, join: int = 1) -> list[str]:
+    """python-docs, ``copies`` times (each copy's documents prefixed with its number, so
+    dedup keeps them), every ``join`` consecutive documents made one (longer documents:
+    python-docs averages ~590 characters, web pages and articles several thousand)."""
     from pipeline.data.readers import python_docs
 
     docs = list(python_docs())
-    return docs if copies == 1 else [f"[copy {k}] {d}" for k in range(copies) for d in docs]
+    if copies > 1:
+        docs = [f"[copy {k}] {d}" for k in range(copies) for d in docs]
+    if join > 1:
+        docs = ["\n".join(docs[i : i + join]) for i in range(0, len(docs), join)]
+    return docs
 
 
 def run_stage(tok: Path, texts_json: Path) -> dict:
@@ -141,6 +186,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=1)
     parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-prepare-"))
+    parser.add_argument("--join", type=int, default=1, help="join K documents into one")
     parser.add_argument("--cpus", type=int, nargs="+", default=[1, 2])
     parser.add_argument(
         "--stage-only",
@@ -169,14 +215,14 @@ def main() -> int:
             check=True,
             capture_output=True,
         )
-    texts = documents(args.copies)
+    texts = documents(args.copies, args.join)
     texts_json = work / "texts.json"
     texts_json.write_text(json.dumps(texts))
     mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    if args.copies == 1:
+    if args.copies == 1 and args.join == 1:
         source = "builtin:python-docs"
     else:
-        corpus = work / f"python-docs-x{args.copies}.txt"
+        corpus = work / f"python-docs-x{args.copies}-join{args.join}.txt"
         # Documents may hold blank lines; the txt reader splits on them, so join each
         # document's paragraphs with single newlines (the same text, one document each).
         corpus.write_text("\n\n".join(re.sub(r"\n\s*\n", "\n", t) for t in texts) + "\n")
@@ -184,9 +230,15 @@ def main() -> int:
     print(f"corpus {source}: {len(texts):,} documents, {mb:.2f} MB; machine: "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
     stage = run_stage(tok, texts_json)
-    print(f"stage in one process (CPU s, best of 3): raw encode_batch {stage['raw_cpu']:.2f}, "
-          f"Encoder {stage['stage_cpu']:.2f} -> {stage['raw_cpu'] / stage['stage_cpu']:.2f}x "
+    print(f"stage in one process (CPU s, median of 5): raw encode_batch {stage['raw_cpu']:.2f}, "
+          f"Encoder {stage['stage_cpu']:.2f} -> {stage['ratio']:.2f}x "
           f"(the ceiling of prepare/raw at 1 CPU)")  # fmt: skip
+    top = {k: v for k, v in stage["parts"].items() if not k.startswith(" ")}
+    rest = stage["stage_cpu"] - sum(top.values())
+    print(f"  the Encoder's parts (CPU s, and per CPU s of raw encode_batch), "
+          f"{stage['tokens']:,} tokens:")  # fmt: skip
+    for name, seconds in [*stage["parts"].items(), ("the rest (batch glue, packing)", rest)]:
+        print(f"  {name:48s} {seconds:6.3f}  {seconds / stage['raw_cpu']:5.2f}")
     if args.stage_only:
         return 0
     rows = {}

@@ -506,8 +506,14 @@ def _module_files(stdlib: Path, name: str) -> list[Path]:
 
 
 def _docs_of_source(data: bytes) -> list[str]:
-    """Module docstring, each top-level function's, each class's with its methods'."""
-    tree = ast.parse(data)
+    """Module docstring, each top-level function's, each class's with its methods'.
+
+    A file Python cannot parse gives none: the standard library's own tests hold such
+    files on purpose (test/bad_coding.py declares the encoding "uft-8")."""
+    try:
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError):  # ValueError: NUL bytes in the source
+        return []
     docs = [ast.get_docstring(tree) or ""]
     for node in tree.body:
         if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):

@@ -152,6 +152,26 @@ def test_word_start_shortcut_only_for_wordpiece(trained):
     assert wordpiece_continuations(trained["unigram"]) is None
 
 
+def test_wordpiece_sentence_tokens_equal_searchsorted_over_offsets(trained):
+    tok = trained["wordpiece"]
+    tok.encode_special_tokens = True
+    rng = random.Random(1)
+    alphabet = list('.!?。！？…"”)」ab Z中文\n\u3000\u0301é') + ["  ", "\n\n", "e.g. x", "3.11"]
+    texts = _en_docs() + ZH + [clean(t) for t in ZH]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(3000)]
+    fast_used = 0
+    for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False), strict=True):
+        chars = sentence_ends(text)
+        if not chars:
+            continue
+        fast = segment._wordpiece_tokens_at(text, enc, chars)
+        if fast is not None:
+            fast_used += 1
+            expected = np.searchsorted(segment._token_starts(enc), chars, side="left")
+            assert fast.tolist() == expected.tolist(), repr(text)
+    assert fast_used > 1000  # the fast path is the common one, not the fallback
+
+
 def test_sorted_unique_equals_np_unique():
     rng = np.random.default_rng(0)
     for n in (0, 1, 2, 5, 100):
@@ -167,6 +187,27 @@ def test_ascii_control_check_matches_the_regex():
         text = f"ab{chr(c)}cd"
         assert clean_mod._has_ascii_control(text) == bool(clean_mod._CONTROL.search(text))
     assert clean("a\x00b\x7fc\x1fd long enough text") == "abcd long enough text"
+
+
+def _fold_whitespace_with_regexes(text: str) -> str:
+    """The whitespace folding `clean` did with regexes before the str.replace passes."""
+    text = re.sub(r"[^\S\n]+", " ", text)
+    text = re.sub(r" ?\n ?", "\n", text)
+    return re.sub(r"\n{3,}", "\n\n", text).strip()
+
+
+def test_whitespace_folding_equals_the_regexes():
+    from pydoc_data.topics import topics
+
+    rng = random.Random(0)
+    alphabet = ["a", "b", " ", " ", "\t", "\n", "\n", "é", "\u3000", "\u00a0", "."]
+    texts = [topics[k] for k in sorted(topics)]  # indented code, blank lines
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40))) for _ in range(3000)]
+    texts += [" " * 17 + "x\t \t y \n \n\n \n  z  ", "\t\t\n\t \n", "a" + " " * 1000 + "b"]
+    for text in texts:
+        # Controls and normalization are not what is compared: take them out first.
+        text = clean(text, clean_mod.CleanConfig(fold_whitespace=False))
+        assert clean(text) == _fold_whitespace_with_regexes(text), repr(text)
 
 
 # -- packed batch rows --------------------------------------------------------------------

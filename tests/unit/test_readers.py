@@ -270,3 +270,16 @@ def test_builtin_corpus_does_not_depend_on_patched_hooks(monkeypatch):
     python_docs.cache_clear()
     assert after == before
     assert not any("must not enter the corpus" in d for d in after)
+
+
+def test_unparsable_python_source_gives_no_docstrings():
+    from pipeline.data.readers import _docs_of_source
+
+    # The standard library ships files like these in its tests (test/bad_coding.py).
+    assert _docs_of_source(b"# -*- coding: uft-8 -*-\n'''doc'''\n") == []
+    assert _docs_of_source(b"'''doc'''\ndef f(:\n") == []
+    assert _docs_of_source(b"'''doc'''\x00\n") == []
+    assert _docs_of_source(b"'''A module.'''\ndef f():\n    '''A function.'''\n") == [
+        "A module.",
+        "A function.",
+    ]
