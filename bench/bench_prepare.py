@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -70,6 +71,7 @@ encodings = [e for b in batches for e in tok.encode_batch(docs[b], add_special_t
 specials, unk = segment._special_ids(tok)
 cont = segment.wordpiece_continuations(tok)
 dtype = token_dtype(meta["vocab_size"])
+ends = [segment.sentence_ends(t) for t in docs]
 def segmentation():
     return [segment.segment_encoding(t, g, e, 1024, specials, unk, None, cont)
             for t, g, e in zip(docs, langs, encodings)]
@@ -91,7 +93,10 @@ timed = {
     "encode_batch (actor: cleaned, 256 per call)": lambda: [
         tok.encode_batch(docs[b], add_special_tokens=False) for b in batches],
     "  sentence_ends (regex)": lambda: [segment.sentence_ends(t) for t in docs],
-    "  Encoding.offsets -> numpy": lambda: [segment._token_starts(e) for e in encodings],
+    "  sentence ends -> token positions": lambda: [
+        segment._wordpiece_tokens_at(t, e, c) if cont is not None
+        else np.searchsorted(segment._token_starts(e), c)
+        for t, e, c in zip(docs, encodings, ends) if c],
     "  Encoding.ids -> numpy": lambda: [np.array(e.ids, dtype=np.int32) for e in encodings],
     "segmentation (all of segment_encoding)": segmentation,
     "dedup key + split + sample_record": serialize,
@@ -182,12 +187,45 @@ def run_prepare(cmd: list[str]) -> dict:
     }
 
 
+def print_stage(stage: dict) -> None:
+    print(f"stage in one process (CPU s, median of 5): raw encode_batch {stage['raw_cpu']:.2f}, "
+          f"Encoder {stage['stage_cpu']:.2f} -> {stage['ratio']:.2f}x "
+          f"(the ceiling of prepare/raw at 1 CPU)")  # fmt: skip
+    top = {k: v for k, v in stage["parts"].items() if not k.startswith(" ")}
+    rest = stage["stage_cpu"] - sum(top.values())
+    print(f"  the Encoder's parts (CPU s, and per CPU s of raw encode_batch), "
+          f"{stage['tokens']:,} tokens:")  # fmt: skip
+    for name, seconds in [*stage["parts"].items(), ("the rest (batch glue, packing)", rest)]:
+        print(f"  {name:48s} {seconds:6.3f}  {seconds / stage['raw_cpu']:5.2f}")
+
+
+def print_run(cpus: int, mb: float, raw: dict, prep: dict, tokens: int) -> None:
+    print(f"\n--- {cpus} CPU(s), load average {os.getloadavg()[0]:.1f}")
+    print(f"raw encode_batch   {raw['seconds']:7.2f}s  {mb / raw['seconds']:6.2f} MB/s  "
+          f"{raw['tokens'] / raw['seconds']:>10,.0f} tok/s  peak {raw['rss_mb']:.0f} MB")  # fmt: skip
+    print(f"prepare (command)  {prep['seconds']:7.2f}s  {mb / prep['seconds']:6.2f} MB/s  "
+          f"{tokens / prep['seconds']:>10,.0f} tok/s  "
+          f"peak tree {prep['tree_mb']:.0f} MB, driver {prep['driver_mb']:.0f} MB")  # fmt: skip
+    print(f"prepare (pipeline) {prep['pipeline_seconds']:7.2f}s  "
+          f"{mb / prep['pipeline_seconds']:6.2f} MB/s  "
+          f"{tokens / prep['pipeline_seconds']:>10,.0f} tok/s")  # fmt: skip
+    print(f"CPU seconds        raw {raw['cpu_seconds']:.2f}  prepare tree {prep['cpu_seconds']:.2f} "
+          f"(all processes: driver, Ray's own, workers)")  # fmt: skip
+    print("  CPU by process: " + "; ".join(f"{n} {v:.1f}s" for v, n in prep["cpu_top"]))
+    print(f"ratio prepare/raw: command {raw['seconds'] / prep['seconds']:.2f}x, "
+          f"pipeline {raw['seconds'] / prep['pipeline_seconds']:.2f}x (target >= 0.8x)")  # fmt: skip
+    print(f"  {prep['stdout'].splitlines()[-1]}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--copies", type=int, default=1)
     parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-prepare-"))
     parser.add_argument("--join", type=int, default=1, help="join K documents into one")
     parser.add_argument("--cpus", type=int, nargs="+", default=[1, 2])
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="repeat the raw/prepare runs, CPU counts in turn"
+    )
     parser.add_argument(
         "--stage-only",
         action="store_true",
@@ -229,48 +267,40 @@ def main() -> int:
         source = str(corpus)
     print(f"corpus {source}: {len(texts):,} documents, {mb:.2f} MB; machine: "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    stage = run_stage(tok, texts_json)
-    print(f"stage in one process (CPU s, median of 5): raw encode_batch {stage['raw_cpu']:.2f}, "
-          f"Encoder {stage['stage_cpu']:.2f} -> {stage['ratio']:.2f}x "
-          f"(the ceiling of prepare/raw at 1 CPU)")  # fmt: skip
-    top = {k: v for k, v in stage["parts"].items() if not k.startswith(" ")}
-    rest = stage["stage_cpu"] - sum(top.values())
-    print(f"  the Encoder's parts (CPU s, and per CPU s of raw encode_batch), "
-          f"{stage['tokens']:,} tokens:")  # fmt: skip
-    for name, seconds in [*stage["parts"].items(), ("the rest (batch glue, packing)", rest)]:
-        print(f"  {name:48s} {seconds:6.3f}  {seconds / stage['raw_cpu']:5.2f}")
     if args.stage_only:
+        print_stage(run_stage(tok, texts_json))
         return 0
-    rows = {}
-    for cpus in args.cpus:
-        raw = run_raw(tok, texts_json, cpus)
-        cmd = ["plm", "data", "prepare", "--input", source, "--tokenizer", str(tok),
-               "--output", str(work / f"data-{cpus}"), "--num-cpus", str(cpus),
-               "--shard-docs", "1000", "--force"]  # fmt: skip
-        prep = run_prepare(cmd)
-        tokens = json.loads((work / f"data-{cpus}" / "manifest.json").read_text())["totals"]
-        rows[cpus] = (raw, prep, tokens["n_tokens"])
-        print(f"\n--- {cpus} CPU(s), load average {os.getloadavg()[0]:.1f}")
-        print(f"raw encode_batch   {raw['seconds']:7.2f}s  {mb / raw['seconds']:6.2f} MB/s  "
-              f"{raw['tokens'] / raw['seconds']:>10,.0f} tok/s  peak {raw['rss_mb']:.0f} MB")  # fmt: skip
-        print(f"prepare (command)  {prep['seconds']:7.2f}s  {mb / prep['seconds']:6.2f} MB/s  "
-              f"{rows[cpus][2] / prep['seconds']:>10,.0f} tok/s  "
-              f"peak tree {prep['tree_mb']:.0f} MB, driver {prep['driver_mb']:.0f} MB")  # fmt: skip
-        print(f"prepare (pipeline) {prep['pipeline_seconds']:7.2f}s  "
-              f"{mb / prep['pipeline_seconds']:6.2f} MB/s  "
-              f"{rows[cpus][2] / prep['pipeline_seconds']:>10,.0f} tok/s")  # fmt: skip
-        print(f"CPU seconds        raw {raw['cpu_seconds']:.2f}  prepare tree {prep['cpu_seconds']:.2f} "
-              f"(all processes: driver, Ray's own, workers); prepare/raw per CPU second "
-              f"{raw['cpu_seconds'] / prep['cpu_seconds']:.2f}x")  # fmt: skip
-        print("  CPU by process: " + "; ".join(f"{n} {v:.1f}s" for v, n in prep["cpu_top"]))
-        print(f"ratio prepare/raw: command {raw['seconds'] / prep['seconds']:.2f}x, "
-              f"pipeline {raw['seconds'] / prep['pipeline_seconds']:.2f}x (target >= 0.8x)")  # fmt: skip
-        print(f"  {prep['stdout'].splitlines()[-1]}")
-    if 1 in rows and 2 in rows:
-        p1, p2 = rows[1][1], rows[2][1]
-        print(f"\nscaling 2 vs 1 CPU: command {p1['seconds'] / p2['seconds']:.2f}x, "
-              f"pipeline {p1['pipeline_seconds'] / p2['pipeline_seconds']:.2f}x; raw encode_batch "
-              f"{rows[1][0]['seconds'] / rows[2][0]['seconds']:.2f}x (target >= 1.7x)")  # fmt: skip
+    # This VM's speed drifts by tens of percent over minutes: the CPU counts take turns
+    # within a round, and the ratios are medians of per-round ratios (neighbouring runs).
+    runs: dict[int, list[tuple[dict, dict]]] = {cpus: [] for cpus in args.cpus}
+    for _ in range(args.rounds):
+        for cpus in args.cpus:
+            raw = run_raw(tok, texts_json, cpus)
+            cmd = ["plm", "data", "prepare", "--input", source, "--tokenizer", str(tok),
+                   "--output", str(work / f"data-{cpus}"), "--num-cpus", str(cpus),
+                   "--shard-docs", "1000", "--force"]  # fmt: skip
+            prep = run_prepare(cmd)
+            tokens = json.loads((work / f"data-{cpus}" / "manifest.json").read_text())["totals"]
+            print_run(cpus, mb, raw, prep, tokens["n_tokens"])
+            runs[cpus].append((raw, prep))
+    print(f"\nmedians over {args.rounds} round(s):")
+    for cpus, pairs in runs.items():
+        pipeline = statistics.median(r["seconds"] / p["pipeline_seconds"] for r, p in pairs)
+        command = statistics.median(r["seconds"] / p["seconds"] for r, p in pairs)
+        print(f"  {cpus} CPU(s): prepare/raw pipeline {pipeline:.2f}x, command {command:.2f}x "
+              f"(target >= 0.8x)")  # fmt: skip
+    if 1 in runs and 2 in runs:
+        one, two = runs[1], runs[2]
+        for label, key in (("pipeline", "pipeline_seconds"), ("command", "seconds"), ("raw", None)):
+            ratios = [
+                (r1["seconds"] / r2["seconds"]) if key is None else (p1[key] / p2[key])
+                for (r1, p1), (r2, p2) in zip(one, two, strict=True)
+            ]
+            print(f"  scaling 2 vs 1 CPU, {label}: {statistics.median(ratios):.2f}x "
+                  f"(per round: {', '.join(f'{x:.2f}' for x in ratios)}; target >= 1.7x)")  # fmt: skip
+    # Last: the stage's big in-process run must not disturb the timed runs above.
+    print()
+    print_stage(run_stage(tok, texts_json))
     return 0
 
 
