@@ -711,8 +711,7 @@ def _init_ray(cfg: PrepareConfig) -> bool:
 def _import_in_background(*modules: str) -> None:
     """Import modules the driver needs later in a thread, while it waits for Ray to start.
 
-    ``ray.data`` (~0.5 s) and ``webdataset`` (~1.5 s: it imports torch; the shard writer
-    needs it) would otherwise be imported on the pipeline's critical path. Python's
+    ``ray.data`` (~0.5 s) would otherwise be imported on the pipeline's critical path. Python's
     per-module import locks make a concurrent import of the same module wait for this one.
     """
 
@@ -831,7 +830,7 @@ def run_prepare(cfg: PrepareConfig) -> Path:
 
     # 3. The Ray job, consumed in order on the driver.
     started = time.perf_counter()
-    _import_in_background("ray.data", "webdataset")  # while the main thread starts Ray
+    _import_in_background("ray.data")  # while the main thread starts Ray
     own_ray = _init_ray(cfg)
     ray_ready = time.perf_counter()
     try:
