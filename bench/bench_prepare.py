@@ -1,20 +1,24 @@
 """Throughput of `plm data prepare` vs the same tokenizer's raw `encode_batch`, at 1 and 2 CPUs.
 
-    python bench/bench_prepare.py [--copies 1] [--workdir /tmp/bench-prepare] [--stage-only]
+    python bench/bench_prepare.py [--copies K] [--join J] [--rounds R] [--no-stage]
+                                  [--stage-only] [--workdir DIR]
 
 Corpus: builtin:python-docs (about 1.7 MB), or --copies K variants of it written to a
-txt file (each document prefixed with its copy number, so dedup keeps them all).
-Both sides get the same documents; MB/s counts raw UTF-8 text in.
+txt file (each document prefixed with its copy number, so dedup keeps them all), every
+--join J consecutive documents made one (article-length documents). Both sides get the
+same documents; MB/s counts raw UTF-8 text in.
 
 - raw: one process, tokenizer loaded, `encode_batch(all documents)` timed alone, with
   RAYON_NUM_THREADS=N (its Rust thread pool is the parallelism).
 - prepare: the whole `plm data prepare --num-cpus N --force` command as a user runs it
   (process start, validation, hashing, local Ray start, the job, manifest), and the
-  pipeline part alone as the command reports it (after Ray is up).
+  pipeline part alone as the command reports it (after Ray is up). With --rounds R the
+  CPU counts take turns R times and the ratios are medians of per-round ratios.
 - stage: the actors' work without Ray, in one process, one thread: `Encoder` (clean,
   segment, encode_batch, serialize) over the same documents in batches of 256, CPU
-  seconds against raw `encode_batch` CPU seconds. The ceiling of prepare/raw at one CPU
-  were Ray free, and robust to a loaded machine (CPU time, median of 5 rounds, run round-robin with its parts).
+  seconds against raw `encode_batch` CPU seconds, and its parts one by one (medians of
+  5 rounds run round-robin). The ceiling of prepare/raw at one CPU were Ray free. It
+  runs after the timed runs; --no-stage skips it.
 Peak memory: the largest sum of RSS over the process tree (driver + Ray processes),
 sampled every 0.1 s, and the driver's own peak RSS.
 """
@@ -293,12 +297,15 @@ def main() -> int:
         print(f"  {cpus} CPU(s): prepare/raw pipeline {pipeline:.2f}x, command {command:.2f}x "
               f"(target >= 0.8x)")  # fmt: skip
     if 1 in runs and 2 in runs:
-        one, two = runs[1], runs[2]
-        for label, key in (("pipeline", "pipeline_seconds"), ("command", "seconds"), ("raw", None)):
-            ratios = [
-                (r1["seconds"] / r2["seconds"]) if key is None else (p1[key] / p2[key])
-                for (r1, p1), (r2, p2) in zip(one, two, strict=True)
-            ]
+        rounds = list(zip(runs[1], runs[2], strict=True))
+        scaling = {
+            "pipeline": [
+                p1["pipeline_seconds"] / p2["pipeline_seconds"] for (_, p1), (_, p2) in rounds
+            ],
+            "command": [p1["seconds"] / p2["seconds"] for (_, p1), (_, p2) in rounds],
+            "raw": [r1["seconds"] / r2["seconds"] for (r1, _), (r2, _) in rounds],
+        }
+        for label, ratios in scaling.items():
             print(f"  scaling 2 vs 1 CPU, {label}: {statistics.median(ratios):.2f}x "
                   f"(per round: {', '.join(f'{x:.2f}' for x in ratios)}; target >= 1.7x)")  # fmt: skip
     if not args.no_stage:  # last: its big in-process run must not disturb the runs above
