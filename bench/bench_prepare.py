@@ -46,8 +46,13 @@ tok, _ = load_tokenizer(sys.argv[1])
 t, c = time.perf_counter(), time.process_time()
 enc = tok.encode_batch(texts, add_special_tokens=False)
 seconds, cpu = time.perf_counter() - t, time.process_time() - c
-print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": sum(len(e.ids) for e in enc),
-                  "rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+tokens = sum(len(e.ids) for e in enc)
+rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+del enc
+t = time.perf_counter()  # the same without offsets (what prepare's WordPiece path calls)
+tok.encode_batch_fast(texts, add_special_tokens=False)
+print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens, "rss_mb": rss_mb,
+                  "fast_seconds": time.perf_counter() - t}))
 """
 
 STAGE = r"""
@@ -69,17 +74,16 @@ batch = {"source": np.zeros(n, np.int32), "ordinal": np.arange(n), "line": np.ze
 cfg = CleanConfig()
 kept = [(c, _language(c)) for c in (clean(t, cfg) for t in texts) if reject_reason(c, cfg) is None]
 docs, langs = [t for t, _ in kept], [g for _, g in kept]
-tok.encode_special_tokens = True
 batches = [slice(i, i + 256) for i in range(0, len(docs), 256)]  # as the actor gets them
-encodings = [e for b in batches for e in tok.encode_batch(docs[b], add_special_tokens=False)]
-specials, unk = segment._special_ids(tok)
-cont = segment.wordpiece_continuations(tok)
+seg = segment.Segmenter(tok, 1024)
 dtype = token_dtype(meta["vocab_size"])
-ends = [segment.sentence_ends(t) for t in docs]
 def segmentation():
-    return [segment.segment_encoding(t, g, e, 1024, specials, unk, None, cont)
-            for t, g, e in zip(docs, langs, encodings)]
+    return [p for b in batches for p in seg(docs[b], langs[b])]
 pieces = segmentation()
+def marked(text):
+    bounds = [0, *segment.sentence_ends(text), len(text)]
+    return segment._MARK.join([text[a:b] for a, b in zip(bounds, bounds[1:])])
+marked_docs = [marked(t) for t in docs]
 def serialize():
     for t, g, ps in zip(docs, langs, pieces):
         dedup_key(t), split_of(t, 0.02)
@@ -91,18 +95,15 @@ def serialize():
 # documents, measured round-robin (this VM's speed drifts), medians of 5 rounds.
 timed = {
     "raw": lambda: tok.encode_batch(texts, add_special_tokens=False),
+    "raw_fast": lambda: tok.encode_batch_fast(texts, add_special_tokens=False),
     "stage": lambda: [enc({k: v[i : i + 256] for k, v in batch.items()}) for i in range(0, n, 256)],
     "clean + filter + language": lambda: [
         reject_reason(c, cfg) or _language(c) for c in (clean(t, cfg) for t in texts)],
-    "encode_batch (actor: cleaned, 256 per call)": lambda: [
-        tok.encode_batch(docs[b], add_special_tokens=False) for b in batches],
-    "  sentence_ends (regex)": lambda: [segment.sentence_ends(t) for t in docs],
-    "  sentence ends -> token positions": lambda: [
-        segment._wordpiece_tokens_at(t, e, c) if cont is not None
-        else np.searchsorted(segment._token_starts(e), c)
-        for t, e, c in zip(docs, encodings, ends) if c],
-    "  Encoding.ids -> numpy": lambda: [np.array(e.ids, dtype=np.int32) for e in encodings],
-    "segmentation (all of segment_encoding)": segmentation,
+    "Segmenter (256 per call)": segmentation,
+    "  sentence_ends (regex) + marks": lambda: [marked(t) for t in docs],
+    "  encode_batch_fast (marked, 256 per call)": lambda: [
+        (seg.marking or tok).encode_batch_fast(marked_docs[b], add_special_tokens=False)
+        for b in batches],
     "dedup key + split + sample_record": serialize,
 }
 runs = {k: [] for k in timed}
@@ -111,7 +112,9 @@ for _ in range(5):
         c = time.process_time(); f(); runs[k].append(time.process_time() - c)
 med = {k: statistics.median(v) for k, v in runs.items()}
 ratio = statistics.median(r / s for r, s in zip(runs["raw"], runs["stage"]))
+ratio_fast = statistics.median(r / s for r, s in zip(runs["raw_fast"], runs["stage"]))
 print(json.dumps({"raw_cpu": med.pop("raw"), "stage_cpu": med.pop("stage"), "ratio": ratio,
+                  "raw_fast_cpu": med.pop("raw_fast"), "ratio_fast": ratio_fast,
                   "parts": med, "tokens": int(sum(len(p.tokens) for ps in pieces for p in ps))}))
 """
 
@@ -194,7 +197,8 @@ def run_prepare(cmd: list[str]) -> dict:
 def print_stage(stage: dict) -> None:
     print(f"stage in one process (CPU s, median of 5): raw encode_batch {stage['raw_cpu']:.2f}, "
           f"Encoder {stage['stage_cpu']:.2f} -> {stage['ratio']:.2f}x "
-          f"(the ceiling of prepare/raw at 1 CPU)")  # fmt: skip
+          f"(the ceiling of prepare/raw at 1 CPU); raw encode_batch_fast (no offsets) "
+          f"{stage['raw_fast_cpu']:.2f} -> {stage['ratio_fast']:.2f}x")  # fmt: skip
     top = {k: v for k, v in stage["parts"].items() if not k.startswith(" ")}
     rest = stage["stage_cpu"] - sum(top.values())
     print(f"  the Encoder's parts (CPU s, and per CPU s of raw encode_batch), "
@@ -217,7 +221,9 @@ def print_run(cpus: int, mb: float, raw: dict, prep: dict, tokens: int) -> None:
           f"(all processes: driver, Ray's own, workers)")  # fmt: skip
     print("  CPU by process: " + "; ".join(f"{n} {v:.1f}s" for v, n in prep["cpu_top"]))
     print(f"ratio prepare/raw: command {raw['seconds'] / prep['seconds']:.2f}x, "
-          f"pipeline {raw['seconds'] / prep['pipeline_seconds']:.2f}x (target >= 0.8x)")  # fmt: skip
+          f"pipeline {raw['seconds'] / prep['pipeline_seconds']:.2f}x (target >= 0.8x); "
+          f"against encode_batch_fast {raw['fast_seconds']:.2f}s: "
+          f"pipeline {raw['fast_seconds'] / prep['pipeline_seconds']:.2f}x")  # fmt: skip
     print(f"  {prep['stdout'].splitlines()[-1]}")
 
 

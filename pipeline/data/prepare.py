@@ -394,18 +394,17 @@ class Encoder:
         # Set before the first encode, which is when the Rust thread pool is built.
         os.environ["RAYON_NUM_THREADS"] = "1"
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        from pipeline.data.segment import entity_pattern, process_documents, wordpiece_continuations
+        from pipeline.data.segment import Segmenter, entity_pattern
 
-        self._process = process_documents
-        self.entities = entity_pattern(entities) if entities else None
-        self.tokenizer, meta = load_tokenizer(tokenizer_dir)
-        self.continuation = wordpiece_continuations(self.tokenizer)
+        tokenizer, meta = load_tokenizer(tokenizer_dir)
+        self.segment = Segmenter(
+            tokenizer, max_doc_tokens, entity_pattern(entities) if entities else None
+        )
         self.dtype = token_dtype(meta["vocab_size"])
         self.source_ids = source_ids
         self.source_uris = source_uris
         self.clean_cfg = CleanConfig(**clean_cfg)
         self.valid_fraction = valid_fraction
-        self.max_doc_tokens = max_doc_tokens
         self._meta_parts = _meta_template
 
     def __call__(self, batch: dict[str, np.ndarray]):
@@ -425,9 +424,7 @@ class Encoder:
                     texts.append(text)
                     langs.append(_language(text))
             reasons[i] = reason
-        pieces = self._process(
-            texts, langs, self.tokenizer, self.max_doc_tokens, self.entities, self.continuation
-        )
+        pieces = self.segment(texts, langs)
         done = dict(zip(kept, zip(texts, langs, pieces, strict=True), strict=True))
         rows = _Rows()
         for i in range(n):

@@ -152,24 +152,74 @@ def test_word_start_shortcut_only_for_wordpiece(trained):
     assert wordpiece_continuations(trained["unigram"]) is None
 
 
-def test_wordpiece_sentence_tokens_equal_searchsorted_over_offsets(trained):
+def _random_texts(seed: int, n: int) -> list[str]:
+    rng = random.Random(seed)
+    alphabet = list('.!?。！？…"”)」ab Z中文\n\u3000\u0301é\ufffd') + [
+        "  ", "\n\n", "e.g. x", "3.11", "[MASK]", "##ing", "Ab. Cd", "x" * 120,
+    ]  # fmt: skip
+    return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(n)]
+
+
+@pytest.mark.parametrize("lowercase", [False, True])
+def test_segmenter_batch_path_equals_the_offsets_path(trained, tmp_path, lowercase):
+    """Sentence marks + encode_batch_fast give the pieces encode_batch + offsets give."""
     tok = trained["wordpiece"]
-    tok.encode_special_tokens = True
-    rng = random.Random(1)
-    alphabet = list('.!?。！？…"”)」ab Z中文\n\u3000\u0301é') + ["  ", "\n\n", "e.g. x", "3.11"]
-    texts = _en_docs() + ZH + [clean(t) for t in ZH]
-    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(3000)]
-    fast_used = 0
-    for text, enc in zip(texts, tok.encode_batch(texts, add_special_tokens=False), strict=True):
-        chars = sentence_ends(text)
-        if not chars:
-            continue
-        fast = segment._wordpiece_tokens_at(text, enc, chars)
-        if fast is not None:
-            fast_used += 1
-            expected = np.searchsorted(segment._token_starts(enc), chars, side="left")
-            assert fast.tolist() == expected.tolist(), repr(text)
-    assert fast_used > 1000  # the fast path is the common one, not the fallback
+    if lowercase:  # BertNormalizer lowercasing and stripping accents (NFD per character)
+        corpus = tmp_path / "c.jsonl"
+        corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in _en_docs(40) + ZH))
+        spec = TokenizerSpec(kind="wordpiece", vocab_size=2000, lowercase=True)
+        tok = load_tokenizer(train_tokenizer([str(corpus)], spec, tmp_path / "tok"))[0]
+    texts = _en_docs() + [clean(t) for t in ZH] + _random_texts(1, 3000)
+    texts += ["\ufffd\ufffd", "a" * 300 + ". " + "b" * 300]  # no token at all; [UNK] words
+    languages = ["other"] * len(texts)
+    for max_doc_tokens in (7, 64, 100_000):
+        segmenter = segment.Segmenter(tok, max_doc_tokens)
+        got = [
+            p
+            for i in range(0, len(texts), 256)
+            for p in segmenter(texts[i : i + 256], languages[i : i + 256])
+        ]
+        assert segmenter.batched_documents == len(texts)  # no fallback to the other path
+        encodings = tok.encode_batch(texts, add_special_tokens=False)
+        for text, enc, pieces in zip(texts, encodings, got, strict=True):
+            want = segment.segment_encoding(
+                text, "other", enc, max_doc_tokens, segmenter.specials, segmenter.unk
+            )
+            assert len(pieces) == len(want), repr(text)
+            for a, b in zip(pieces, want, strict=True):
+                assert a.tokens.tolist() == b.tokens.tolist(), repr(text)
+                assert a.sents.tolist() == b.sents.tolist(), repr(text)
+                assert a.words.tolist() == b.words.tolist(), repr(text)
+                assert a.tokens.dtype == b.tokens.dtype and a.sents.dtype == np.int32
+
+
+def test_segmenter_routes_chinese_entities_and_other_kinds_to_the_offsets_path(trained):
+    texts, languages = [_en_docs(1)[0], clean(ZH[0]), "a\x00b. Cd ef."], ["other", "zh", "other"]
+    segmenter = segment.Segmenter(trained["wordpiece"], 64)
+    assert all(segmenter(texts, languages))
+    assert segmenter.batched_documents == 1  # Chinese and a text holding the mark go around
+    with_entities = segment.Segmenter(trained["wordpiece"], 64, segment.entity_pattern(["x"]))
+    with_entities(texts, languages)
+    assert with_entities.batched_documents == 0
+    for kind in ("bpe", "unigram"):
+        other_kind = segment.Segmenter(trained[kind], 64)
+        assert all(other_kind(texts, languages)) and other_kind.batched_documents == 0
+
+
+def test_segmenter_batch_path_turns_a_special_spelled_as_a_word_into_unk():
+    """A special token without punctuation ("SEP") is a plain word to the pre-tokenizer."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
+
+    vocab = {"[UNK]": 0, "SEP": 1, "a": 2, "b": 3, "##b": 4, ".": 5}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.add_special_tokens(["[UNK]", "SEP"])
+    segmenter = segment.Segmenter(tok, 64)
+    [[piece]] = segmenter(["a SEP abb. SEP b"], ["other"])
+    assert segmenter.batched_documents == 1
+    assert piece.tokens.tolist() == [2, 0, 2, 4, 4, 5, 0, 3]
+    assert piece.sents.tolist() == [6, 8] and piece.words.tolist() == [0, 1, 2, 5, 6, 7]
 
 
 def test_sorted_unique_equals_np_unique():
