@@ -116,11 +116,14 @@ def free_port() -> int:
 def deepspeed_launch(target: list[str], cwd: Path, timeout: int = 900):
     """``deepspeed --num_gpus 2 TARGET`` on the CPU accelerator (gloo); asserts exit 0.
     TARGET: ``["--module", "pipeline.cli", "train", ...]`` or a script and its arguments."""
+    port = free_port()
     cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-           "--master_port", str(free_port()), *target]  # fmt: skip
+           "--master_port", str(port), *target]  # fmt: skip
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    # DeepSpeed's CPU all-reduce files: the ranks unlink them (engine.init_distributed).
+    assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
     return proc
 
 
