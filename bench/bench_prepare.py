@@ -11,9 +11,10 @@ same documents; MB/s counts raw UTF-8 text in.
 - raw: one process, tokenizer loaded, `encode_batch(all documents)` timed alone, with
   RAYON_NUM_THREADS=N (its Rust thread pool is the parallelism).
 - prepare: the whole `plm data prepare --num-cpus N --force` command as a user runs it
-  (process start, validation, hashing, local Ray start, the job, manifest), and the
-  pipeline part alone as the command reports it (after Ray is up). With --rounds R the
-  CPU counts take turns R times and the ratios are medians of per-round ratios.
+  (process start, validation, hashing, local Ray start, the job, manifest, Ray stop),
+  and the pipeline part alone as the command reports it (after Ray is up, before it
+  stops). With --rounds R the CPU counts take turns R times and the ratios are medians
+  of per-round ratios.
 - stage: the actors' work without Ray, in one process, one thread: `Encoder` (clean,
   segment, encode_batch, serialize) over the same documents in batches of 256, CPU
   seconds against raw `encode_batch` CPU seconds, and its parts one by one (medians of

@@ -835,10 +835,12 @@ def run_prepare(cfg: PrepareConfig) -> Path:
         batches = _ordered_batches(cfg, sources, source_ids)
         splits, tally = _write_ordered(batches, out, dtype, cfg, [s.uri for s in sources])
     finally:
+        ray_stop = time.perf_counter()
         if own_ray:
             import ray
 
             ray.shutdown()
+        ray_stop = time.perf_counter() - ray_stop
 
     # 4. The manifest, last and atomically.
     for entry, n_read, n_kept in zip(entries, tally.read, tally.kept, strict=True):
@@ -880,7 +882,8 @@ def run_prepare(cfg: PrepareConfig) -> Path:
         f"{out}: {totals['n_docs']:,} samples, {totals['n_tokens']:,} tokens in "
         f"{totals['n_shards']} shards ({per_split}); "
         f"rejected {sum(tally.rejected.values()):,} ({rejects or 'none'}); {seconds:.1f}s "
-        f"(ray start {ray_ready - started:.1f}s, pipeline {seconds - (ray_ready - started):.1f}s)"
+        f"(ray start {ray_ready - started:.1f}s, "
+        f"pipeline {seconds - (ray_ready - started) - ray_stop:.1f}s, ray stop {ray_stop:.1f}s)"
     )
     if splits["valid"]["n_docs"] == 0 and cfg.valid_fraction > 0:
         print(
