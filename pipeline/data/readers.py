@@ -30,6 +30,7 @@ import inspect
 import io
 import json
 import os
+import re
 import sysconfig
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -325,42 +326,94 @@ def _strip_bom(line: bytes, first: bool) -> bytes:
     return line[3:] if first and line.startswith(b"\xef\xbb\xbf") else line
 
 
-def _iter_txt(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
+@lru_cache(maxsize=8)
+def _blank_line_patterns(max_doc_bytes: int, at_end: bool) -> tuple[re.Pattern, re.Pattern]:
+    """A blank line holds ASCII whitespace only (``bytes.strip``'s set) and, like every
+    line, at most ``max_doc_bytes`` bytes with its newline (a longer one makes its
+    document too long, whatever it holds). ``at_end``: the file's last line may lack the
+    newline. Two patterns: one for a blank line at a given start, one that finds the
+    newline before each blank line (a literal first: re jumps between newlines instead
+    of trying a match at every byte, 6x faster than ``^`` in MULTILINE mode)."""
+    blank = b"[ \\t\\r\\x0b\\x0c]{0,%d}\\n" % (max_doc_bytes - 1)
+    if at_end:
+        blank = b"(?:%s|[ \\t\\r\\x0b\\x0c]{0,%d}\\Z)" % (blank, max_doc_bytes)
+    return re.compile(blank), re.compile(b"\\n(?=(%s))" % blank)
+
+
+def _blank_lines(
+    buf: bytes, start: int, end: int, max_doc_bytes: int, at_end: bool
+) -> Iterator[tuple[int, int]]:
+    """(start, end) of the blank lines of buf[start:end] (``start``: a line start)."""
+    at_line_start, after_newline = _blank_line_patterns(max_doc_bytes, at_end)
+    if start == 0 and (m := at_line_start.match(buf, 0, end)):
+        yield m.span()
+    for m in after_newline.finditer(buf, max(start - 1, 0), end):
+        yield m.span(1)
+
+
+def _iter_txt(
+    source: Source, max_doc_bytes: int, chunk_size: int = _CHUNK
+) -> Iterator[RawDocument]:
+    """Documents of a txt source: runs of non-blank lines.
+
+    Reads chunks and finds the blank lines of each with one regex, so the Python work is
+    per document, not per line. The
+    unfinished document at a chunk's end is carried into the next; memory stays bounded:
+    once it is over ``max_doc_bytes`` (or its last line alone is) it is reported
+    ``too_long`` and the rest of its lines are only counted. A UTF-8 BOM at the start of
+    the file is dropped before anything is measured.
+    """
     ordinal = 0
-    parts: list[bytes] = []
-    size = 0
-    too_long = False
-    start = 0
-
-    def flush() -> RawDocument:
-        if too_long:
-            return RawDocument(
-                source.uri, ordinal, None, "too_long", start, f"over {max_doc_bytes} bytes"
-            )
-        text, reject, detail = _decode(b"".join(parts))
-        if text is not None:
-            text = text.strip()
-        return RawDocument(source.uri, ordinal, text, reject, start, detail)
-
+    # buf: unprocessed bytes, from the start of a line (or a placeholder, below)
+    scanned = 0  # buf[:scanned]: complete lines already searched, none of them blank
+    line = 1  # the number of buf's first line
+    skipping = False  # inside a too-long document already reported: drop to a blank line
     with _open_text_stream(source) as stream:
-        for number, line in enumerate(_bounded_lines(stream, max_doc_bytes), start=1):
-            if line is not None:
-                line = _strip_bom(line, number == 1)
-            if line is not None and not line.strip():  # blank line: end of a document
-                if parts or too_long:
-                    yield flush()
+        chunk = stream.read(max(chunk_size, 3))
+        buf = _strip_bom(chunk, True)
+        while True:
+            at_end = not chunk
+            # Complete lines only, except at the end of the file.
+            end = len(buf) if at_end else buf.rfind(b"\n") + 1
+            cursor = 0  # where the current document starts in buf
+            for blank_start, blank_end in _blank_lines(buf, scanned, end, max_doc_bytes, at_end):
+                if skipping:
+                    skipping = False
+                elif blank_start > cursor:
+                    data = buf[cursor:blank_start]
+                    yield _txt_document(source, ordinal, data, line, max_doc_bytes)
                     ordinal += 1
-                parts, size, too_long = [], 0, False
-                continue
-            if not parts and not too_long:
-                start = number
-            if line is None or size + len(line) > max_doc_bytes:
-                too_long, parts, size = True, [], 0  # keep counting lines, drop the bytes
-            elif not too_long:
-                parts.append(line)
-                size += len(line)
-        if parts or too_long:
-            yield flush()
+                line += buf.count(b"\n", cursor, blank_end)
+                cursor = blank_end
+            if at_end:
+                if cursor < len(buf) and not skipping:  # a last line without a newline
+                    yield _txt_document(source, ordinal, buf[cursor:], line, max_doc_bytes)
+                return
+            # The unfinished document: complete lines buf[cursor:end], then a partial line.
+            if not skipping and (end - cursor > max_doc_bytes or len(buf) - end > max_doc_bytes):
+                yield RawDocument(
+                    source.uri, ordinal, None, "too_long", line, f"over {max_doc_bytes} bytes"
+                )
+                ordinal += 1
+                skipping = True
+            if skipping:  # drop the complete lines, counting them
+                line += buf.count(b"\n", cursor, end)
+                # An unfinished line over the limit cannot be blank: one byte stands for it.
+                buf, cursor, end = (buf[end:] if len(buf) - end <= max_doc_bytes else b"x"), 0, 0
+            buf, scanned = buf[cursor:], end - cursor
+            chunk = stream.read(chunk_size)
+            buf += chunk
+
+
+def _txt_document(
+    source: Source, ordinal: int, data: bytes, line: int, max_doc_bytes: int
+) -> RawDocument:
+    if len(data) > max_doc_bytes:
+        return RawDocument(
+            source.uri, ordinal, None, "too_long", line, f"over {max_doc_bytes} bytes"
+        )
+    text, reject, detail = _decode(data)
+    return RawDocument(source.uri, ordinal, text and text.strip(), reject, line, detail)
 
 
 def _iter_jsonl(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:

@@ -293,3 +293,72 @@ def test_meta_template_equals_json_dumps():
             for n in (0, 1, 1024, 10**9):
                 meta = {"source": uri, "language": language, "n_tokens": n}
                 assert head + b"%d" % n + tail == meta_json(meta), (uri, language, n)
+
+
+# -- the txt reader -----------------------------------------------------------------------
+
+
+def reference_iter_txt(source, max_doc_bytes: int):
+    """The txt reader before the chunked one: a Python loop over bounded lines."""
+    from pipeline.data.readers import (
+        RawDocument,
+        _bounded_lines,
+        _decode,
+        _open_text_stream,
+        _strip_bom,
+    )
+
+    ordinal, parts, size, too_long, start = 0, [], 0, False, 0
+
+    def flush():
+        if too_long:
+            detail = f"over {max_doc_bytes} bytes"
+            return RawDocument(source.uri, ordinal, None, "too_long", start, detail)
+        text, reject, detail = _decode(b"".join(parts))
+        return RawDocument(source.uri, ordinal, text and text.strip(), reject, start, detail)
+
+    with _open_text_stream(source) as stream:
+        for number, line in enumerate(_bounded_lines(stream, max_doc_bytes), start=1):
+            if line is not None:
+                line = _strip_bom(line, number == 1)
+            if line is not None and not line.strip():
+                if parts or too_long:
+                    yield flush()
+                    ordinal += 1
+                parts, size, too_long = [], 0, False
+                continue
+            if not parts and not too_long:
+                start = number
+            if line is None or size + len(line) > max_doc_bytes:
+                too_long, parts, size = True, [], 0
+            elif not too_long:
+                parts.append(line)
+                size += len(line)
+        if parts or too_long:
+            yield flush()
+
+
+def check_chunked_txt_reader(tmp_path, cases: int, seed: int) -> None:
+    from pipeline.data.readers import _iter_txt, resolve_inputs
+
+    rng = random.Random(seed)
+    pieces = [b"a", b"b ", b" ", b"\t", b"\r", b"\x0b", b"\n", b"\n", b"\n\n", b"\r\n",
+              b"\xff", b"\x00", "\u00e9".encode(), b"aaaaaaaaaaa", b"           "]  # fmt: skip
+    path = tmp_path / "c.txt"
+    for case in range(cases):
+        data = b"".join(rng.choice(pieces) for _ in range(rng.randint(0, 40)))
+        if case % 50 == 0:  # a BOM; the old loop counted it toward the limit, the new not
+            data = b"\xef\xbb\xbf" + data
+            max_doc_bytes = len(data) + rng.randint(0, 5)
+        else:
+            max_doc_bytes = rng.randint(1, 24)
+        path.write_bytes(data)
+        [source] = resolve_inputs([str(path)])
+        want = list(reference_iter_txt(source, max_doc_bytes))
+        for chunk_size in (1, 2, 3, 7, 1 << 20):
+            got = list(_iter_txt(source, max_doc_bytes, chunk_size))
+            assert got == want, (data, max_doc_bytes, chunk_size)
+
+
+def test_chunked_txt_reader_equals_the_line_loop(tmp_path):
+    check_chunked_txt_reader(tmp_path, 3000, seed=2)
