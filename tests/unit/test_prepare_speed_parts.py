@@ -206,6 +206,20 @@ def test_segmenter_routes_chinese_entities_and_other_kinds_to_the_offsets_path(t
         assert all(other_kind(texts, languages)) and other_kind.batched_documents == 0
 
 
+def test_segmenter_falls_back_to_the_offsets_path_when_the_marks_do_not_add_up(trained):
+    texts = _en_docs(20)
+    languages = ["other"] * len(texts)
+    want = segment.Segmenter(trained["wordpiece"], 64)(texts, languages)
+    segmenter = segment.Segmenter(trained["wordpiece"], 64)
+    segmenter.mark_id = -1  # as if a mark had not come out as its one token
+    got = segmenter(texts, languages)
+    assert segmenter.batched_documents == 0
+    for a_pieces, b_pieces in zip(got, want, strict=True):
+        assert [p.tokens.tolist() for p in a_pieces] == [p.tokens.tolist() for p in b_pieces]
+        assert [p.sents.tolist() for p in a_pieces] == [p.sents.tolist() for p in b_pieces]
+        assert [p.words.tolist() for p in a_pieces] == [p.words.tolist() for p in b_pieces]
+
+
 def test_segmenter_batch_path_turns_a_special_spelled_as_a_word_into_unk():
     """A special token without punctuation ("SEP") is a plain word to the pre-tokenizer."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
