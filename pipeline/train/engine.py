@@ -181,7 +181,7 @@ def _unlink_shm_allreduce_buffer() -> None:
 
     DeepSpeed (0.19, csrc/cpu/comm/shm.cpp) maps one 69 MB file per rank when all ranks
     share a machine, named after the uid, MASTER_ADDR, MASTER_PORT and rank, and never
-    unlinks it: every CPU run left them in RAM-backed /dev/shm (15 GB here after a few
+    unlinks it: every CPU run left them in RAM-backed /dev/shm (15 GB here after two
     days of test runs). Init returns only once a rank has mapped every rank's file, so
     after a barrier each rank unlinks its own: the mappings stay valid, and the memory
     is freed when the processes exit, even when they are killed.
