@@ -88,10 +88,7 @@ dtype = token_dtype(meta["vocab_size"])
 def segmentation():
     return [p for b in batches for p in seg(docs[b], langs[b])]
 pieces = segmentation()
-def marked(text):
-    bounds = [0, *segment.sentence_ends(text), len(text)]
-    return segment._MARK.join([text[a:b] for a, b in zip(bounds, bounds[1:])])
-marked_docs = [marked(t) for t in docs]
+marked_docs = [segment.mark_sentence_ends(t)[0] for t in docs]
 def encode_marked():  # each batch's Encodings dropped before the next, as in the actor
     for b in batches:
         (seg.marking or tok).encode_batch_fast(marked_docs[b], add_special_tokens=False)
@@ -111,7 +108,7 @@ timed = {
     "clean + filter + language": lambda: [
         reject_reason(c, cfg) or _language(c) for c in (clean(t, cfg) for t in texts)],
     "Segmenter (256 per call)": segmentation,
-    "  sentence_ends (regex) + marks": lambda: [marked(t) for t in docs],
+    "  sentence_ends (regex) + marks": lambda: [segment.mark_sentence_ends(t) for t in docs],
     "  encode_batch_fast (marked, 256 per call)": encode_marked,
     "dedup key + split + sample_record": serialize,
 }

@@ -391,9 +391,7 @@ def _iter_txt(
                 return
             # The unfinished document: complete lines buf[cursor:end], then a partial line.
             if not skipping and (end - cursor > max_doc_bytes or len(buf) - end > max_doc_bytes):
-                yield RawDocument(
-                    source.uri, ordinal, None, "too_long", line, f"over {max_doc_bytes} bytes"
-                )
+                yield _too_long(source, ordinal, line, max_doc_bytes)
                 ordinal += 1
                 skipping = True
             if skipping:  # drop the complete lines, counting them
@@ -405,13 +403,15 @@ def _iter_txt(
             buf += chunk
 
 
+def _too_long(source: Source, ordinal: int, line: int, max_doc_bytes: int) -> RawDocument:
+    return RawDocument(source.uri, ordinal, None, "too_long", line, f"over {max_doc_bytes} bytes")
+
+
 def _txt_document(
     source: Source, ordinal: int, data: bytes, line: int, max_doc_bytes: int
 ) -> RawDocument:
     if len(data) > max_doc_bytes:
-        return RawDocument(
-            source.uri, ordinal, None, "too_long", line, f"over {max_doc_bytes} bytes"
-        )
+        return _too_long(source, ordinal, line, max_doc_bytes)
     text, reject, detail = _decode(data)
     return RawDocument(source.uri, ordinal, text and text.strip(), reject, line, detail)
 

@@ -326,6 +326,15 @@ def wordpiece_continuations(tokenizer: Tokenizer) -> np.ndarray | None:
 _MARK = "\x00"
 
 
+def mark_sentence_ends(text: str) -> tuple[str, int]:
+    """``text`` with ``_MARK`` at each of its sentence ends, and how many it got."""
+    ends = sentence_ends(text)
+    if not ends:
+        return text, 0
+    bounds = [0, *ends, len(text)]
+    return _MARK.join([text[a:b] for a, b in itertools.pairwise(bounds)]), len(ends)
+
+
 class Segmenter:
     """Tokenize and segment batches of cleaned documents with one tokenizer: what the
     `plm data prepare` actors run, one call per batch.
@@ -404,14 +413,7 @@ class Segmenter:
         return pieces
 
     def _batch_path(self, texts: list[str]) -> list[list[Piece]] | None:
-        marked, n_marks = [], []
-        for text in texts:
-            ends = sentence_ends(text)
-            if ends:
-                bounds = [0, *ends, len(text)]
-                text = _MARK.join([text[a:b] for a, b in itertools.pairwise(bounds)])
-            marked.append(text)
-            n_marks.append(len(ends))
+        marked, n_marks = zip(*map(mark_sentence_ends, texts), strict=True)
         encodings = self.marking.encode_batch_fast(marked, add_special_tokens=False)
         id_lists = [encoding.ids for encoding in encodings]
         total = sum(map(len, id_lists))
@@ -426,6 +428,7 @@ class Segmenter:
         doc_lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
         doc_starts = np.zeros(len(texts) + 1, dtype=np.int64)
         np.cumsum(doc_lengths - n_marks, out=doc_starts[1:])
+        has_tokens = doc_lengths > n_marks
         # A mark's token offset: its index among all ids minus the marks before it. Sentence
         # ends strictly inside their document count (text before a mark may hold no token,
         # nor the text after it); two marks with no token between them are one end.
@@ -440,7 +443,7 @@ class Segmenter:
         if len(self.specials) and (tokens <= self.specials[-1]).any():
             tokens[np.isin(tokens, self.specials)] = self.unk
         # Each document's sentence ends and word starts are one slice of these.
-        doc_ends = doc_starts[1:][doc_lengths > n_marks]
+        doc_ends = doc_starts[1:][has_tokens]
         all_ends = np.sort(np.concatenate([sent_ends, doc_ends])).astype(np.int32)
         end_at = np.searchsorted(all_ends, doc_starts, side="right")
         word_at = np.searchsorted(word_starts, doc_starts, side="left")
