@@ -1,7 +1,7 @@
 """Throughput of `plm data prepare` vs the same tokenizer's raw `encode_batch`, at 1 and 2 CPUs.
 
     python bench/bench_prepare.py [--copies K] [--join J] [--rounds R] [--no-stage]
-                                  [--stage-only] [--workdir DIR]
+                                  [--no-raw] [--stage-only] [--workdir DIR]
 
 Corpus: builtin:python-docs (about 1.7 MB), or --copies K variants of it written to a
 txt file (each document prefixed with its copy number, so dedup keeps them all), every
@@ -12,7 +12,8 @@ same documents; MB/s counts raw UTF-8 text in.
   RAYON_NUM_THREADS=N (its Rust thread pool is the parallelism). Also printed, as other
   references: `encode_batch_fast` (no offsets) over all documents, and `encode_batch` in
   calls of 256 documents (as the actors take them; one call over everything holds every
-  Encoding at once, gigabytes at 170 MB).
+  Encoding at once, gigabytes at 170 MB). --no-raw skips them: only prepare at each CPU
+  count and the 2-vs-1-CPU scaling (corpora where raw's three runs take too long).
 - prepare: the whole `plm data prepare --num-cpus N --force` command as a user runs it
   (process start, validation, hashing, local Ray start, the job, manifest, Ray stop),
   and the pipeline part alone as the command reports it (after Ray is up, before it
@@ -213,25 +214,28 @@ def print_stage(stage: dict) -> None:
         print(f"  {name:48s} {seconds:6.3f}  {seconds / stage['raw_cpu']:5.2f}")
 
 
-def print_run(cpus: int, mb: float, raw: dict, prep: dict, tokens: int) -> None:
+def print_run(cpus: int, mb: float, raw: dict | None, prep: dict, tokens: int) -> None:
     print(f"\n--- {cpus} CPU(s), load average {os.getloadavg()[0]:.1f}")
-    print(f"raw encode_batch   {raw['seconds']:7.2f}s  {mb / raw['seconds']:6.2f} MB/s  "
-          f"{raw['tokens'] / raw['seconds']:>10,.0f} tok/s  peak {raw['rss_mb']:.0f} MB")  # fmt: skip
+    if raw is not None:
+        print(f"raw encode_batch   {raw['seconds']:7.2f}s  {mb / raw['seconds']:6.2f} MB/s  "
+              f"{raw['tokens'] / raw['seconds']:>10,.0f} tok/s  peak {raw['rss_mb']:.0f} MB")  # fmt: skip
     print(f"prepare (command)  {prep['seconds']:7.2f}s  {mb / prep['seconds']:6.2f} MB/s  "
           f"{tokens / prep['seconds']:>10,.0f} tok/s  "
           f"peak tree {prep['tree_mb']:.0f} MB, driver {prep['driver_mb']:.0f} MB")  # fmt: skip
     print(f"prepare (pipeline) {prep['pipeline_seconds']:7.2f}s  "
           f"{mb / prep['pipeline_seconds']:6.2f} MB/s  "
           f"{tokens / prep['pipeline_seconds']:>10,.0f} tok/s")  # fmt: skip
-    print(f"CPU seconds        raw {raw['cpu_seconds']:.2f}  prepare tree {prep['cpu_seconds']:.2f} "
+    raw_cpu = "" if raw is None else f"raw {raw['cpu_seconds']:.2f}  "
+    print(f"CPU seconds        {raw_cpu}prepare tree {prep['cpu_seconds']:.2f} "
           f"(all processes: driver, Ray's own, workers)")  # fmt: skip
     print("  CPU by process: " + "; ".join(f"{n} {v:.1f}s" for v, n in prep["cpu_top"]))
-    print(f"ratio prepare/raw: command {raw['seconds'] / prep['seconds']:.2f}x, "
-          f"pipeline {raw['seconds'] / prep['pipeline_seconds']:.2f}x (target >= 0.8x); "
-          f"against encode_batch_fast {raw['fast_seconds']:.2f}s: "
-          f"pipeline {raw['fast_seconds'] / prep['pipeline_seconds']:.2f}x; against "
-          f"encode_batch of 256 documents per call {raw['batched_seconds']:.2f}s: "
-          f"pipeline {raw['batched_seconds'] / prep['pipeline_seconds']:.2f}x")  # fmt: skip
+    if raw is not None:
+        print(f"ratio prepare/raw: command {raw['seconds'] / prep['seconds']:.2f}x, "
+              f"pipeline {raw['seconds'] / prep['pipeline_seconds']:.2f}x (target >= 0.8x); "
+              f"against encode_batch_fast {raw['fast_seconds']:.2f}s: "
+              f"pipeline {raw['fast_seconds'] / prep['pipeline_seconds']:.2f}x; against "
+              f"encode_batch of 256 documents per call {raw['batched_seconds']:.2f}s: "
+              f"pipeline {raw['batched_seconds'] / prep['pipeline_seconds']:.2f}x")  # fmt: skip
     print(f"  {prep['stdout'].splitlines()[-1]}")
 
 
@@ -251,6 +255,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--no-stage", action="store_true", help="skip the in-process stage (large corpora)"
+    )
+    parser.add_argument(
+        "--no-raw",
+        action="store_true",
+        help="prepare only: the 2-vs-1-CPU scaling without the raw references (large corpora)",
     )
     args = parser.parse_args()
     work = Path(args.workdir)
@@ -296,7 +305,7 @@ def main() -> int:
     runs: dict[int, list[tuple[dict, dict]]] = {cpus: [] for cpus in args.cpus}
     for _ in range(args.rounds):
         for cpus in args.cpus:
-            raw = run_raw(tok, texts_json, cpus)
+            raw = None if args.no_raw else run_raw(tok, texts_json, cpus)
             cmd = ["plm", "data", "prepare", "--input", source, "--tokenizer", str(tok),
                    "--output", str(work / f"data-{cpus}"), "--num-cpus", str(cpus),
                    "--shard-docs", "1000", "--force"]  # fmt: skip
@@ -306,6 +315,8 @@ def main() -> int:
             runs[cpus].append((raw, prep))
     print(f"\nmedians over {args.rounds} round(s):")
     for cpus, pairs in runs.items():
+        if args.no_raw:
+            break
         pipeline = statistics.median(r["seconds"] / p["pipeline_seconds"] for r, p in pairs)
         command = statistics.median(r["seconds"] / p["seconds"] for r, p in pairs)
         batched = statistics.median(r["batched_seconds"] / p["pipeline_seconds"] for r, p in pairs)
@@ -319,8 +330,9 @@ def main() -> int:
                 p1["pipeline_seconds"] / p2["pipeline_seconds"] for (_, p1), (_, p2) in rounds
             ],
             "command": [p1["seconds"] / p2["seconds"] for (_, p1), (_, p2) in rounds],
-            "raw": [r1["seconds"] / r2["seconds"] for (r1, _), (r2, _) in rounds],
         }
+        if not args.no_raw:
+            scaling["raw"] = [r1["seconds"] / r2["seconds"] for (r1, _), (r2, _) in rounds]
         for label, ratios in scaling.items():
             print(f"  scaling 2 vs 1 CPU, {label}: {statistics.median(ratios):.2f}x "
                   f"(per round: {', '.join(f'{x:.2f}' for x in ratios)}; target >= 1.7x)")  # fmt: skip
