@@ -1,7 +1,7 @@
 """Throughput of `plm data prepare` vs the same tokenizer's raw `encode_batch`, at 1 and 2 CPUs.
 
     python bench/bench_prepare.py [--copies K] [--join J] [--rounds R] [--no-stage]
-                                  [--no-raw] [--stage-only] [--workdir DIR]
+                                  [--no-raw] [--pin] [--stage-only] [--workdir DIR]
 
 Corpus: builtin:python-docs (about 1.7 MB), or --copies K variants of it written to a
 txt file (each document prefixed with its copy number, so dedup keeps them all), every
@@ -14,6 +14,9 @@ same documents; MB/s counts raw UTF-8 text in.
   calls of 256 documents (as the actors take them; one call over everything holds every
   Encoding at once, gigabytes at 170 MB). --no-raw skips them: only prepare at each CPU
   count and the 2-vs-1-CPU scaling (corpora where raw's three runs take too long).
+- --pin confines each run to N cores (sched_setaffinity, inherited by every process the
+  run starts): without it, `--num-cpus 1` gives Ray one CPU for the actors while the
+  driver and Ray's own processes use the machine's other core, which raw never gets.
 - prepare: the whole `plm data prepare --num-cpus N --force` command as a user runs it
   (process start, validation, hashing, local Ray start, the job, manifest, Ray stop),
   and the pipeline part alone as the command reports it (after Ray is up, before it
@@ -150,11 +153,20 @@ def run_stage(tok: Path, texts_json: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_raw(tok: Path, texts_json: Path, cpus: int) -> dict:
+def pinned_to(cpus: int | None):
+    """A preexec_fn that confines a process and its children to the first ``cpus`` cores
+    (None: no confinement)."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, set(range(cpus)))
+
+
+def run_raw(tok: Path, texts_json: Path, cpus: int, pin: bool = False) -> dict:
     env = {**os.environ, "RAYON_NUM_THREADS": str(cpus), "TOKENIZERS_PARALLELISM": "true"}
     out = subprocess.run(
         [sys.executable, "-c", RAW, str(tok), str(texts_json)],
         env=env,
+        preexec_fn=pinned_to(cpus if pin else None),
         capture_output=True,
         text=True,
         check=True,
@@ -162,9 +174,15 @@ def run_raw(tok: Path, texts_json: Path, cpus: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_prepare(cmd: list[str]) -> dict:
+def run_prepare(cmd: list[str], pin_cpus: int | None = None) -> dict:
     start = time.perf_counter()
-    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = psutil.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        preexec_fn=pinned_to(pin_cpus),
+    )
     peak_tree = peak_driver = 0
     cpu: dict[int, float] = {}  # pid -> last seen user+system CPU seconds
     names: dict[int, str] = {}
@@ -257,6 +275,11 @@ def main() -> int:
         "--no-stage", action="store_true", help="skip the in-process stage (large corpora)"
     )
     parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="confine each run (prepare with all of Ray's processes, raw) to N cores",
+    )
+    parser.add_argument(
         "--no-raw",
         action="store_true",
         help="prepare only: the 2-vs-1-CPU scaling without the raw references (large corpora)",
@@ -305,11 +328,11 @@ def main() -> int:
     runs: dict[int, list[tuple[dict, dict]]] = {cpus: [] for cpus in args.cpus}
     for _ in range(args.rounds):
         for cpus in args.cpus:
-            raw = None if args.no_raw else run_raw(tok, texts_json, cpus)
+            raw = None if args.no_raw else run_raw(tok, texts_json, cpus, args.pin)
             cmd = ["plm", "data", "prepare", "--input", source, "--tokenizer", str(tok),
                    "--output", str(work / f"data-{cpus}"), "--num-cpus", str(cpus),
                    "--shard-docs", "1000", "--force"]  # fmt: skip
-            prep = run_prepare(cmd)
+            prep = run_prepare(cmd, cpus if args.pin else None)
             tokens = json.loads((work / f"data-{cpus}" / "manifest.json").read_text())["totals"]
             print_run(cpus, mb, raw, prep, tokens["n_tokens"])
             runs[cpus].append((raw, prep))
