@@ -161,12 +161,12 @@ def pinned_to(cpus: int | None):
     return lambda: os.sched_setaffinity(0, set(range(cpus)))
 
 
-def run_raw(tok: Path, texts_json: Path, cpus: int, pin: bool = False) -> dict:
+def run_raw(tok: Path, texts_json: Path, cpus: int, pin_cpus: int | None = None) -> dict:
     env = {**os.environ, "RAYON_NUM_THREADS": str(cpus), "TOKENIZERS_PARALLELISM": "true"}
     out = subprocess.run(
         [sys.executable, "-c", RAW, str(tok), str(texts_json)],
         env=env,
-        preexec_fn=pinned_to(cpus if pin else None),
+        preexec_fn=pinned_to(pin_cpus),
         capture_output=True,
         text=True,
         check=True,
@@ -328,24 +328,26 @@ def main() -> int:
     runs: dict[int, list[tuple[dict, dict]]] = {cpus: [] for cpus in args.cpus}
     for _ in range(args.rounds):
         for cpus in args.cpus:
-            raw = None if args.no_raw else run_raw(tok, texts_json, cpus, args.pin)
+            pin_cpus = cpus if args.pin else None
+            raw = None if args.no_raw else run_raw(tok, texts_json, cpus, pin_cpus)
             cmd = ["plm", "data", "prepare", "--input", source, "--tokenizer", str(tok),
                    "--output", str(work / f"data-{cpus}"), "--num-cpus", str(cpus),
                    "--shard-docs", "1000", "--force"]  # fmt: skip
-            prep = run_prepare(cmd, cpus if args.pin else None)
+            prep = run_prepare(cmd, pin_cpus)
             tokens = json.loads((work / f"data-{cpus}" / "manifest.json").read_text())["totals"]
             print_run(cpus, mb, raw, prep, tokens["n_tokens"])
             runs[cpus].append((raw, prep))
     print(f"\nmedians over {args.rounds} round(s):")
-    for cpus, pairs in runs.items():
-        if args.no_raw:
-            break
-        pipeline = statistics.median(r["seconds"] / p["pipeline_seconds"] for r, p in pairs)
-        command = statistics.median(r["seconds"] / p["seconds"] for r, p in pairs)
-        batched = statistics.median(r["batched_seconds"] / p["pipeline_seconds"] for r, p in pairs)
-        print(f"  {cpus} CPU(s): prepare/raw pipeline {pipeline:.2f}x, command {command:.2f}x "
-              f"(target >= 0.8x); pipeline against raw in calls of 256 documents "
-              f"{batched:.2f}x")  # fmt: skip
+    if not args.no_raw:  # the ratios to raw need raw
+        for cpus, pairs in runs.items():
+            pipeline = statistics.median(r["seconds"] / p["pipeline_seconds"] for r, p in pairs)
+            command = statistics.median(r["seconds"] / p["seconds"] for r, p in pairs)
+            batched = statistics.median(
+                r["batched_seconds"] / p["pipeline_seconds"] for r, p in pairs
+            )
+            print(f"  {cpus} CPU(s): prepare/raw pipeline {pipeline:.2f}x, command {command:.2f}x "
+                  f"(target >= 0.8x); pipeline against raw in calls of 256 documents "
+                  f"{batched:.2f}x")  # fmt: skip
     if 1 in runs and 2 in runs:
         rounds = list(zip(runs[1], runs[2], strict=True))
         scaling = {
