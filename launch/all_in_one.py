@@ -67,6 +67,15 @@ def say(msg: str) -> None:
 # Ray head
 
 
+def is_zombie(pid: int) -> bool:
+    """An exited process its parent has not reaped yet: nothing left to stop."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # gone
+    return stat.rpartition(")")[2].split()[0] == "Z"  # the state, after "(comm)"
+
+
 def processes_with(marker: str) -> list[int]:
     """Pids whose command line contains ``marker`` (our head's private temp dir)."""
     pids = []
@@ -82,17 +91,32 @@ def processes_with(marker: str) -> list[int]:
     return pids
 
 
-def stop_pids(find, timeout: float = 15.0) -> None:
-    """SIGTERM, then SIGKILL what is left, of the pids ``find()`` returns."""
+def program(pid: int) -> str:
+    """The file name of the program ``pid`` runs ("raylet", "python3.11"), or ""."""
+    try:
+        return Path(Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()).name
+    except (OSError, UnicodeDecodeError):
+        return ""
+
+
+def stop_pids(find, timeout: float = 15.0) -> list[int]:
+    """SIGTERM, then SIGKILL what is left, of the pids ``find()`` returns.
+
+    Returns the pids that outlived SIGTERM for ``timeout`` s and had to be killed."""
+    killed: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in find():
+        pids = [pid for pid in find() if not is_zombie(pid)]
+        if sig == signal.SIGKILL:
+            killed = pids
+        for pid in pids:
             try:
                 os.kill(pid, sig)
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.time() + timeout
-        while find() and time.time() < deadline:
-            time.sleep(0.3)
+        while any(not is_zombie(pid) for pid in find()) and time.time() < deadline:
+            time.sleep(0.1)
+    return killed
 
 
 class RayHead:
@@ -134,9 +158,25 @@ class RayHead:
             raise StepFailed(f"`ray start --head` exited {proc.returncode}; see {log}")
         self.address = f"http://127.0.0.1:{dash}"
 
-    def stop(self) -> None:
-        stop_pids(lambda: processes_with(self.temp_dir))
+    def stop(self) -> list[int]:
+        """Stop every process of this head; returns those that needed SIGKILL."""
+        killed = stop_ray_head(self.temp_dir)
         shutil.rmtree(self.temp_dir, ignore_errors=True)  # session logs and the token
+        return killed
+
+
+def stop_ray_head(temp_dir: str) -> list[int]:
+    """Stop the Ray processes whose command line names ``temp_dir``; returns the pids that
+    needed SIGKILL.
+
+    In `ray stop`'s order: the raylet first, then its agents and workers, the GCS last.
+    Sent SIGTERM all at once, the raylet, the GCS and the autoscaler's monitor outlived it
+    for 20 s and more here, and had to be killed."""
+    ours = lambda: processes_with(temp_dir)  # noqa: E731
+    killed = stop_pids(lambda: [p for p in ours() if program(p) == "raylet"])
+    killed += stop_pids(lambda: [p for p in ours() if program(p) not in ("raylet", "gcs_server")])
+    killed += stop_pids(lambda: [p for p in ours() if program(p) == "gcs_server"])
+    return killed
 
 
 # ---------------------------------------------------------------------------
@@ -182,16 +222,14 @@ class MlflowServer:
         with urllib.request.urlopen(url, timeout=30) as r:
             return json.loads(r.read())
 
-    def stop(self) -> None:
+    def stop(self) -> list[int]:
+        """Stop the server's process group; returns the pids that needed SIGKILL."""
         if self.proc is None or self.proc.poll() is not None:
-            return
+            return []
         pgid = self.proc.pid
-
-        def group() -> list[int]:
-            return processes_in_group(pgid)
-
-        stop_pids(group)
+        killed = stop_pids(lambda: processes_in_group(pgid))
         self.proc.wait(timeout=10)
+        return killed
 
 
 def processes_in_group(pgid: int) -> list[int]:
@@ -370,9 +408,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if done else 130
     finally:
         say("stopping the MLflow server and the Ray head ...")
-        server.stop()
-        head.stop()
-        say("stopped")
+        killed = server.stop() + head.stop()
+        # A clean stop needs no SIGKILL; one that did is worth a look (and took 15 s longer).
+        say(f"stopped (SIGKILL needed for pids {killed})" if killed else "stopped")
     return 0
 
 

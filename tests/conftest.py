@@ -3,6 +3,7 @@ tokenizer trainer and the real `plm data prepare` (a local Ray job)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -83,6 +84,14 @@ def _restore_environment():
 def tiny_data(tmp_path_factory) -> Path:
     """A prepared data dir (read-only for tests: copy it before corrupting anything)."""
     return build_data_dir(tmp_path_factory.mktemp("tiny_data"))
+
+
+def load_launch_script(name: str):
+    """A script of launch/ (not a package) as a module, for its functions."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def plm(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout: int = 600, check=True):

@@ -16,11 +16,12 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, synthetic_corpus
+from conftest import REPO, load_launch_script, synthetic_corpus
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ALL_IN_ONE = REPO / "launch" / "all_in_one.py"
+aio = load_launch_script("all_in_one")
 
 
 def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
@@ -31,18 +32,6 @@ def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
 
 def mlflow_get(base: str, endpoint: str, **params: str) -> dict:
     return get_json(f"{base}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}")
-
-
-def own_processes(marker: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if marker.encode() in (proc / "cmdline").read_bytes():
-                    found.append(int(proc.name))
-            except OSError:
-                pass
-    return found
 
 
 def test_all_in_one_data_training_tracking(tmp_path):
@@ -99,9 +88,10 @@ def test_all_in_one_data_training_tracking(tmp_path):
             proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-4000:]
-    assert "[all-in-one] stopped" in out
-    # Stopped cleanly: no process of our head left, the MLflow port closed.
-    assert own_processes(result["ray_temp_dir"]) == []
+    # Stopped cleanly: every process exited on SIGTERM (none needed SIGKILL), no process of
+    # our head left, the MLflow port closed.
+    assert "[all-in-one] stopped\n" in out, out[-2000:]
+    assert aio.processes_with(result["ray_temp_dir"]) == []
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{mlflow}/health", timeout=5)
 

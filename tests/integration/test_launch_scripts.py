@@ -3,21 +3,11 @@ environment the remote ranks get, the exact launcher command lines, the job entr
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
-from conftest import REPO
+from conftest import REPO, load_launch_script
 
-
-def load(name: str):
-    spec = importlib.util.spec_from_file_location(name, REPO / "launch" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ds = load("deepspeed_train")
-ray_submit = load("ray_submit")
+ds = load_launch_script("deepspeed_train")
+ray_submit = load_launch_script("ray_submit")
 
 
 def test_hostfile_is_parsed_and_bad_lines_are_named(tmp_path):

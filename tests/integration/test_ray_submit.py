@@ -2,15 +2,13 @@
 
 import os
 import secrets
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from conftest import load_launch_script
 
 from pipeline.data.shards import DataDir
 from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
@@ -21,42 +19,9 @@ REPO = Path(__file__).resolve().parents[2]
 SUBMIT = REPO / "launch" / "ray_submit.py"
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def own_processes(marker: str) -> list[int]:
-    """Pids whose command line names our head's private temp dir: only what we started."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit() or int(proc.name) == os.getpid():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            pids.append(int(proc.name))
-    return pids
-
-
-def stop_head(temp_dir: str) -> None:
-    # Not `ray stop`: it stops every Ray process on the machine, other users' included.
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        for pid in own_processes(temp_dir):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + 10
-        while own_processes(temp_dir) and time.time() < deadline:
-            time.sleep(0.3)
+# Its port picking, and its stop of one head's processes by their temp dir (not `ray stop`:
+# that stops every Ray process on the machine, other users' included).
+aio = load_launch_script("all_in_one")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +30,7 @@ def head():
     temp_dir = tempfile.mkdtemp(prefix="plmray-", dir="/tmp")  # short: unix socket paths
     token = Path(temp_dir) / "token"
     token.write_text(secrets.token_hex(32))
-    gcs, dash, client, nm, om, agent, agent_grpc, rt, metrics, wmin = free_ports(10)
+    gcs, dash, client, nm, om, agent, agent_grpc, rt, metrics, wmin = aio.free_ports(10)
     env = {
         **os.environ,
         "RAY_AUTH_MODE": "token",
@@ -87,7 +52,9 @@ def head():
     except subprocess.CalledProcessError as err:
         pytest.fail(f"ray start failed:\n{err.stdout}\n{err.stderr}")
     finally:
-        stop_head(temp_dir)
+        killed = aio.stop_ray_head(temp_dir)
+        assert not killed, f"these Ray processes needed SIGKILL: {killed}"
+        assert not aio.processes_with(temp_dir)
 
 
 def submit(args: list[str], env_extra: dict[str, str]) -> subprocess.CompletedProcess:
