@@ -8,14 +8,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import load_launch_script
+from conftest import REPO, load_launch_script
 
 from pipeline.data.shards import DataDir
 from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
-REPO = Path(__file__).resolve().parents[2]
 SUBMIT = REPO / "launch" / "ray_submit.py"
 
 
