@@ -67,8 +67,8 @@ def say(msg: str) -> None:
 # Ray head
 
 
-def is_zombie(pid: int) -> bool:
-    """An exited process its parent has not reaped yet: nothing left to stop."""
+def has_exited(pid: int) -> bool:
+    """Gone, or a zombie (exited, not yet reaped by its parent): nothing left to stop."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
@@ -105,7 +105,7 @@ def stop_pids(find, timeout: float = 15.0) -> list[int]:
     Returns the pids that outlived SIGTERM for ``timeout`` s and had to be killed."""
     killed: list[int] = []
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        pids = [pid for pid in find() if not is_zombie(pid)]
+        pids = [pid for pid in find() if not has_exited(pid)]
         if sig == signal.SIGKILL:
             killed = pids
         for pid in pids:
@@ -114,7 +114,7 @@ def stop_pids(find, timeout: float = 15.0) -> list[int]:
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.time() + timeout
-        while any(not is_zombie(pid) for pid in find()) and time.time() < deadline:
+        while any(not has_exited(pid) for pid in find()) and time.time() < deadline:
             time.sleep(0.1)
     return killed
 
