@@ -200,9 +200,13 @@ class MlflowServer:
             "--serve-artifacts", "--artifacts-destination", str(self.artifacts),
         ]  # fmt: skip
         log = open(self.logs / "mlflow-server.log", "w")  # noqa: SIM115 (lives with the server)
+        # MLflow's job execution (the GenAI evaluation and prompt jobs) is off unless asked
+        # for: pretraining does not use it, it adds 8 processes to the server, and every
+        # start leaves a folder in /dev/shm that MLflow never removes.
+        env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
         # Own session: the server's workers are stopped as one process group.
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         deadline = time.time() + timeout
         while time.time() < deadline:

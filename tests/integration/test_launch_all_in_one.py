@@ -21,6 +21,7 @@ from conftest import REPO, load_launch_script, synthetic_corpus
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 ALL_IN_ONE = REPO / "launch" / "all_in_one.py"
+SHM = Path("/dev/shm")
 aio = load_launch_script("all_in_one")
 
 
@@ -42,6 +43,7 @@ def test_all_in_one_data_training_tracking(tmp_path):
     env["PYTHONUNBUFFERED"] = "1"
     cmd = [sys.executable, str(ALL_IN_ONE), "--workdir", str(work), "--input", str(corpus),
            "--vocab-size", "300", "--steps", "6", "--keep"]  # fmt: skip
+    shm_before = set(SHM.iterdir())
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -94,6 +96,9 @@ def test_all_in_one_data_training_tracking(tmp_path):
     assert aio.processes_with(result["ray_temp_dir"]) == []
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{mlflow}/health", timeout=5)
+    # No folder left in /dev/shm (MLflow's job runner makes one per server start, for its
+    # queue, and never removes it).
+    assert [p for p in set(SHM.iterdir()) - shm_before if p.is_dir()] == []
 
 
 def _logs(work: Path) -> str:
