@@ -128,6 +128,14 @@ def test_overlays_hold_what_the_issue_asks(rendered):
                 ("RayJob", "plm-data"), ("Deployment", "plm-mlflow"), ("Service", "plm-mlflow"),
                 ("StatefulSet", "plm-postgres")} <= kinds, name  # fmt: skip
         assert all(d["metadata"].get("namespace", "plm") == "plm" for d in docs)
+        mlflow = next(
+            d for d in docs if (d["kind"], d["metadata"]["name"]) == ("Deployment", "plm-mlflow")
+        )
+        env = {
+            e["name"]: e.get("value")
+            for e in mlflow["spec"]["template"]["spec"]["containers"][0]["env"]
+        }
+        assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false", name  # see mlflow.yaml
         rayjob = next(d for d in docs if d["kind"] == "RayJob")
         assert rayjob["spec"]["shutdownAfterJobFinishes"] is True
         assert rayjob["spec"]["rayClusterSpec"]["authOptions"]["mode"] == "token"
