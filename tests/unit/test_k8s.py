@@ -107,14 +107,19 @@ def test_every_kustomization_renders_and_validates_strictly(name):
         validate(doc)
 
 
+def mlflow_env(docs: list[dict]) -> dict[str, dict]:
+    """The MLflow Deployment's container environment, by variable name."""
+    mlflow = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "plm-mlflow"
+    )
+    return {e["name"]: e for e in mlflow["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
 def test_s3_artifact_component_renders_and_validates(tmp_path):
     docs = kustomize(with_s3_component(tmp_path))
     for doc in docs:
         validate(doc)
-    mlflow = next(
-        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "plm-mlflow"
-    )
-    env = {e["name"]: e for e in mlflow["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = mlflow_env(docs)
     assert env["MLFLOW_ARTIFACTS_DESTINATION"]["value"].startswith("s3://")
     assert env["AWS_SECRET_ACCESS_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "plm-s3"
     assert not any(d["metadata"]["name"] == "plm-mlflow-artifacts" for d in docs)
@@ -128,14 +133,8 @@ def test_overlays_hold_what_the_issue_asks(rendered):
                 ("RayJob", "plm-data"), ("Deployment", "plm-mlflow"), ("Service", "plm-mlflow"),
                 ("StatefulSet", "plm-postgres")} <= kinds, name  # fmt: skip
         assert all(d["metadata"].get("namespace", "plm") == "plm" for d in docs)
-        mlflow = next(
-            d for d in docs if (d["kind"], d["metadata"]["name"]) == ("Deployment", "plm-mlflow")
-        )
-        env = {
-            e["name"]: e.get("value")
-            for e in mlflow["spec"]["template"]["spec"]["containers"][0]["env"]
-        }
-        assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"] == "false", name  # see mlflow.yaml
+        job_execution = mlflow_env(docs)["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"]
+        assert job_execution["value"] == "false", name  # see mlflow.yaml
         rayjob = next(d for d in docs if d["kind"] == "RayJob")
         assert rayjob["spec"]["shutdownAfterJobFinishes"] is True
         assert rayjob["spec"]["rayClusterSpec"]["authOptions"]["mode"] == "token"
