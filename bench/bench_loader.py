@@ -62,7 +62,7 @@ def build_data(root: Path, n_docs: int, seed: int = 0, per_shard: int = 2000) ->
     rng = np.random.default_rng(seed)
     entries = []
     for s in range(-(-n_docs // per_shard)):
-        writer = ShardWriter(root, shard_name("train", s), np.uint16)
+        writer = ShardWriter.local(root, shard_name("train", s), np.uint16)
         for i in range(s * per_shard, min(n_docs, (s + 1) * per_shard)):
             n = int(np.clip(rng.lognormal(np.log(400), 0.7), 16, 1024))
             ends = np.cumsum(rng.integers(8, 41, n // 8 + 1))
@@ -73,7 +73,7 @@ def build_data(root: Path, n_docs: int, seed: int = 0, per_shard: int = 2000) ->
         entries.append(writer.close())
     splits = {"train": {"shards": entries}}
     write_manifest(
-        root, {"format_version": 1, "tokenizer": {"path": "tokenizer"}, "splits": splits}
+        root, {"format_version": 3, "tokenizer": {"path": "tokenizer"}, "splits": splits}
     )
 
 

@@ -26,15 +26,47 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
     return 0
 
 
-def _data_prepare(args: argparse.Namespace) -> int:
-    from pipeline.data.prepare import prepare_from_cli
+# `plm data prepare` flags -> PrepareConfig keys (a flag overrides the --config file's key).
+_PREPARE_FLAGS = {
+    "input": "inputs",
+    "tokenizer": "tokenizer",
+    "output": "output",
+    "valid_fraction": "valid_fraction",
+    "shard_docs": "shard_docs",
+    "shard_bytes": "shard_bytes",
+    "split_bytes": "split_bytes",
+    "block_tokens": "block_tokens",
+    "max_doc_tokens": "max_doc_tokens",
+    "text_field": "text_field",
+    "entities": "entities",
+    "ray_address": "ray_address",
+    "num_cpus": "num_cpus",
+}
 
+
+def prepare_config_from_args(args: argparse.Namespace):
+    from pipeline.data.prepare import load_prepare_config
+
+    overrides = {
+        key: getattr(args, flag)
+        for flag, key in _PREPARE_FLAGS.items()
+        if getattr(args, flag, None) is not None
+    }
+    if getattr(args, "force", False):
+        overrides["force"] = True
+    return load_prepare_config(args.config, overrides)
+
+
+def _data_prepare(args: argparse.Namespace) -> int:
+    cfg = prepare_config_from_args(args)
     if args.dry_run:
         from pipeline.data.plan import print_prepare_plan
-        from pipeline.data.prepare import config_from_cli
 
-        return print_prepare_plan(config_from_cli(args))
-    return prepare_from_cli(args)
+        return print_prepare_plan(cfg)
+    from pipeline.data.prepare import run_prepare
+
+    run_prepare(cfg)
+    return 0
 
 
 def _data_inspect(args: argparse.Namespace) -> int:
@@ -145,6 +177,10 @@ def build_parser() -> argparse.ArgumentParser:
     size = prep.add_mutually_exclusive_group()
     size.add_argument("--shard-docs", type=int)
     size.add_argument("--shard-bytes", type=int)
+    prep.add_argument(
+        "--split-bytes", type=int, help="input bytes per task (big files are cut on documents)"
+    )
+    prep.add_argument("--block-tokens", type=int, help="tokens per block sample of a shard")
     prep.add_argument("--max-doc-tokens", type=int)
     prep.add_argument("--text-field")
     prep.add_argument("--entities", help="entity list (one per line) -> spans.npy (ERNIE)")

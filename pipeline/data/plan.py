@@ -54,7 +54,8 @@ def print_tokenizer_plan(inputs: list[str], spec: TokenizerSpec, output: str | P
 
 
 def print_prepare_plan(cfg: PrepareConfig) -> int:
-    from pipeline.data.prepare import PrepareError, foreign_files
+    from pipeline.data.job import plan_units
+    from pipeline.data.prepare import PrepareError, foreign_files, output_fs
 
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
     tok_dir = Path(cfg.tokenizer)
@@ -63,9 +64,10 @@ def print_prepare_plan(cfg: PrepareConfig) -> int:
             f"tokenizer folder {tok_dir} does not exist: train one with `plm data tokenizer`"
         )
     _, meta = load_tokenizer(tok_dir)  # checks both files and the fingerprint
-    out = Path(cfg.output).resolve()
-    state = _output_state(out)
-    foreign = foreign_files(out)
+    fs, root = output_fs(cfg.output)
+    out = Path(root) if "://" not in cfg.output else cfg.output
+    state = _output_state(out) if isinstance(out, Path) else "a filesystem URI"
+    foreign = foreign_files(fs, root)
     if foreign and not cfg.force:
         raise PrepareError(
             f"output {out} holds files `plm data prepare` did not write: "
@@ -83,7 +85,10 @@ def print_prepare_plan(cfg: PrepareConfig) -> int:
         f"sha256 {meta['sha256'][:12]}",
         f"output          {out}  ({state})",
         f"split           valid fraction {cfg.valid_fraction} (by a hash of each document)",
-        f"shards          {shards}; documents over {cfg.max_doc_tokens:,} tokens are cut",
+        f"shards          {shards}, blocks of {cfg.block_tokens:,} tokens; documents over "
+        f"{cfg.max_doc_tokens:,} tokens are cut",
+        f"work            {len(plan_units(sources, cfg.split_bytes))} units of up to "
+        f"{cfg.split_bytes:,} input bytes, one Ray task each (they write the shards)",
         f"ray             {ray}",
     ]
     print("\n".join(lines))

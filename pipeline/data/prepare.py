@@ -1,20 +1,12 @@
-"""`plm data prepare`: a Ray Data job turning a corpus into WebDataset shards + manifest.
+"""`plm data prepare`, the driver: validate, plan, run the Ray job, write the manifest.
 
-    read (tasks, one per source)  ->  clean, filter, segment, tokenize, serialize
-    (a pool of actors, each holding the tokenizer, one encode_batch per batch)
-    ->  the driver, in source order: exact dedup, train/valid split, shard writing
+    validate (before Ray starts)  ->  plan units of work (``job.plan_units``)
+    ->  the Ray job (``job.run_job``: dedup keys, dedup, workers write their shards)
+    ->  name the parts ``shard-NNNNNN`` in source order  ->  manifest.json, last
 
-Determinism: every row carries its ordering key (source index, document ordinal, piece)
-and Ray Data runs with ``preserve_order``; the driver checks that the keys arrive
-strictly increasing, so documents land in shards by source order, never by Ray's block
-order (a violation is an error, not a silent reshuffle). The split is a hash of the
-cleaned text (``split_of``), dedup keeps the first occurrence in source order.
-
-The driver stays light: actors already serialize each sample to its tar bytes
-(``shards.sample_record``) and pack a whole batch into one Arrow row (``_Rows``: the
-samples end to end, an int64 table of keys and index columns, dedup keys, strings), the
-driver appends slices of those bytes to the current shard. It holds one 16-byte hash per
-kept document (for dedup), never the corpus.
+The driver never sees a document: it plans, renames and counts, so its work and memory
+grow with the number of units and shards. Output (any pyarrow filesystem URI, or a
+local path) is byte-identical whatever the number of CPUs, workers or nodes.
 
 Idempotence: the manifest records a fingerprint of (sources' sha256, tokenizer sha256,
 output-relevant config, code version); the same fingerprint means "up to date". The
@@ -24,63 +16,48 @@ leaves a folder without manifest that the next run cleans and completes.
 
 from __future__ import annotations
 
-import argparse
-import functools
 import hashlib
-import importlib
 import json
-import logging
-import os
 import re
+import resource
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.config import ConfigError
-from pipeline.data.clean import CleanConfig, clean, dedup_key, language_of, reject_reason
+from pipeline.data.clean import CleanConfig, clean
 from pipeline.data.readers import (
     DEFAULT_MAX_DOC_BYTES,
     InputError,
-    RawDocument,
     Source,
-    iter_raw_documents,
     python_docs,
     resolve_inputs,
     source_sha256,
 )
 from pipeline.data.shards import (
     FORMAT_VERSION,
-    INDEX_COLUMNS,
     MANIFEST,
     SPLITS,
     TOKENIZER_DIR,
-    Document,
-    ShardWriter,
-    atomic_write_bytes,
     brace_pattern,
-    load_manifest,
-    meta_json,
-    sample_record,
+    index_name,
+    manifest_bytes,
     shard_name,
-    split_of,
     token_dtype,
-    write_manifest,
 )
 from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, load_tokenizer
 
 # Bump when the code changes what lands in the shards: old outputs stop being "up to date".
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2
 DEFAULT_SHARD_BYTES = 128 << 20
+DEFAULT_SPLIT_BYTES = 32 << 20
+DEFAULT_BLOCK_TOKENS = 1 << 19  # 1 MiB of uint16 tokens
 MAX_REJECT_EXAMPLES = 5  # per reason, kept in the manifest so a reject can be found
-
-_ANY_CJK = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef]")
 
 
 class PrepareError(ConfigError):
@@ -105,10 +82,14 @@ class PrepareConfig(BaseModel):
     # becomes a token span in spans.npy (see pipeline.data.segment.entity_pattern).
     entities: str | None = None
     clean: CleanConfig = CleanConfig()
+    # Input bytes per unit of work (a task): big txt/jsonl files are cut into byte ranges
+    # of this size on document boundaries, parquet into runs of row groups, small files
+    # grouped. Each unit writes its own shards, so it decides shard boundaries.
+    split_bytes: int = Field(DEFAULT_SPLIT_BYTES, gt=0)
+    block_tokens: int = Field(DEFAULT_BLOCK_TOKENS, gt=0, lt=1 << 32)  # tokens per block
     # Execution only (never changes the output bytes):
     ray_address: str | None = None  # a running cluster; else RAY_ADDRESS; else a local Ray
     num_cpus: int | None = Field(None, gt=0)  # CPUs of the local Ray instance
-    workers: int | None = Field(None, gt=0)  # tokenizer actors; default: the cluster's CPUs
     batch_docs: int = Field(256, gt=0)  # documents per encode_batch call
     force: bool = False  # rebuild even if up to date / over another data dir
 
@@ -125,6 +106,8 @@ class PrepareConfig(BaseModel):
             "shard_docs": self.shard_docs,
             "shard_bytes": self.shard_bytes if self.shard_docs else self.effective_shard_bytes,
             "max_doc_tokens": self.max_doc_tokens,
+            "split_bytes": self.split_bytes,
+            "block_tokens": self.block_tokens,
             "max_doc_bytes": self.max_doc_bytes,
             "text_field": self.text_field,
             "clean": self.clean.model_dump(),
@@ -142,7 +125,7 @@ class PrepareConfig(BaseModel):
 
 
 # ---------------------------------------------------------------------------
-# Config: YAML + flags
+# Config: YAML
 
 
 def _errors_text(err: ValidationError, origin: str) -> str:
@@ -185,39 +168,8 @@ def load_prepare_config(path: str | Path | None, overrides: dict[str, Any]) -> P
         raise ConfigError(_errors_text(err, origin) + hint) from None
 
 
-_FLAG_KEYS = {
-    "input": "inputs",
-    "tokenizer": "tokenizer",
-    "output": "output",
-    "valid_fraction": "valid_fraction",
-    "shard_docs": "shard_docs",
-    "shard_bytes": "shard_bytes",
-    "max_doc_tokens": "max_doc_tokens",
-    "text_field": "text_field",
-    "entities": "entities",
-    "ray_address": "ray_address",
-    "num_cpus": "num_cpus",
-}
-
-
-def config_from_cli(args: argparse.Namespace) -> PrepareConfig:
-    overrides = {
-        key: getattr(args, flag)
-        for flag, key in _FLAG_KEYS.items()
-        if getattr(args, flag, None) is not None
-    }
-    if getattr(args, "force", False):
-        overrides["force"] = True
-    return load_prepare_config(args.config, overrides)
-
-
-def prepare_from_cli(args: argparse.Namespace) -> int:
-    run_prepare(config_from_cli(args))
-    return 0
-
-
 # ---------------------------------------------------------------------------
-# Validation, fingerprint, the output folder
+# Validation, fingerprint
 
 
 def load_entities(path: str | Path, clean_cfg: CleanConfig) -> list[str]:
@@ -248,45 +200,6 @@ def _sha256_json(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode("utf-8")).hexdigest()
 
 
-_OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR}
-_OWN_SHARD = re.compile(r"shard-\d{6}(\.tar|\.idx\.npy)(\.tmp)?")
-_OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
-
-
-def foreign_files(out: Path) -> list[str]:
-    """Paths in ``out`` that `plm data prepare` did not write (relative, sorted)."""
-    if not out.exists():
-        return []
-    found = []
-    for entry in sorted(out.iterdir()):
-        name = entry.name
-        if name not in _OWN_TOP:
-            found.append(name)
-        elif name in SPLITS or name == TOKENIZER_DIR:
-            if not entry.is_dir():
-                found.append(name)
-                continue
-            allowed = _OWN_TOKENIZER if name == TOKENIZER_DIR else None
-            for sub in sorted(entry.iterdir()):
-                ok = sub.name in allowed if allowed else bool(_OWN_SHARD.fullmatch(sub.name))
-                if not ok or not sub.is_file():
-                    found.append(f"{name}/{sub.name}")
-    return found
-
-
-def _clear_own_files(out: Path) -> None:
-    """Remove the manifest first (the folder stops being 'finished'), then our shards."""
-    for name in (MANIFEST, MANIFEST + ".tmp"):
-        (out / name).unlink(missing_ok=True)
-    for sub in (*SPLITS, TOKENIZER_DIR):
-        folder = out / sub
-        if not folder.is_dir():
-            continue
-        for f in folder.iterdir():
-            if f.is_file() and (_OWN_SHARD.fullmatch(f.name) or f.name in _OWN_TOKENIZER):
-                f.unlink()
-
-
 def _source_entries(sources: list[Source]) -> list[dict[str, Any]]:
     return [
         {"uri": s.uri, "format": s.format, "size": s.size, "sha256": source_sha256(s)}
@@ -306,488 +219,130 @@ def fingerprint(config_hash: str, sources: list[dict[str, Any]], tokenizer_sha: 
     )
 
 
-def _existing_manifest(out: Path) -> dict[str, Any] | None:
-    if not (out / MANIFEST).is_file():
+# ---------------------------------------------------------------------------
+# The output folder, on any pyarrow filesystem
+
+_OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR}
+_OWN_SHARD = re.compile(r"(shard-\d{6}|part-\d{6}-\d{3})(\.tar|\.idx\.npy)(\.tmp)?")
+_OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
+
+
+def output_fs(output: str):
+    """(pyarrow filesystem, path in it) of a local path or a filesystem URI."""
+    import pyarrow.fs as pafs
+
+    if "://" in output:
+        try:
+            return pafs.FileSystem.from_uri(output)
+        except (pafs.ArrowInvalid, OSError, ValueError) as err:
+            raise PrepareError(f"output {output}: not a usable filesystem URI ({err})") from None
+    return pafs.LocalFileSystem(), str(Path(output).resolve())
+
+
+def _listing(fs, path: str):
+    import pyarrow.fs as pafs
+
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.Directory:
+        return []
+    return sorted(fs.get_file_info(pafs.FileSelector(path)), key=lambda i: i.base_name)
+
+
+def foreign_files(fs, root: str) -> list[str]:
+    """Paths in ``root`` that `plm data prepare` did not write (relative, sorted)."""
+    import pyarrow.fs as pafs
+
+    found = []
+    for entry in _listing(fs, root):
+        name = entry.base_name
+        if name not in _OWN_TOP:
+            found.append(name)
+        elif name in SPLITS or name == TOKENIZER_DIR:
+            if entry.type != pafs.FileType.Directory:
+                found.append(name)
+                continue
+            for sub in _listing(fs, entry.path):
+                ok = (
+                    sub.base_name in _OWN_TOKENIZER
+                    if name == TOKENIZER_DIR
+                    else bool(_OWN_SHARD.fullmatch(sub.base_name))
+                )
+                if not ok or sub.type != pafs.FileType.File:
+                    found.append(f"{name}/{sub.base_name}")
+    return found
+
+
+def _clear_own_files(fs, root: str) -> None:
+    """Remove the manifest first (the folder stops being 'finished'), then our files."""
+    import pyarrow.fs as pafs
+
+    for name in (MANIFEST, MANIFEST + ".tmp"):
+        if fs.get_file_info(f"{root}/{name}").type == pafs.FileType.File:
+            fs.delete_file(f"{root}/{name}")
+    for sub in (*SPLITS, TOKENIZER_DIR):
+        for f in _listing(fs, f"{root}/{sub}"):
+            if f.type == pafs.FileType.File and (
+                _OWN_SHARD.fullmatch(f.base_name) or f.base_name in _OWN_TOKENIZER
+            ):
+                fs.delete_file(f.path)
+
+
+def _write_file(fs, path: str, data: bytes) -> None:
+    """Temp file, then a move: a reader never sees a half-written file."""
+    with fs.open_output_stream(path + ".tmp") as f:
+        f.write(data)
+    fs.move(path + ".tmp", path)
+
+
+def _existing_manifest(fs, root: str) -> dict[str, Any] | None:
+    import pyarrow.fs as pafs
+
+    path = f"{root}/{MANIFEST}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
         return None
     try:
-        return load_manifest(out)
-    except Exception:  # unreadable or an older format: treat it as another data dir
-        return {}
-
-
-# ---------------------------------------------------------------------------
-# The Ray stages (module level so Ray pickles them by reference)
-
-
-def read_sources(
-    batch: dict[str, np.ndarray],
-    sources: list[Source],
-    max_doc_bytes: int,
-    block_docs: int,
-    builtin_docs: tuple[str, ...] | None = None,
-):
-    """Map stage: source indexes -> blocks of raw documents, streamed, in file order.
-
-    ``builtin_docs``: the documents of builtin:python-docs as the driver built them for
-    the source's size and sha256. Extracting them again here took seconds, and could
-    differ: part of them are live docstrings of builtin modules, and importing Ray
-    replaces ``sys.excepthook`` (its docstring went missing in a Ray worker).
-    """
-    import pyarrow as pa
-
-    def block(cols: dict[str, list]) -> pa.Table:
-        return pa.table(
-            {
-                "source": pa.array(cols["source"], pa.int32()),
-                "ordinal": pa.array(cols["ordinal"], pa.int64()),
-                "text": pa.array(cols["text"], pa.large_string()),
-                "reject": pa.array(cols["reject"], pa.string()),
-                "line": pa.array(cols["line"], pa.int64()),
-                "detail": pa.array(cols["detail"], pa.string()),
-            }
-        )
-
-    names = ("source", "ordinal", "text", "reject", "line", "detail")
-    for index in batch["source"]:
-        index = int(index)
-        cols: dict[str, list] = {k: [] for k in names}
-        source = sources[index]
-        if source.format == "builtin" and builtin_docs is not None:
-            # What readers' builtin reader yields, from the driver's copy.
-            docs = (RawDocument(source.uri, k, t) for k, t in enumerate(builtin_docs))
-        else:
-            docs = iter_raw_documents(source, max_doc_bytes)
-        for doc in docs:
-            cols["source"].append(index)
-            cols["ordinal"].append(doc.ordinal)
-            cols["text"].append(doc.text or "")
-            cols["reject"].append(doc.reject or "")
-            cols["line"].append(doc.line or 0)
-            cols["detail"].append(doc.detail or "")
-            if len(cols["source"]) >= block_docs:
-                yield block(cols)
-                cols = {k: [] for k in names}
-        if cols["source"]:
-            yield block(cols)
-
-
-class Encoder:
-    """Actor stage: clean, filter, tokenize (one encode_batch per batch), segment, serialize.
-
-    Covers every input document, in input order: one row per piece of a kept document,
-    one per rejected document. Returns them packed as ONE Arrow row per batch (see
-    ``_Rows``): Ray then moves four binary cells per batch instead of a dozen columns of
-    per-sample Python objects, which cost it more than the serialization itself.
-    """
-
-    def __init__(
-        self,
-        tokenizer_dir: str,
-        source_ids: list[str],
-        source_uris: list[str],
-        clean_cfg: dict[str, Any],
-        valid_fraction: float,
-        max_doc_tokens: int,
-        entities: list[str] | None = None,
-    ):
-        # One tokenizer thread per actor: the actors (one per CPU) are the parallelism.
-        # Set before the first encode, which is when the Rust thread pool is built.
-        os.environ["RAYON_NUM_THREADS"] = "1"
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-        from pipeline.data.segment import Segmenter, entity_pattern
-
-        tokenizer, meta = load_tokenizer(tokenizer_dir)
-        self.segment = Segmenter(
-            tokenizer, max_doc_tokens, entity_pattern(entities) if entities else None
-        )
-        self.dtype = token_dtype(meta["vocab_size"])
-        self.source_ids = source_ids
-        self.source_uris = source_uris
-        self.clean_cfg = CleanConfig(**clean_cfg)
-        self.valid_fraction = valid_fraction
-        self._meta_parts = _meta_template
-
-    def __call__(self, batch: dict[str, np.ndarray]):
-        sources, ordinals = batch["source"].tolist(), batch["ordinal"].tolist()
-        lines, raw_texts = batch["line"].tolist(), batch["text"]
-        read_rejects, details = batch["reject"], batch["detail"]
-        n = len(sources)
-        reasons: list[str | None] = [None] * n
-        kept, texts, langs = [], [], []
-        for i in range(n):
-            reason = read_rejects[i] or None
-            if reason is None:
-                text = clean(raw_texts[i], self.clean_cfg)
-                reason = reject_reason(text, self.clean_cfg)
-                if reason is None:
-                    kept.append(i)
-                    texts.append(text)
-                    langs.append(_language(text))
-            reasons[i] = reason
-        pieces = self.segment(texts, langs)
-        done = dict(zip(kept, zip(texts, langs, pieces, strict=True), strict=True))
-        rows = _Rows()
-        for i in range(n):
-            source, ordinal = sources[i], ordinals[i]
-            if reasons[i] is not None:
-                rows.reject(source, ordinal, reasons[i], lines[i], details[i])
-                continue
-            text, lang, doc_pieces = done[i]
-            if not doc_pieces:
-                rows.reject(source, ordinal, "no_tokens", lines[i], "")
-                continue
-            key = dedup_key(text)
-            split = split_of(text, self.valid_fraction)
-            prefix = f"{self.source_ids[source]}-{ordinal:010d}-"
-            uri = self.source_uris[source]
-            meta_head, meta_tail = self._meta_parts(uri, lang)
-            for k, piece in enumerate(doc_pieces):
-                meta = {"source": uri, "language": lang, "n_tokens": piece.n_tokens}
-                doc = Document(
-                    key=f"{prefix}{k:04d}",
-                    tokens=piece.tokens,
-                    sents=piece.sents,
-                    words=piece.words,
-                    spans=piece.spans,
-                    meta=meta,
-                )
-                meta_bytes = b"%s%d%s" % (meta_head, piece.n_tokens, meta_tail)
-                data, columns = sample_record(doc, self.dtype, meta_bytes)
-                rows.sample(source, ordinal, k, split, data, columns, key, lang)
-        return rows.table()
-
-
-@functools.cache
-def _meta_template(uri: str, language: str) -> tuple[bytes, bytes]:
-    """meta_json({"source": uri, "language": language, "n_tokens": N}) cut around N, so a
-    sample's meta.json is one %-format, not a json.dumps (tests check the bytes equal).
-
-    The first '"n_tokens": 0' is the key's: inside a JSON string a quote is escaped."""
-    full = meta_json({"source": uri, "language": language, "n_tokens": 0})
-    head, key, tail = full.partition(b'"n_tokens": 0')
-    return head + key[:-1], tail
-
-
-def _language(text: str) -> str:
-    """``language_of``, skipping its letter count when the answer is sure: ASCII text
-    (``isascii`` is a flag lookup) or no CJK ideograph at all means share 0, "other"."""
-    if text.isascii() or not _ANY_CJK.search(text):
-        return "other"
-    return language_of(text)
-
-
-# One int64 row per output row of a batch: its ordering key, its split (-1: rejected), the
-# reader's line (rejects), the sample's byte size, then its index columns (shards').
-_KEY_COLUMNS = ("source", "ordinal", "piece", "split", "line", "size")
-_N_INTS = len(_KEY_COLUMNS) + INDEX_COLUMNS - 2
-_SPLIT_CODES = {split: code for code, split in enumerate(SPLITS)}
-_NO_INDEX = (0,) * (INDEX_COLUMNS - 2)  # the index columns of a rejected document's row
-_NO_DEDUP = bytes(16)  # dedup_key's size
-_PACKED = ("ints", "samples", "dedup", "strings")  # the cells of a packed batch, in order
-
-
-class _Rows:
-    """The output rows of one batch, packed into one Arrow row of four cells:
-
-    ``ints``: int64 (rows, _N_INTS) bytes; ``samples``: the samples' bytes end to end (the
-    ``size`` column cuts them); ``dedup``: 16 bytes per row (the dedup key of a piece, zeros
-    for a reject); ``strings``: JSON [reject, language, detail] per row.
-    """
-
-    def __init__(self):
-        self.ints: list[int] = []
-        self.samples: list[bytes] = []
-        self.dedup: list[bytes] = []
-        self.strings: list[tuple[str, str, str]] = []
-
-    def reject(self, source: int, ordinal: int, reason: str, line: int, detail: str) -> None:
-        self.ints += (source, ordinal, 0, -1, line, 0, *_NO_INDEX)
-        self.dedup.append(_NO_DEDUP)
-        self.strings.append((reason, "", detail))
-
-    def sample(
-        self,
-        source: int,
-        ordinal: int,
-        piece: int,
-        split: str,
-        data: bytes,
-        columns: tuple[int, ...],
-        dedup: bytes,
-        language: str,
-    ) -> None:
-        self.ints += (source, ordinal, piece, _SPLIT_CODES[split], 0, len(data), *columns)
-        self.samples.append(data)
-        self.dedup.append(dedup)
-        self.strings.append(("", language, ""))
-
-    def table(self):
-        import pyarrow as pa
-
-        cells = (
-            np.array(self.ints, dtype=np.int64).tobytes(),
-            b"".join(self.samples),
-            b"".join(self.dedup),
-            json.dumps(self.strings, ensure_ascii=False).encode("utf-8"),
-        )
-
-        def cell(data: bytes):  # a one-value binary column over data's buffer (no copy)
-            offsets = pa.py_buffer(np.array([0, len(data)], dtype=np.int64))
-            return pa.LargeBinaryArray.from_buffers(
-                pa.large_binary(), 1, [None, offsets, pa.py_buffer(data)]
-            )
-
-        return pa.table({k: cell(v) for k, v in zip(_PACKED, cells, strict=True)})
-
-
-def unpack_rows(ints, samples, dedup: bytes, strings: bytes):
-    """The rows ``_Rows`` packed: (source, ordinal, piece, split or "", line, sample bytes,
-    index columns, dedup key, reject, language, detail) each, in order. ``ints`` and
-    ``samples``: bytes or any buffer (the samples come back as memoryview slices)."""
-    table = np.frombuffer(ints, dtype=np.int64).reshape(-1, _N_INTS).tolist()
-    texts = json.loads(strings)
-    if len(texts) != len(table) or len(dedup) != 16 * len(table):
-        raise RuntimeError("a packed batch of the prepare actors is inconsistent")
-    view = memoryview(samples)
-    at = 0
-    for i, (row, (reject, language, detail)) in enumerate(zip(table, texts, strict=True)):
-        source, ordinal, piece, split, line, size = row[:6]
-        yield (
-            source,
-            ordinal,
-            piece,
-            SPLITS[split] if split >= 0 else "",
-            line,
-            view[at : at + size],
-            tuple(row[6:]),
-            dedup[16 * i : 16 * i + 16],
-            reject,
-            language,
-            detail,
-        )
-        at += size
-    if at != len(view):
-        raise RuntimeError("a packed batch of the prepare actors is inconsistent")
-
-
-# ---------------------------------------------------------------------------
-# The driver: ordered consumption, dedup, shard writing
-
-
-class _SplitWriter:
-    """Rolls shards of one split: a new shard after ``shard_docs`` samples / ``shard_bytes``."""
-
-    def __init__(
-        self, root: Path, split: str, dtype, shard_docs: int | None, shard_bytes: int | None
-    ):
-        self.root, self.split, self.dtype = root, split, dtype
-        self.shard_docs, self.shard_bytes = shard_docs, shard_bytes
-        self.entries: list[dict[str, Any]] = []
-        self.writer: ShardWriter | None = None
-        self.docs = self.bytes = 0
-
-    def add(self, data: bytes, columns: tuple[int, ...]) -> None:
-        if self.writer is None:
-            self.writer = ShardWriter(
-                self.root, shard_name(self.split, len(self.entries)), self.dtype
-            )
-            self.docs = self.bytes = 0
-        self.writer.write_bytes(data, columns)
-        self.docs += 1
-        self.bytes += len(data)
-        if (self.shard_docs and self.docs >= self.shard_docs) or (
-            self.shard_bytes and self.bytes >= self.shard_bytes
-        ):
-            self._close()
-
-    def _close(self) -> None:
-        if self.writer is not None:
-            self.entries.append(self.writer.close())
-            self.writer = None
-
-    def finish(self) -> dict[str, Any]:
-        self._close()
-        n = len(self.entries)
-        return {
-            "shards": self.entries,
-            "n_docs": sum(e["n_docs"] for e in self.entries),
-            "n_tokens": sum(e["n_tokens"] for e in self.entries),
-            "pattern": brace_pattern(self.split, n) if n else "",
-        }
-
-
-class _Tally:
-    """What the driver counts while writing: kept, rejected (with examples), languages."""
-
-    def __init__(self, n_sources: int):
-        self.rejected: Counter[str] = Counter()
-        self.examples: dict[str, list[dict[str, Any]]] = {}
-        self.read = [0] * n_sources
-        self.kept = [0] * n_sources
-        self.languages: Counter[str] = Counter()
-
-    def reject(self, reason: str, source_uri: str, ordinal: int, line: int, detail: str) -> None:
-        self.rejected[reason] += 1
-        examples = self.examples.setdefault(reason, [])
-        if len(examples) < MAX_REJECT_EXAMPLES:
-            example = {"source": source_uri, "ordinal": ordinal}
-            if line:
-                example["line"] = line
-            if detail:
-                example["detail"] = detail
-            examples.append(example)
-
-
-def _write_ordered(tables, out: Path, dtype, cfg: PrepareConfig, uris: list[str]):
-    """Consume the ordered stream: check order, dedup, split, write. Returns splits + tally.
-
-    ``tables``: pyarrow batches of the Encoder's packed rows (``_Rows``)."""
-    writers = {
-        split: _SplitWriter(out, split, dtype, cfg.shard_docs, cfg.effective_shard_bytes)
-        for split in SPLITS
-    }
-    tally = _Tally(len(uris))
-    seen: set[bytes] = set()
-    last = (-1, -1, -1)
-    skip_doc = (-1, -1)  # (source, ordinal) of a duplicate whose pieces are skipped
-    for table in tables:
-        packed = [table.column(k) for k in _PACKED]
-        for j in range(table.num_rows):
-            # The cells' own buffers (no copy of the samples); dedup keys as bytes for `seen`.
-            ints, samples, dedup, strings = (column[j].as_buffer() for column in packed)
-            rows = unpack_rows(ints, samples, dedup.to_pybytes(), strings.to_pybytes())
-            for s, o, p, split, line, data, columns, key, reject, lang, detail in rows:
-                if (s, o, p) <= last:
-                    raise RuntimeError(
-                        f"document order broken: {(s, o, p)} after {last}; refusing to write "
-                        "shards in a non-deterministic order"
-                    )
-                last = (s, o, p)
-                if p == 0:
-                    tally.read[s] += 1
-                if reject:
-                    tally.reject(reject, uris[s], o, line, detail)
-                    continue
-                if p == 0:
-                    if key in seen:
-                        skip_doc = (s, o)
-                        tally.reject("duplicate", uris[s], o, 0, "")
-                        continue
-                    seen.add(key)
-                    tally.kept[s] += 1
-                    tally.languages[lang] += 1
-                elif (s, o) == skip_doc:
-                    continue
-                writers[split].add(data, columns)
-    return {split: w.finish() for split, w in writers.items()}, tally
-
-
-# ---------------------------------------------------------------------------
-# Ray
-
-
-def _init_ray(cfg: PrepareConfig) -> bool:
-    """Connect to / start Ray; True when this call started it (and must shut it down)."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
-    else:
-        ray.init(
-            num_cpus=cfg.num_cpus,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-        )
-    return True
-
-
-def _import_in_background(*modules: str) -> None:
-    """Import modules the driver needs later in a thread, while it waits for Ray to start.
-
-    ``ray.data`` (~0.5 s) would otherwise be imported on the pipeline's critical path. Python's
-    per-module import locks make a concurrent import of the same module wait for this one.
-    """
-
-    def run() -> None:
-        for name in modules:
-            try:
-                importlib.import_module(name)
-            except Exception:  # the main thread's own import reports it
-                pass
-
-    threading.Thread(target=run, name="plm-prepare-imports", daemon=True).start()
-
-
-def _ordered_batches(cfg: PrepareConfig, sources: list[Source], source_ids: list[str]):
-    """The Ray Data pipeline; yields pyarrow batches of packed rows (``_Rows``) in order."""
-    import ray
-    import ray.data
-
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True
-    ctx.enable_progress_bars = sys.stderr.isatty()
-    ctx.enable_auto_log_stats = False
-    cpus = int(ray.cluster_resources().get("CPU", 1))
-    workers = cfg.workers or max(1, cpus)
-    # Ray Data merges what a task yields into blocks of up to target_max_block_size, and
-    # the actor pool spreads blocks, not rows. At least 8 blocks per actor, of at most
-    # 4 MiB (1-2 s of an actor's work), with 2 in flight per actor (one running, one
-    # queued): the actors take blocks as they free up, so they finish within about one
-    # block of each other. With 4 in flight and 4 per actor the pool dealt all blocks out
-    # at the start, and one actor could end 1-2 s after the other.
-    total = sum(s.size for s in sources)
-    ctx.target_max_block_size = min(4 << 20, max(64 << 10, total // (workers * 8)))
-    ds = ray.data.from_items(
-        [{"source": i} for i in range(len(sources))], override_num_blocks=len(sources)
-    )
-    # Reading is light next to tokenizing: read tasks take no CPU slot, so the actors
-    # (one per CPU) keep every core busy and a 1-CPU cluster cannot deadlock.
-    ds = ds.map_batches(
-        read_sources,
-        batch_size=1,
-        fn_kwargs={
-            "sources": sources,
-            "max_doc_bytes": cfg.max_doc_bytes,
-            "block_docs": cfg.batch_docs,
-            # The driver extracted them already (resolve_inputs, source_sha256: cached).
-            "builtin_docs": python_docs() if any(s.format == "builtin" for s in sources) else None,
-        },
-        compute=ray.data.TaskPoolStrategy(size=max(1, min(len(sources), workers))),
-        num_cpus=0,
-    )
-    ds = ds.map_batches(
-        Encoder,
-        batch_size=cfg.batch_docs,
-        batch_format="numpy",  # in: numpy columns; out: one packed Arrow row (see _Rows)
-        fn_constructor_kwargs={
-            "tokenizer_dir": str(Path(cfg.output) / TOKENIZER_DIR),
-            "source_ids": source_ids,
-            "source_uris": [s.uri for s in sources],
-            "clean_cfg": cfg.clean.model_dump(),
-            "valid_fraction": cfg.valid_fraction,
-            "max_doc_tokens": cfg.max_doc_tokens,
-            "entities": load_entities(cfg.entities, cfg.clean) if cfg.entities else None,
-        },
-        compute=ray.data.ActorPoolStrategy(size=workers, max_tasks_in_flight_per_actor=2),
-        num_cpus=1,
-    )
-    yield from ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=4)
-    if os.environ.get("PLM_RAY_STATS"):  # per-stage wall/CPU time, for tuning
-        print(ds.stats(), file=sys.stderr)
+        with fs.open_input_stream(path) as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}  # unreadable: treat it as another data dir
+    return manifest if isinstance(manifest, dict) else {}
 
 
 # ---------------------------------------------------------------------------
 # The job
 
 
-def run_prepare(cfg: PrepareConfig) -> Path:
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _name_shards(fs, root: str, results) -> dict[str, Any]:
+    """Move every unit's parts to ``SPLIT/shard-NNNNNN`` in unit order; the split entries."""
+    splits = {}
+    for split in SPLITS:
+        entries = []
+        for result in results:
+            for part in result.parts[split]:
+                name = shard_name(split, len(entries))
+                fs.move(f"{root}/{part['name']}", f"{root}/{name}")
+                fs.move(f"{root}/{part['index']}", f"{root}/{index_name(name)}")
+                entries.append({**part, "name": name, "index": index_name(name)})
+        splits[split] = {
+            "shards": entries,
+            "n_docs": sum(e["n_docs"] for e in entries),
+            "n_tokens": sum(e["n_tokens"] for e in entries),
+            "pattern": brace_pattern(split, len(entries)) if entries else "",
+        }
+    return splits
+
+
+def run_prepare(cfg: PrepareConfig) -> str:
     """Validate, then (unless up to date) run the Ray job and write the data dir."""
-    out = Path(cfg.output).resolve()
+    from pipeline.data.job import init_ray, plan_units, run_job
+    from pipeline.data.worker import JobSpec
+
+    cpu_started, started = _cpu_seconds(), time.perf_counter()
     # 1. Validate everything before Ray starts.
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
     tok_dir = Path(cfg.tokenizer)
@@ -796,59 +351,110 @@ def run_prepare(cfg: PrepareConfig) -> Path:
             f"tokenizer folder {tok_dir} does not exist: train one with `plm data tokenizer`"
         )
     _, meta = load_tokenizer(tok_dir)
-    if out.exists() and not out.is_dir():
-        raise PrepareError(f"output {out} exists and is not a folder")
+    entities = load_entities(cfg.entities, cfg.clean) if cfg.entities else None
+    fs, root = output_fs(cfg.output)
+    import pyarrow.fs as pafs
+
+    if fs.get_file_info(root).type == pafs.FileType.File:
+        raise PrepareError(f"output {cfg.output} exists and is not a folder")
     config_hash = _sha256_json(cfg.output_settings())
     entries = _source_entries(sources)
     fp = fingerprint(config_hash, entries, meta["sha256"])
-    existing = _existing_manifest(out)
+    existing = _existing_manifest(fs, root)
     if existing and existing.get("fingerprint") == fp and not cfg.force:
-        print(f"{out}: up to date (same inputs, tokenizer and config); --force rebuilds it")
-        return out
-    foreign = foreign_files(out)
+        print(f"{cfg.output}: up to date (same inputs, tokenizer and config); --force rebuilds it")
+        return root
+    foreign = foreign_files(fs, root)
     if foreign and not cfg.force:
         shown = ", ".join(foreign[:10]) + (
             f" and {len(foreign) - 10} more" if len(foreign) > 10 else ""
         )
         raise PrepareError(
-            f"output {out} holds files `plm data prepare` did not write: {shown}. "
+            f"output {cfg.output} holds files `plm data prepare` did not write: {shown}. "
             "Choose an empty or new --output, or pass --force (they are left in place)."
         )
     if existing is not None and not cfg.force:
         raise PrepareError(
-            f"output {out} holds a data dir prepared from other inputs, tokenizer or config; "
-            "pass --force to replace it or choose another --output"
+            f"output {cfg.output} holds a data dir prepared from other inputs, tokenizer or "
+            "config; pass --force to replace it or choose another --output"
         )
 
     # 2. Start clean: no manifest until the end, no stale shards or temp files.
-    out.mkdir(parents=True, exist_ok=True)
-    _clear_own_files(out)
-    (out / TOKENIZER_DIR).mkdir(exist_ok=True)
-    for name in (TOKENIZER_FILE, META_FILE):
-        atomic_write_bytes(out / TOKENIZER_DIR / name, (tok_dir / name).read_bytes())
+    fs.create_dir(root, recursive=True)
+    _clear_own_files(fs, root)
+    for sub in (*SPLITS, TOKENIZER_DIR):
+        fs.create_dir(f"{root}/{sub}", recursive=True)
+    tokenizer_bytes = (tok_dir / TOKENIZER_FILE).read_bytes()
+    _write_file(fs, f"{root}/{TOKENIZER_DIR}/{TOKENIZER_FILE}", tokenizer_bytes)
+    _write_file(fs, f"{root}/{TOKENIZER_DIR}/{META_FILE}", (tok_dir / META_FILE).read_bytes())
     dtype = token_dtype(meta["vocab_size"])
 
-    # 3. The Ray job, consumed in order on the driver.
-    started = time.perf_counter()
-    _import_in_background("ray.data")  # while the main thread starts Ray
-    own_ray = _init_ray(cfg)
+    # 3. Plan, then the Ray job; the workers write the shards.
+    units = plan_units(sources, cfg.split_bytes)
+    input_bytes = sum(s.size for s in sources)
+    spec = JobSpec(
+        sources=sources,
+        output=root,
+        fs=fs,
+        tokenizer_json=tokenizer_bytes.decode("utf-8"),
+        vocab_size=meta["vocab_size"],
+        clean=cfg.clean.model_dump(),
+        valid_fraction=cfg.valid_fraction,
+        max_doc_tokens=cfg.max_doc_tokens,
+        max_doc_bytes=cfg.max_doc_bytes,
+        shard_docs=cfg.shard_docs,
+        shard_bytes=cfg.effective_shard_bytes,
+        block_tokens=cfg.block_tokens,
+        batch_docs=cfg.batch_docs,
+        entities=entities,
+        builtin_docs=python_docs() if any(s.format == "builtin" for s in sources) else None,
+    )
+    from pipeline.data.dedup import n_partitions
+
+    partitions = n_partitions(input_bytes)
+    own_ray = init_ray(cfg.ray_address, cfg.num_cpus)
     ray_ready = time.perf_counter()
     try:
-        source_ids = [e["sha256"][:16] for e in entries]
-        batches = _ordered_batches(cfg, sources, source_ids)
-        splits, tally = _write_ordered(batches, out, dtype, cfg, [s.uri for s in sources])
+        job = run_job(spec, units, partitions)
     finally:
-        ray_stop = time.perf_counter()
         if own_ray:
             import ray
 
             ray.shutdown()
-        ray_stop = time.perf_counter() - ray_stop
+    results = job["results"]
+    splits = _name_shards(fs, root, results)
 
-    # 4. The manifest, last and atomically.
-    for entry, n_read, n_kept in zip(entries, tally.read, tally.kept, strict=True):
-        entry["n_docs_read"], entry["n_docs_kept"] = n_read, n_kept
+    # 4. Counts, stats and the manifest, last and atomically.
+    tally_read, tally_kept = Counter(), Counter()
+    rejected, languages = Counter(), Counter()
+    examples: dict[str, list[dict[str, Any]]] = {}
+    for r in results:
+        tally_read.update(r.read)
+        tally_kept.update(r.kept)
+        rejected.update(r.rejected)
+        languages.update(r.languages)
+        for reason, found in r.examples.items():
+            kept = examples.setdefault(reason, [])
+            kept.extend(found[: MAX_REJECT_EXAMPLES - len(kept)])
+    for i, entry in enumerate(entries):
+        entry["n_docs_read"], entry["n_docs_kept"] = tally_read[i], tally_kept[i]
     all_shards = [s for info in splits.values() for s in info["shards"]]
+    n_tokens = sum(info["n_tokens"] for info in splits.values())
+    wall = time.perf_counter() - started
+    driver_cpu = _cpu_seconds() - cpu_started
+    worker_cpu = job["keys_and_dedup_cpu_seconds"] + job["write_cpu_seconds"]
+    stats = {
+        "wall_seconds": round(wall, 3),
+        "ray_start_seconds": round(ray_ready - started, 3),
+        "input_bytes": input_bytes,
+        "input_mb_per_s": round(input_bytes / 1e6 / wall, 3),
+        "tokens_per_s": round(n_tokens / wall, 1),
+        "driver_cpu_seconds": round(driver_cpu, 3),
+        "worker_cpu_seconds": round(worker_cpu, 3),
+        "worker_cpu_seconds_keys_and_dedup": round(job["keys_and_dedup_cpu_seconds"], 3),
+        "units": len(units),
+        "dedup_partitions": partitions,
+    }
     manifest = {
         "format_version": FORMAT_VERSION,
         "prepare_version": PREPARE_VERSION,
@@ -866,30 +472,33 @@ def run_prepare(cfg: PrepareConfig) -> Path:
         "splits": splits,
         "totals": {
             "n_docs": sum(info["n_docs"] for info in splits.values()),
-            "n_tokens": sum(info["n_tokens"] for info in splits.values()),
+            "n_tokens": n_tokens,
             "n_shards": len(all_shards),
             "bytes": sum(s["bytes"] for s in all_shards),
-            "documents_read": sum(tally.read),
-            "documents_kept": sum(tally.kept),
-            "languages": dict(sorted(tally.languages.items())),
+            "documents_read": sum(tally_read.values()),
+            "documents_kept": sum(tally_kept.values()),
+            "languages": dict(sorted(languages.items())),
         },
-        "rejected": dict(sorted(tally.rejected.items())),
-        "reject_examples": dict(sorted(tally.examples.items())),
+        "rejected": dict(sorted(rejected.items())),
+        "reject_examples": dict(sorted(examples.items())),
+        "stats": stats,
     }
-    write_manifest(out, manifest)
-    seconds = time.perf_counter() - started
+    _write_file(fs, f"{root}/{MANIFEST}", manifest_bytes(manifest))
     totals = manifest["totals"]
     per_split = ", ".join(f"{k} {v['n_docs']:,}" for k, v in splits.items())
-    rejects = ", ".join(f"{k} {v:,}" for k, v in sorted(tally.rejected.items()))
+    rejects = ", ".join(f"{k} {v:,}" for k, v in sorted(rejected.items()))
     print(
-        f"{out}: {totals['n_docs']:,} samples, {totals['n_tokens']:,} tokens in "
-        f"{totals['n_shards']} shards ({per_split}); "
-        f"rejected {sum(tally.rejected.values()):,} ({rejects or 'none'}); {seconds:.1f}s "
-        f"(ray start {ray_ready - started:.1f}s, "
-        f"pipeline {seconds - (ray_ready - started) - ray_stop:.1f}s, ray stop {ray_stop:.1f}s)"
+        f"{cfg.output}: {totals['n_docs']:,} documents, {n_tokens:,} tokens in "
+        f"{totals['n_shards']} shards ({per_split}); rejected {sum(rejected.values()):,} "
+        f"({rejects or 'none'})\n"
+        f"  {wall:.1f} s wall ({stats['ray_start_seconds']:.1f} s Ray start), "
+        f"{stats['input_mb_per_s']:.2f} MB/s of input, {stats['tokens_per_s']:,.0f} tokens/s; "
+        f"CPU: driver {driver_cpu:.1f} s, workers {worker_cpu:.1f} s "
+        f"({len(units)} units, {partitions} dedup partition(s))"
     )
     if splits["valid"]["n_docs"] == 0 and cfg.valid_fraction > 0:
         print(
-            f"warning: no document fell into the valid split (valid_fraction={cfg.valid_fraction})"
+            f"warning: no document fell into the valid split (valid_fraction={cfg.valid_fraction})",
+            file=sys.stderr,
         )
-    return out
+    return root

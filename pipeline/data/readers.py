@@ -77,6 +77,23 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Slice:
+    """A part of a source one task reads: a byte range of an uncompressed txt/jsonl file
+    (cut on a document boundary, see ``find_cut``), some row groups of a parquet file,
+    or the whole source."""
+
+    source: int  # index into the resolved sources
+    start: int = 0  # first byte (txt/jsonl)
+    end: int | None = None  # one past the last byte; None: the end of the file
+    row_groups: tuple[int, ...] | None = None  # parquet: only these row groups
+    size: int = 0  # bytes it covers (parquet: its row groups' share of the file)
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end is None and self.row_groups is None
+
+
+@dataclass(frozen=True)
 class RawDocument:
     source: str  # Source.uri
     ordinal: int  # position of the document in its source, rejects included
@@ -274,8 +291,43 @@ def _open_random_access(source: Source):
     return pa.OSFile(source.uri, "rb")
 
 
-def _open_text_stream(source: Source) -> BinaryIO:
-    """The decompressed byte stream of a txt/jsonl source; supports readline(limit)."""
+class _Window(io.RawIOBase):
+    """Bytes [start, end) of a seekable file, as a stream that ends at ``end``."""
+
+    def __init__(self, f, start: int, end: int | None):
+        self._f = f
+        f.seek(start)
+        self._left = None if end is None else end - start
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        want = len(b) if self._left is None else min(len(b), self._left)
+        if want <= 0:
+            return 0
+        data = self._f.read(want)
+        b[: len(data)] = data
+        if self._left is not None:
+            self._left -= len(data)
+        return len(data)
+
+    def close(self) -> None:
+        self._f.close()
+        super().close()
+
+
+SPLITTABLE = ("txt", "jsonl")  # formats a task can read from a byte offset
+
+
+def _open_text_stream(source: Source, start: int = 0, end: int | None = None) -> BinaryIO:
+    """The decompressed byte stream of a txt/jsonl source (bytes [start, end) of an
+    uncompressed one); supports readline(limit)."""
+    if start or end is not None:
+        if source.format not in SPLITTABLE:
+            raise ValueError(f"{source.uri}: a {source.format} source is read whole")
+        f = _open_random_access(source) if _is_uri(source.uri) else open(source.uri, "rb")
+        return io.BufferedReader(_Window(f, start, end), _CHUNK)  # type: ignore[arg-type]
     raw = _open_raw(source)
     if source.format.endswith(".gz"):
         return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
@@ -352,7 +404,7 @@ def _blank_lines(
 
 
 def _iter_txt(
-    source: Source, max_doc_bytes: int, chunk_size: int = _CHUNK
+    source: Source, max_doc_bytes: int, part: Slice | None = None, chunk_size: int = _CHUNK
 ) -> Iterator[RawDocument]:
     """Documents of a txt source: runs of non-blank lines.
 
@@ -368,9 +420,10 @@ def _iter_txt(
     scanned = 0  # buf[:scanned]: complete lines already searched, none of them blank
     line = 1  # the number of buf's first line
     skipping = False  # inside a too-long document already reported: drop to a blank line
-    with _open_text_stream(source) as stream:
+    start, end = (part.start, part.end) if part else (0, None)
+    with _open_text_stream(source, start, end) as stream:
         chunk = stream.read(max(chunk_size, 3))
-        buf = _strip_bom(chunk, True)
+        buf = _strip_bom(chunk, start == 0)
         while True:
             at_end = not chunk
             # Complete lines only, except at the end of the file.
@@ -416,10 +469,13 @@ def _txt_document(
     return RawDocument(source.uri, ordinal, text and text.strip(), reject, line, detail)
 
 
-def _iter_jsonl(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
+def _iter_jsonl(
+    source: Source, max_doc_bytes: int, part: Slice | None = None
+) -> Iterator[RawDocument]:
     ordinal = 0
     field = source.text_field
-    with _open_text_stream(source) as stream:
+    start, end = (part.start, part.end) if part else (0, None)
+    with _open_text_stream(source, start, end) as stream:
         for number, line in enumerate(_bounded_lines(stream, max_doc_bytes), start=1):
             if line is None:
                 yield RawDocument(
@@ -427,7 +483,7 @@ def _iter_jsonl(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
                 )
                 ordinal += 1
                 continue
-            line = _strip_bom(line, number == 1)
+            line = _strip_bom(line, number == 1 and start == 0)
             if not line.strip():
                 continue
             text, reject, detail = _decode(line)
@@ -449,14 +505,20 @@ def _iter_jsonl(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
             ordinal += 1
 
 
-def _iter_parquet(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
+def _iter_parquet(
+    source: Source, max_doc_bytes: int, part: Slice | None = None
+) -> Iterator[RawDocument]:
     # Memory is bounded by one batch of the text column (plus the row group the
     # parquet reader decodes it from), never by the file.
     ordinal = 0
     with _open_random_access(source) as f:
         reader = pq.ParquetFile(f)
+        groups = list(part.row_groups) if part and part.row_groups is not None else None
         for batch in reader.iter_batches(
-            batch_size=_PARQUET_BATCH_ROWS, columns=[source.text_field], use_threads=False
+            batch_size=_PARQUET_BATCH_ROWS,
+            row_groups=groups,
+            columns=[source.text_field],
+            use_threads=False,
         ):
             # As binary, so one undecodable value is one reject instead of an exception.
             column = batch.column(0).cast(pa.large_binary())
@@ -474,7 +536,9 @@ def _iter_parquet(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
                 ordinal += 1
 
 
-def _iter_builtin(source: Source, max_doc_bytes: int) -> Iterator[RawDocument]:
+def _iter_builtin(
+    source: Source, max_doc_bytes: int, part: Slice | None = None
+) -> Iterator[RawDocument]:
     for ordinal, text in enumerate(python_docs()):
         yield RawDocument(source.uri, ordinal, text)
 
@@ -492,13 +556,14 @@ _READERS = {
 
 
 def iter_raw_documents(
-    source: Source, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
+    source: Source, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES, part: Slice | None = None
 ) -> Iterator[RawDocument]:
-    """The documents of one source, in file order, rejects included (with a reason)."""
+    """The documents of one source (or of a ``Slice`` of it), in file order, rejects
+    included (with a reason). Ordinals and line numbers count from the slice's start."""
     if max_doc_bytes <= 0:
         raise ValueError(f"max_doc_bytes must be positive, got {max_doc_bytes}")
     try:
-        yield from _READERS[source.format](source, max_doc_bytes)
+        yield from _READERS[source.format](source, max_doc_bytes, part)
     except (OSError, EOFError, pa.ArrowException) as err:
         # A truncated gzip, a corrupt zstd frame or parquet footer: name the file.
         raise InputError(f"{source.uri}: cannot read ({type(err).__name__}: {err})") from err
@@ -619,3 +684,76 @@ def python_docs() -> tuple[str, ...]:
         for path in _module_files(stdlib, name):
             docs.extend(_docs_of_source(path.read_bytes()))
     return tuple(d.strip() for d in docs if d and d.strip())
+
+
+# ---------------------------------------------------------------------------
+# Cutting sources into slices (the driver's plan; a few small reads per cut)
+
+_JSONL_CUT = re.compile(rb"\n")
+_TXT_CUT = re.compile(rb"\n[ \t\r\x0b\x0c]*\n")  # a blank line: its end starts a document
+_CUT_WINDOW = 1 << 16
+
+
+def find_cut(source: Source, at: int, limit: int) -> int | None:
+    """The first document boundary in bytes [at, at + limit) of an uncompressed txt/jsonl
+    source; None when there is none there.
+
+    jsonl: the start of a line. txt: the end of a blank line (documents are runs of
+    non-blank lines, so the next non-blank line starts a document).
+    """
+    pattern = _JSONL_CUT if source.format == "jsonl" else _TXT_CUT
+    pos = max(at - 1, 0)  # a newline at at-1 makes ``at`` itself a line start
+    carry = b""
+    f = _open_random_access(source) if _is_uri(source.uri) else open(source.uri, "rb")
+    with f:
+        f.seek(pos)
+        while pos < at + limit:
+            data = f.read(_CUT_WINDOW)
+            if not data:
+                return None
+            buf = carry + data
+            base = pos - len(carry)
+            for m in pattern.finditer(buf):
+                cut = base + m.end()
+                if cut >= at:
+                    return cut if cut < min(source.size, at + limit) else None
+            pos += len(data)
+            last = buf.rfind(b"\n")
+            carry = buf[last:] if last >= 0 and len(buf) - last < _CUT_WINDOW else b""
+    return None
+
+
+def plan_slices(sources: list[Source], split_bytes: int) -> list[Slice]:
+    """Every source cut into slices of about ``split_bytes``: byte ranges of uncompressed
+    txt/jsonl (cut on document boundaries), runs of parquet row groups; compressed and
+    builtin sources whole. Depends on the sources and ``split_bytes`` only."""
+    out: list[Slice] = []
+    for i, source in enumerate(sources):
+        if source.format in SPLITTABLE and source.size > split_bytes:
+            start, at = 0, split_bytes
+            while at < source.size:
+                cut = find_cut(source, at, split_bytes)
+                if cut is None:  # one document longer than split_bytes: look further
+                    at += split_bytes
+                    continue
+                out.append(Slice(i, start, cut, size=cut - start))
+                start, at = cut, cut + split_bytes
+            out.append(Slice(i, start, None, size=source.size - start))
+        elif source.format == "parquet" and source.size > split_bytes:
+            with _open_random_access(source) as f:
+                meta = pq.ParquetFile(f).metadata
+            sizes = [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+            share = source.size / max(sum(sizes), 1)
+            group: list[int] = []
+            size = 0
+            for g, n in enumerate(sizes):
+                group.append(g)
+                size += n
+                if size >= split_bytes or g == len(sizes) - 1:
+                    out.append(Slice(i, row_groups=tuple(group), size=round(size * share)))
+                    group, size = [], 0
+            if not sizes:
+                out.append(Slice(i, size=source.size))
+        else:
+            out.append(Slice(i, size=source.size))
+    return out

@@ -1,23 +1,33 @@
-"""The shard contract: WebDataset tar shards of plain documents, a per-shard index, a manifest.
+"""The shard contract (format v3): WebDataset tar shards of *blocks* of documents.
 
-A data directory (see DESIGN.md, "Shards") holds::
+A data directory (see DESIGN.md, "Shards", and the README's "Shard format") holds::
 
     manifest.json                     written last, atomically
     tokenizer/tokenizer.json          the tokenizer the ids come from (+ tokenizer_meta.json)
-    train/shard-000000.tar            one sample per document, deterministic bytes
-    train/shard-000000.idx.npy        int64 rows (byte offset, byte size, n_tokens) per sample
+    train/shard-000000.tar            block samples, deterministic bytes
+    train/shard-000000.idx.npy        int64 rows, one per block (see INDEX COLUMNS below)
     valid/shard-000000.tar ...
 
-Writing gives the bytes webdataset's ``TarWriter`` writes (a fixed mtime, owner and mode,
-members sorted by name: the same documents give the same bytes; tests compare the files):
-each sample is serialized once (``sample_record``) and appended, and tarfile ends the
-archive. Sequential reading
-(``iter_shard``, ``iter_split``, ``verify``) goes through webdataset's tar iterators.
-Random access (``DataDir.read``, what the training stream uses) slices the sample's
-bytes out of a read-only memory map of the shard at the offset the index records and
-parses them with the standard library's tar header parser and numpy's .npy header
-parser, the arrays being views of those bytes: about 10x cheaper than starting a tar
-stream per sample, and the same Documents (tests/unit/test_shards.py checks both paths).
+One tar sample is a block of consecutive documents of one split, so a tar header
+(512 bytes) is paid per block member, not per document. Members, in name order:
+
+    KEY.docs.npy     uint32 [n_docs]      end offset of each document in tokens.npy
+    KEY.langs.npy    uint8  [n_docs]      language of each document (code into meta.json)
+    KEY.meta.json    {"languages": [...], "sources": [...]}   the codes' values
+    KEY.sents.npy    uint32 [n_sents]     end offsets of sentences (each document end is one)
+    KEY.spans.npy    uint32 [n_spans, 2]  [start, end) entity spans (only with --entities)
+    KEY.srcs.npy     uint16 [n_docs]      source of each document (code into meta.json)
+    KEY.tokens.npy   uint16|uint32 [n_tokens]  the documents' token ids, concatenated
+    KEY.words.npy    uint8  [ceil(n_tokens / 8)]  word-start flags, one bit per token
+                                          (np.packbits, little bit order)
+
+Offsets are into the block's tokens. Per-document facts are recovered by slicing
+(``Document``), so the stream, objectives and inspect see documents as before.
+
+Integrity: the manifest holds the sha256 of every shard and index (``verify`` re-hashes
+everything); the index holds a crc32 of every block's sample bytes, checked the first
+time a process reads from that block, so a corrupt byte never reaches a batch and
+training start-up does not read the data, only the (small) indexes.
 """
 
 from __future__ import annotations
@@ -26,10 +36,10 @@ import functools
 import hashlib
 import io
 import json
-import math
 import mmap
 import os
 import tarfile
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,32 +48,31 @@ from typing import Any
 
 import numpy as np
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 3
 SPLITS = ("train", "valid")
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 INDEX_SUFFIX = ".idx.npy"
-# Index columns. The first three locate a sample; the rest (written since session 2,
-# absent from older 3-column indexes) locate each member's data inside the sample's
-# bytes, so a random read is a slice and a few np.frombuffer calls, no tar or .npy
-# header parsing. *_AT: byte offset of the member's array data (or JSON) from the
-# sample's start; SPANS_AT is -1 when the sample has no spans.npy.
-OFFSET, SIZE, N_TOKENS = 0, 1, 2
-(META_AT, META_SIZE, TOKENS_AT, TOKEN_BYTES) = (3, 4, 5, 6)
-(SENTS_AT, N_SENTS, WORDS_AT, N_WORDS, SPANS_AT, N_SPANS) = (7, 8, 9, 10, 11, 12)
-INDEX_COLUMNS = 13
+# Index columns, one row per block. OFFSET/SIZE locate the sample's bytes in the tar,
+# CRC is zlib.crc32 of them; *_AT: byte offset of a member's array data (or JSON) from
+# the sample's start, so a read is a few slices and no header parsing. SPANS_AT is -1
+# when the block has no spans.npy.
+(OFFSET, SIZE, CRC, N_DOCS, N_TOKENS, TOKEN_BYTES) = range(6)
+(DOCS_AT, LANGS_AT, META_AT, META_SIZE, SENTS_AT, N_SENTS) = range(6, 12)
+(SPANS_AT, N_SPANS, SRCS_AT, TOKENS_AT, WORDS_AT) = range(12, 17)
+INDEX_COLUMNS = 17
 _TOKEN_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
-# Memory maps a DataDir keeps open per process (each holds a file descriptor).
-MAX_OPEN_SHARDS = 64
+_U32 = np.dtype("<u4")
+_U16 = np.dtype("<u2")
+MAX_OPEN_SHARDS = 64  # memory maps a DataDir keeps open per process
+MAX_BLOCK_SOURCES = 1 << 16  # srcs.npy is uint16: a block ends before a 65537th source
+_BLOCK_CACHE = 16  # decoded block tables kept per DataDir
 
 
 @functools.cache
 def _tariterators():
-    """webdataset's tar iterators, imported on first use.
-
-    ``import webdataset`` imports torch (about 1 s): the processes that only serialize
-    samples (the prepare actors, via ``sample_bytes``) never pay for it.
-    """
+    """webdataset's tar iterators, imported on first use (``import webdataset`` imports
+    torch, about 1 s: the prepare workers never pay for it)."""
     from webdataset import tariterators
 
     return tariterators
@@ -75,7 +84,7 @@ class ShardError(RuntimeError):
 
 @dataclass
 class Document:
-    """One sample of a shard: a document (or a piece of a long one), tokenized."""
+    """One document (or a piece of a long one), tokenized: what objectives consume."""
 
     key: str
     tokens: np.ndarray  # token ids, no special tokens; uint16 or uint32
@@ -128,124 +137,23 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     return buf.getvalue()
 
 
-# .npy headers written by numpy's own header writer, by (dtype, shape): a corpus has
-# few distinct ones, and np.save (header dict, repr, padding) costs ~10x the copy.
-_NPY_WRITE_HEADERS: dict[tuple[str, tuple[int, ...]], bytes] = {}
-_NPY_WRITE_HEADERS_MAX = 1 << 14
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    """Write to a temp file, fsync, rename: a reader never sees a half-written file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
-def _npy_bytes_fast(array: np.ndarray) -> bytes:
-    """``_npy_bytes`` of a C-contiguous array (the same bytes), the header cached."""
-    if not array.flags.c_contiguous or array.dtype.hasobject:
-        return _npy_bytes(array)
-    key = (array.dtype.str, array.shape)
-    header = _NPY_WRITE_HEADERS.get(key)
-    if header is None:
-        buf = io.BytesIO()
-        try:  # np.save writes format 1.0 whenever the header fits it, as here
-            np.lib.format.write_array_header_1_0(
-                buf, np.lib.format.header_data_from_array_1_0(array)
-            )
-        except ValueError:  # a header too long for 1.0: np.save picks the version
-            return _npy_bytes(array)
-        if len(_NPY_WRITE_HEADERS) >= _NPY_WRITE_HEADERS_MAX:
-            _NPY_WRITE_HEADERS.clear()
-        header = _NPY_WRITE_HEADERS[key] = buf.getvalue()
-    return header + array.tobytes()
-
-
-def _member_arrays(doc: Document, dtype: np.dtype) -> dict[str, np.ndarray]:
-    """The .npy members of a sample, in their on-disk dtypes (spans.npy only when the
-    document has spans): the one place that says which arrays a sample holds."""
-    if "." in doc.key:
-        raise ValueError(f"sample key {doc.key!r} must not contain dots")
-    arrays = {
-        "tokens.npy": np.ascontiguousarray(doc.tokens, dtype=dtype),
-        "sents.npy": np.ascontiguousarray(doc.sents, dtype=np.int32),
-        "words.npy": np.ascontiguousarray(doc.words, dtype=np.int32),
-    }
-    if doc.spans is not None:
-        arrays["spans.npy"] = np.ascontiguousarray(doc.spans, dtype=np.int32)
-    return arrays
-
-
-def encode_document(doc: Document, dtype: np.dtype, npy=_npy_bytes) -> dict[str, Any]:
-    sample: dict[str, Any] = {"__key__": doc.key, "meta.json": meta_json(doc.meta)}
-    sample.update((name, npy(array)) for name, array in _member_arrays(doc, dtype).items())
-    return sample
-
-
-def sample_bytes(doc: Document, dtype: np.dtype) -> bytes:
-    """The tar members of one sample, exactly the bytes ``ShardWriter.write`` appends."""
-    return sample_record(doc, dtype)[0]
-
-
-def meta_json(meta: dict[str, Any]) -> bytes:
-    """A sample's meta.json bytes (what ``encode_document`` writes)."""
-    return json.dumps(meta, sort_keys=True, ensure_ascii=False).encode("utf-8")
-
-
-def sample_record(
-    doc: Document, dtype: np.dtype, meta: bytes | None = None
-) -> tuple[bytes, tuple[int, ...]]:
-    """(the sample's bytes, its index columns after OFFSET and SIZE): see ``sample_bytes``.
-
-    Lets workers (e.g. Ray actors) serialize samples in parallel, so the process that
-    writes the shard only appends bytes (``ShardWriter.write_bytes``). The hot path of
-    `plm data prepare`: the members of ``encode_document`` in the order TarWriter writes
-    them (sorted by name), .npy headers cached (``_npy_bytes_fast``), tar headers from a
-    template (``_tar_header``); tests/integration/test_prepare.py checks the bytes against
-    webdataset's TarWriter. ``meta``: ``meta_json(doc.meta)`` when the caller has it
-    cheaper (json.dumps is a third of the cost here).
-    """
-    arrays = _member_arrays(doc, dtype)
-    if meta is None:
-        meta = meta_json(doc.meta)
-    members = sorted([("meta.json", meta), *arrays.items()], key=lambda m: m[0])
-    parts, at, pos = [], {}, 0
-    for name, value in members:
-        data = value if name == "meta.json" else _npy_bytes_fast(value)
-        size = len(data)
-        parts.append(_tar_header(f"{doc.key}.{name}", size))
-        parts.append(data)
-        pad = -size % tarfile.BLOCKSIZE
-        if pad:
-            parts.append(_ZERO_BLOCK[:pad])
-        pos += tarfile.BLOCKSIZE
-        # where the member's bytes start (meta.json) or its array's data (.npy: it ends them)
-        at[name] = pos if name == "meta.json" else pos + size - value.nbytes
-        pos += size + pad
-    tokens, spans = arrays["tokens.npy"], arrays.get("spans.npy")
-    columns = (
-        int(tokens.shape[0]),
-        at["meta.json"],
-        len(meta),
-        at["tokens.npy"],
-        tokens.itemsize,
-        at["sents.npy"],
-        arrays["sents.npy"].size,
-        at["words.npy"],
-        arrays["words.npy"].size,
-        at["spans.npy"] if spans is not None else -1,
-        spans.size // 2 if spans is not None else 0,  # N_SPANS counts (start, end) pairs
-    )
-    return b"".join(parts), columns
-
+# ---------------------------------------------------------------------------
+# Tar members, byte for byte what webdataset's TarWriter (tarfile, pax format) writes
+# for a member with mtime 0, mode 0o644, uid/gid 0 and empty owner names.
 
 _ZERO_BLOCK = tarfile.NUL * tarfile.BLOCKSIZE
 _USTAR_MAX_SIZE = 8**11  # 11 octal digits; larger sizes need a pax header
-
-
-def _tar_header(name: str, size: int) -> bytes:
-    """tarfile's header for a regular member, with the fields webdataset's TarWriter sets.
-
-    tarfile's default (pax) format writes a plain ustar header, and no pax header, for
-    an ASCII name of at most 100 bytes and a size under 8 GiB: that header is built here
-    from a template (``_ustar_header``); anything else goes through tarfile itself.
-    """
-    if name.isascii() and len(name) <= tarfile.LENGTH_NAME and 0 <= size < _USTAR_MAX_SIZE:
-        return _ustar_header(name.encode("ascii"), size)
-    return _tarfile_header(name, size)
 
 
 def _tarfile_header(name: str, size: int, fmt: int = tarfile.DEFAULT_FORMAT) -> bytes:
@@ -255,14 +163,11 @@ def _tarfile_header(name: str, size: int, fmt: int = tarfile.DEFAULT_FORMAT) -> 
     return info.tobuf(fmt, tarfile.ENCODING, "surrogateescape")
 
 
-# The fixed fields of the ustar header tarfile writes for ShardWriter's members (mode
-# 0o644, uid/gid 0, mtime 0, empty owner names, a regular file, no link, no prefix), cut
-# from a header tarfile itself made (its device fields differ between Python versions).
-# Layout (tarfile.TarInfo._create_header): name 0:100, mode/uid/gid 100:124, size
-# 124:136, mtime 136:148, checksum 148:156, the rest 156:512.
+# The fixed fields of that ustar header, cut from one tarfile made. Layout
+# (tarfile.TarInfo._create_header): name 0:100, mode/uid/gid 100:124, size 124:136,
+# mtime 136:148, checksum 148:156, the rest 156:512.
 _PROBE = _tarfile_header("probe", 0, tarfile.USTAR_FORMAT)
 _UIDS_MODE, _MTIME, _TAIL = _PROBE[100:124], _PROBE[136:148], _PROBE[156:]
-# tarfile's checksum: the sum of the header's bytes with the checksum field as 8 spaces.
 _FIXED_SUM = sum(_UIDS_MODE) + sum(_MTIME) + sum(_TAIL) + 8 * ord(" ")
 
 
@@ -283,89 +188,265 @@ def _ustar_header(name: bytes, size: int) -> bytes:
     )
 
 
-def decode_document(sample: dict[str, Any]) -> Document:
-    def load(name: str) -> np.ndarray:
-        return np.load(io.BytesIO(sample[name]), allow_pickle=False)
-
-    return Document(
-        key=sample["__key__"],
-        tokens=load("tokens.npy"),
-        sents=load("sents.npy"),
-        words=load("words.npy"),
-        meta=json.loads(sample["meta.json"]),
-        spans=load("spans.npy") if "spans.npy" in sample else None,
-    )
+def _tar_header(name: str, size: int) -> bytes:
+    if name.isascii() and len(name) <= tarfile.LENGTH_NAME and 0 <= size < _USTAR_MAX_SIZE:
+        return _ustar_header(name.encode("ascii"), size)
+    return _tarfile_header(name, size)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temp file, fsync, rename: a reader never sees a half-written file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def _tar_end(offset: int) -> bytes:
+    """What tarfile.close() appends to an archive of ``offset`` bytes: two zero blocks,
+    then zeros to a whole record."""
+    end = offset + 2 * tarfile.BLOCKSIZE
+    return tarfile.NUL * (2 * tarfile.BLOCKSIZE + (-end % tarfile.RECORDSIZE))
+
+
+def block_sample(key: str, members: dict[str, bytes]) -> tuple[bytes, dict[str, int]]:
+    """The tar bytes of one sample (members sorted by name, as TarWriter writes them) and
+    the byte offset of each member's data from the sample's start."""
+    if "." in key:
+        raise ValueError(f"block key {key!r} must not contain dots")
+    parts, at, pos = [], {}, 0
+    for name in sorted(members):
+        data = members[name]
+        parts.append(_tar_header(f"{key}.{name}", len(data)))
+        parts.append(data)
+        pad = -len(data) % tarfile.BLOCKSIZE
+        parts.append(_ZERO_BLOCK[:pad])
+        pos += tarfile.BLOCKSIZE
+        at[name] = pos
+        pos += len(data) + pad
+    return b"".join(parts), at
+
+
+def _npy(array: np.ndarray) -> tuple[bytes, int]:
+    """(the .npy bytes, the offset of the array data in them)."""
+    data = _npy_bytes(np.ascontiguousarray(array))
+    return data, len(data) - array.nbytes
+
+
+# ---------------------------------------------------------------------------
+# Writing
+
+
+class Block:
+    """The documents of one block being assembled (see the module docstring). spans.npy
+    is written when ``with_spans`` or when any document came with spans."""
+
+    def __init__(self, dtype: np.dtype, with_spans: bool):
+        self.dtype, self.with_spans = dtype, with_spans
+        self.tokens: list[np.ndarray] = []
+        self.sents: list[np.ndarray] = []
+        self.words: list[np.ndarray] = []
+        self.spans: list[np.ndarray] = []
+        self.doc_ends: list[int] = []
+        self.srcs: list[int] = []
+        self.langs: list[int] = []
+        self.sources: dict[str, int] = {}
+        self.languages: dict[str, int] = {}
+        self.n_tokens = 0
+
+    def add(
+        self,
+        tokens: np.ndarray,
+        sents: np.ndarray,
+        words: np.ndarray,
+        spans: np.ndarray | None,
+        source: str,
+        language: str,
+    ) -> None:
+        n, at = int(tokens.shape[0]), self.n_tokens
+        self.tokens.append(np.asarray(tokens, dtype=self.dtype))
+        self.sents.append(np.asarray(sents, dtype=np.int64) + at)
+        flags = np.zeros(n, dtype=bool)
+        flags[np.asarray(words, dtype=np.int64)] = True
+        self.words.append(flags)
+        if spans is not None:
+            self.with_spans = True
+            self.spans.append(np.asarray(spans, dtype=np.int64).reshape(-1, 2) + at)
+        self.n_tokens += n
+        self.doc_ends.append(self.n_tokens)
+        self.srcs.append(self.sources.setdefault(source, len(self.sources)))
+        self.langs.append(self.languages.setdefault(language, len(self.languages)))
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.doc_ends)
+
+    def full_of_sources(self) -> bool:
+        return len(self.sources) >= MAX_BLOCK_SOURCES
+
+    def encode(self, key: str) -> tuple[bytes, list[int]]:
+        """(the sample's bytes, its index row)."""
+        if self.n_tokens >= 1 << 32:
+            raise ValueError("a block holds at most 2**32 - 1 tokens")
+        cat = np.concatenate
+        tokens = cat(self.tokens) if self.tokens else np.zeros(0, self.dtype)
+        arrays = {
+            "docs.npy": np.asarray(self.doc_ends, dtype=_U32),
+            "langs.npy": np.asarray(self.langs, dtype=np.uint8),
+            "sents.npy": (cat(self.sents) if self.sents else np.zeros(0)).astype(_U32),
+            "srcs.npy": np.asarray(self.srcs, dtype=_U16),
+            "tokens.npy": tokens.astype(tokens.dtype.newbyteorder("<"), copy=False),
+            "words.npy": np.packbits(
+                cat(self.words) if self.words else np.zeros(0, bool), bitorder="little"
+            ),
+        }
+        if self.with_spans:
+            spans = cat(self.spans) if self.spans else np.zeros((0, 2), dtype=np.int64)
+            arrays["spans.npy"] = spans.astype(_U32)
+        members, data_at = {}, {}
+        for name, array in arrays.items():
+            members[name], data_at[name] = _npy(array)
+        meta = {"languages": list(self.languages), "sources": list(self.sources)}
+        members["meta.json"] = json.dumps(meta, ensure_ascii=False, sort_keys=True).encode()
+        data, at = block_sample(key, members)
+        row = [0] * INDEX_COLUMNS
+        row[SIZE], row[CRC] = len(data), zlib.crc32(data)
+        row[N_DOCS], row[N_TOKENS], row[TOKEN_BYTES] = self.n_docs, self.n_tokens, tokens.itemsize
+        row[META_AT], row[META_SIZE] = at["meta.json"], len(members["meta.json"])
+        for name, col in (
+            ("docs.npy", DOCS_AT),
+            ("langs.npy", LANGS_AT),
+            ("sents.npy", SENTS_AT),
+            ("srcs.npy", SRCS_AT),
+            ("tokens.npy", TOKENS_AT),
+            ("words.npy", WORDS_AT),
+        ):
+            row[col] = at[name] + data_at[name]
+        row[N_SENTS] = int(arrays["sents.npy"].shape[0])
+        if self.with_spans:
+            row[SPANS_AT] = at["spans.npy"] + data_at["spans.npy"]
+            row[N_SPANS] = int(arrays["spans.npy"].shape[0])
+        else:
+            row[SPANS_AT] = -1
+        return data, row
 
 
 class ShardWriter:
-    """Writes one shard and its index; both appear under their final names only on close()."""
+    """Writes one shard (blocks of at most ``block_tokens`` tokens) and its index, to any
+    pyarrow filesystem. Both appear under their final names only on close()."""
 
-    def __init__(self, root: str | Path, name: str, dtype: np.dtype):
-        self.root = Path(root)
-        self.name = name
-        self.dtype = np.dtype(dtype)
-        self.path = self.root / name
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._tmp = self.path.with_name(self.path.name + ".tmp")
-        self._file = open(self._tmp, "wb")
-        # The stream tarfile that webdataset's TarWriter opens, used here only to end the
-        # archive (close: two zero blocks, then zeros to a whole 10 KiB record). Samples
-        # go straight to the file, past tarfile's 10 KiB write buffer, and ``offset`` is
-        # kept for the record padding. (Not webdataset itself: importing it imports torch,
-        # 1.5 CPU s and ~0.3 GB in the `plm data prepare` driver.)
-        self._tar = tarfile.open(fileobj=self._file, mode="w|")
-        self._rows: list[tuple[int, ...]] = []
-        self.n_tokens = 0
+    def __init__(
+        self,
+        fs,
+        root: str,
+        name: str,
+        key_prefix: str,
+        dtype: np.dtype,
+        block_tokens: int,
+        with_spans: bool,
+    ):
+        self.fs, self.root, self.name = fs, root.rstrip("/"), name
+        self.key_prefix, self.dtype = key_prefix, np.dtype(dtype)
+        self.block_tokens, self.with_spans = block_tokens, with_spans
+        self.path = f"{self.root}/{name}"
+        self._file = fs.open_output_stream(self.path + ".tmp")
+        self._sha = hashlib.sha256()
+        self._rows: list[list[int]] = []
+        self._block = Block(self.dtype, with_spans)
+        self.offset = self.n_docs = self.n_tokens = 0
+
+    def add(self, tokens, sents, words, spans, source: str, language: str) -> None:
+        self._block.add(tokens, sents, words, spans, source, language)
+        self.n_docs += 1
+        self.n_tokens += int(tokens.shape[0])
+        if self._block.n_tokens >= self.block_tokens or self._block.full_of_sources():
+            self._flush()
+
+    @classmethod
+    def local(
+        cls,
+        root: str | Path,
+        name: str,
+        dtype,
+        block_tokens: int = 1 << 19,
+        with_spans: bool = False,
+        key_prefix: str | None = None,
+    ) -> ShardWriter:
+        """A writer to a local data dir (tests, benchmarks, tools)."""
+        path = Path(root) / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prefix = key_prefix or name.replace("/", "-").replace(".", "-")
+        return cls(local_fs(), str(Path(root).resolve()), name, prefix, dtype,
+                   block_tokens, with_spans)  # fmt: skip
 
     def write(self, doc: Document) -> None:
-        """Append one document (the same bytes webdataset's ``TarWriter.write`` gives for
-        ``encode_document(doc)``: tests/unit/test_shards.py checks it)."""
-        self.write_bytes(*sample_record(doc, self.dtype))
+        """Add one Document (source and language from its meta)."""
+        self.add(doc.tokens, doc.sents, doc.words, doc.spans,
+                 str(doc.meta.get("source", "")), str(doc.meta.get("language", "other")))  # fmt: skip
 
-    def write_bytes(self, data: bytes, columns: tuple[int, ...]) -> None:
-        """Append one sample serialized by ``sample_record`` (bytes + its index columns)."""
-        if len(columns) != INDEX_COLUMNS - 2:
-            raise ValueError(f"{len(columns)} index columns, expected {INDEX_COLUMNS - 2}")
-        start = self._tar.offset
+    def size_estimate(self) -> int:
+        """Bytes written plus the tokens of the block being assembled."""
+        return self.offset + self._block.n_tokens * self.dtype.itemsize
+
+    def _write(self, data: bytes) -> None:
         self._file.write(data)
-        self._tar.offset += len(data)
-        self._rows.append((start, len(data), *columns))
-        self.n_tokens += columns[0]
+        self._sha.update(data)
+        self.offset += len(data)
+
+    def _flush(self) -> None:
+        if not self._block.n_docs:
+            return
+        data, row = self._block.encode(f"{self.key_prefix}-{len(self._rows):05d}")
+        row[OFFSET] = self.offset
+        self._rows.append(row)
+        self._write(data)
+        self._block = Block(self.dtype, self.with_spans)
 
     def close(self) -> dict[str, Any]:
-        """Finish the tar, rename it into place, write the index; return the manifest entry."""
-        self._tar.close()  # writes the end-of-archive blocks
-        if not self._file.closed:
-            self._file.close()
-        os.replace(self._tmp, self.path)
+        """End the tar, move it into place, write the index; return the manifest entry."""
+        self._flush()
+        self._write(_tar_end(self.offset))
+        self._file.close()
+        self.fs.move(self.path + ".tmp", self.path)
         index = np.asarray(self._rows, dtype=np.int64).reshape(-1, INDEX_COLUMNS)
         index_bytes = _npy_bytes(index)
-        atomic_write_bytes(self.root / index_name(self.name), index_bytes)
+        index_path = f"{self.root}/{index_name(self.name)}"
+        with self.fs.open_output_stream(index_path + ".tmp") as f:
+            f.write(index_bytes)
+        self.fs.move(index_path + ".tmp", index_path)
         return {
             "name": self.name,
             "index": index_name(self.name),
             "index_sha256": hashlib.sha256(index_bytes).hexdigest(),
-            "n_docs": len(self._rows),
+            "n_blocks": len(self._rows),
+            "n_docs": self.n_docs,
             "n_tokens": self.n_tokens,
-            "bytes": self.path.stat().st_size,
-            "sha256": sha256_file(self.path),
+            "bytes": self.offset,
+            "sha256": self._sha.hexdigest(),
         }
 
 
+def local_fs():
+    import pyarrow.fs as pafs
+
+    return pafs.LocalFileSystem()
+
+
 def write_manifest(root: str | Path, manifest: dict[str, Any]) -> None:
-    text = json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
-    atomic_write_bytes(Path(root) / MANIFEST, text.encode("utf-8"))
+    atomic_write_bytes(Path(root) / MANIFEST, manifest_bytes(manifest))
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    return (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+
+
+def _check_names(path: Path, manifest: dict[str, Any]) -> None:
+    """Every file the manifest names must stay inside the data dir."""
+    names = [manifest.get("tokenizer", {}).get("path", TOKENIZER_DIR)]
+    for split, info in manifest.get("splits", {}).items():
+        if split not in SPLITS:
+            raise ShardError(f"{path}: unknown split {split!r}; re-run `plm data prepare`")
+        for entry in info.get("shards", []):
+            names += [entry.get("name", ""), entry.get("index", "")]
+    for name in names:
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts:
+            raise ShardError(
+                f"{path}: names {name!r}, which is not a path inside the data dir; "
+                "this manifest was not written by `plm data prepare`: re-run it"
+            )
 
 
 def load_manifest(root: str | Path) -> dict[str, Any]:
@@ -375,191 +456,107 @@ def load_manifest(root: str | Path) -> dict[str, Any]:
             f"{path} does not exist: {root} is not a finished data directory "
             "(run `plm data prepare` to create or complete it)"
         )
-    manifest = json.loads(path.read_text(encoding="utf-8"))
-    if manifest.get("format_version") != FORMAT_VERSION:
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:
+        raise ShardError(f"{path} is not valid JSON ({err}); re-run `plm data prepare`") from None
+    version = manifest.get("format_version") if isinstance(manifest, dict) else None
+    if version != FORMAT_VERSION:
         raise ShardError(
-            f"{path}: format_version {manifest.get('format_version')!r}, this code reads "
-            f"{FORMAT_VERSION}; re-run `plm data prepare --force`"
+            f"{path}: shard format v{version}, this code reads v{FORMAT_VERSION} (block "
+            "shards); re-run `plm data prepare --force` on the same inputs to convert it"
         )
+    _check_names(path, manifest)
     return manifest
 
 
+# ---------------------------------------------------------------------------
+# Reading
+
+
+@dataclass
+class _BlockTable:
+    """What a read needs of a block besides its tokens (small copies, cached)."""
+
+    key: str
+    doc_ends: np.ndarray  # int64, with a leading 0
+    sents: np.ndarray  # int64 sentence ends
+    words: np.ndarray  # bool, one per token
+    srcs: np.ndarray
+    langs: np.ndarray
+    sources: list[str]
+    languages: list[str]
+    spans: np.ndarray | None  # int64 (n, 2)
+
+
 def _iter_samples(fileobj, url: str) -> Iterator[dict[str, Any]]:
-    """webdataset's own tar expansion and key grouping, on an open (possibly seeked) file."""
+    """webdataset's own tar expansion and key grouping, on an open file."""
     tar = _tariterators()
     return tar.group_by_keys(tar.tar_file_expander([{"url": url, "stream": fileobj}]))
 
 
-def _member_header(header: bytes) -> tuple[bytes, str, int]:
-    """(type flag, name, size) of one tar member header.
-
-    The fields are decoded by tarfile's own ``nts``/``nti`` and the checksum checked by its
-    ``calc_chksums``, as ``TarInfo.frombuf`` does; frombuf also decodes a dozen fields we
-    never use and costs ~10x more, and it was most of the time of a random read.
-    """
-    if len(header) != tarfile.BLOCKSIZE:
-        raise ValueError("truncated tar header")
-    if tarfile.nti(header[148:156]) not in tarfile.calc_chksums(header):
-        raise ValueError("tar header checksum mismatch")
-    name = tarfile.nts(header[0:100], tarfile.ENCODING, "surrogateescape")
-    if header[257:265] == tarfile.POSIX_MAGIC and header[345] != 0:  # ustar name prefix
-        prefix = tarfile.nts(header[345:500], tarfile.ENCODING, "surrogateescape")
-        name = f"{prefix}/{name}"
-    return header[156:157], name, tarfile.nti(header[124:136])
+def _load_npy(sample: dict[str, Any], name: str) -> np.ndarray:
+    return np.load(io.BytesIO(sample[name]), allow_pickle=False)
 
 
-def _sample_members(raw: bytes) -> tuple[str, dict[str, tuple[int, int]]] | None:
-    """The key and each member's (data offset, size) of one sample's bytes.
-
-    Headers are read by ``_member_header`` (tarfile's own field decoders, checksum
-    included) and names split into key and extension by webdataset's own rule, as its
-    iterators do. Returns None when a member is anything but a plain regular file (e.g. a
-    pax header, which tarfile writes for names over 100 bytes): the caller then takes
-    webdataset's path.
-    """
-    key, members, pos = None, {}, 0
-    while pos < len(raw):
-        member_type, name, size = _member_header(raw[pos : pos + tarfile.BLOCKSIZE])
-        if member_type not in (tarfile.REGTYPE, tarfile.AREGTYPE):
-            return None
-        start = pos + tarfile.BLOCKSIZE
-        if start + size > len(raw):
-            raise ValueError(f"member {name!r} runs past the end of the sample")
-        prefix, ext = _tariterators().base_plus_ext(name)
-        if prefix is None:
-            raise ValueError(f"member {name!r} has no extension")
-        if key is None:
-            key = prefix
-        elif prefix != key:
-            raise ValueError(f"member {name!r} does not belong to sample {key!r}")
-        ext = ext.lower()
-        if ext in members:
-            raise ValueError(f"member {name!r} appears twice")
-        members[ext] = (start, size)
-        pos = start + size + (-size % tarfile.BLOCKSIZE)
-    if key is None:
-        raise ValueError("no tar member")
-    return key, members
-
-
-# Parsed .npy headers by their bytes (magic to end of header). A corpus has few distinct
-# headers (one per dtype and shape), and numpy's parser (ast.literal_eval) would
-# otherwise be the largest cost of a read. Only headers numpy accepted get in.
-_NPY_HEADERS: dict[bytes, tuple[tuple[int, ...], bool, np.dtype]] = {}
-_NPY_HEADERS_MAX = 1 << 14
-_NPY_MAGIC = len(np.lib.format.MAGIC_PREFIX) + 2  # prefix, major, minor
-
-
-def _npy_view(raw: bytes, start: int, size: int) -> np.ndarray:
-    """The .npy member at raw[start : start + size], as a read-only view of raw.
-
-    Headers are parsed by numpy's own parsers (the ones np.load uses), each distinct
-    header once; the data is not copied.
-    """
-    major = raw[start + _NPY_MAGIC - 2] if size >= _NPY_MAGIC else 0
-    width = {1: 2, 2: 4}.get(major, 0)  # bytes of the header-length field (format 1.0/2.0)
-    at = start + _NPY_MAGIC + width
-    end = at + int.from_bytes(raw[at - width : at], "little")
-    parsed = _NPY_HEADERS.get(raw[start:end]) if width and end <= start + size else None
-    if parsed is None:
-        fp = io.BytesIO(raw)  # shares raw's buffer
-        fp.seek(start)
-        version = np.lib.format.read_magic(fp)  # ValueError unless a .npy member
-        if version == (1, 0):
-            parsed = np.lib.format.read_array_header_1_0(fp)
-        elif version == (2, 0):
-            parsed = np.lib.format.read_array_header_2_0(fp)
-        else:  # format 3.0 (utf-8 field names): np.save never writes it for our arrays
-            return np.load(io.BytesIO(raw[start : start + size]), allow_pickle=False)
-        end = fp.tell()
-        if len(_NPY_HEADERS) >= _NPY_HEADERS_MAX:
-            _NPY_HEADERS.clear()
-        _NPY_HEADERS[raw[start:end]] = parsed
-    shape, fortran, dtype = parsed
-    if dtype.hasobject:
-        raise ValueError("object arrays are not allowed")
-    count = math.prod(shape)
-    if end + count * dtype.itemsize > start + size:
-        raise ValueError(f"array of shape {shape} runs past the end of its member")
-    array = np.frombuffer(raw, dtype, count, offset=end)
-    return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
-
-
-def _decode_with_webdataset(raw: bytes, url: str) -> Document:
-    """One sample's bytes -> Document through a webdataset tar stream (the general path)."""
-    samples = list(_iter_samples(io.BytesIO(raw), url))
-    if len(samples) != 1:
-        raise ValueError(f"{len(samples)} samples in its bytes")
-    return decode_document(samples[0])
-
-
-def _decode_sample_bytes(raw: bytes) -> Document | None:
-    """One sample's bytes -> Document, or None when only webdataset's path can read it."""
-    parsed = _sample_members(raw)
-    if parsed is None:
-        return None
-    key, members = parsed
-
-    def member(name: str) -> tuple[int, int]:
-        if name not in members:
-            raise ValueError(f"sample {key!r} has no {name} member")
-        return members[name]
-
-    start, size = member("meta.json")
-    return Document(
+def documents_of_sample(sample: dict[str, Any]) -> Iterator[Document]:
+    """The documents of one block sample as webdataset yields it (a dict of member bytes)."""
+    key = sample["__key__"]
+    meta = json.loads(sample["meta.json"])
+    table = _BlockTable(
         key=key,
-        tokens=_npy_view(raw, *member("tokens.npy")),
-        sents=_npy_view(raw, *member("sents.npy")),
-        words=_npy_view(raw, *member("words.npy")),
-        meta=json.loads(raw[start : start + size]),
-        spans=_npy_view(raw, *members["spans.npy"]) if "spans.npy" in members else None,
+        doc_ends=np.concatenate([[0], _load_npy(sample, "docs.npy").astype(np.int64)]),
+        sents=_load_npy(sample, "sents.npy").astype(np.int64),
+        words=np.unpackbits(_load_npy(sample, "words.npy"), bitorder="little").astype(bool),
+        srcs=_load_npy(sample, "srcs.npy"),
+        langs=_load_npy(sample, "langs.npy"),
+        sources=meta["sources"],
+        languages=meta["languages"],
+        spans=_load_npy(sample, "spans.npy").astype(np.int64) if "spans.npy" in sample else None,
     )
+    tokens = _load_npy(sample, "tokens.npy")
+    for j in range(len(table.doc_ends) - 1):
+        yield _document(table, j, tokens[table.doc_ends[j] : table.doc_ends[j + 1]])
 
 
-def _decode_indexed(raw: bytes, row: list[int]) -> Document | None:
-    """One sample's bytes -> Document through its index row: no header parsing at all.
-
-    The key is the first member's name (a plain ustar name field: "KEY.meta.json"); a
-    sample whose first header is not that (a pax header for a long key) returns None
-    and goes the header-parsing way. np.frombuffer raises ValueError when an index row
-    points outside the sample, so a stale index cannot read past it.
-    """
-    name = raw[:100].split(b"\0", 1)[0]
-    dot = name.find(b".")
-    if name[dot:] != b".meta.json":
-        return None
-    meta_at, meta_size = row[META_AT], row[META_SIZE]
-    if meta_at + meta_size > len(raw):
-        raise ValueError("meta.json lies outside the sample")
+def _document(table: _BlockTable, j: int, tokens: np.ndarray) -> Document:
+    a, b = int(table.doc_ends[j]), int(table.doc_ends[j + 1])
+    s0, s1 = np.searchsorted(table.sents, [a, b], side="right")
     spans = None
-    if row[SPANS_AT] >= 0:
-        spans = np.frombuffer(raw, np.int32, 2 * row[N_SPANS], row[SPANS_AT]).reshape(-1, 2)
+    if table.spans is not None:
+        p0, p1 = np.searchsorted(table.spans[:, 0], [a, b], side="left")
+        spans = (table.spans[p0:p1] - a).astype(np.int32)
     return Document(
-        key=name[:dot].decode("ascii"),
-        tokens=np.frombuffer(raw, _TOKEN_DTYPES[row[TOKEN_BYTES]], row[N_TOKENS], row[TOKENS_AT]),
-        sents=np.frombuffer(raw, np.int32, row[N_SENTS], row[SENTS_AT]),
-        words=np.frombuffer(raw, np.int32, row[N_WORDS], row[WORDS_AT]),
-        meta=json.loads(raw[meta_at : meta_at + meta_size]),
+        key=f"{table.key}-{j}",
+        tokens=tokens,
+        sents=(table.sents[s0:s1] - a).astype(np.int32),
+        words=np.flatnonzero(table.words[a:b]).astype(np.int32),
+        meta={
+            "source": table.sources[int(table.srcs[j])],
+            "language": table.languages[int(table.langs[j])],
+            "n_tokens": b - a,
+        },
         spans=spans,
     )
 
 
 class DataDir:
-    """Read access to a prepared data directory: manifest, indexes, documents."""
+    """Read access to a prepared data directory: manifest, block indexes, documents."""
 
     def __init__(self, root: str | Path):
         self.root = Path(root)
         self.manifest = load_manifest(self.root)
         self._indexes: dict[str, np.ndarray] = {}
-        # Read-only memory maps of shards for read(), opened lazily by the process that
-        # uses them (see _shard_map), least recently used closed beyond MAX_OPEN_SHARDS.
+        self._firsts: dict[str, np.ndarray] = {}  # per shard: first document of each block
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
+        self._tables: OrderedDict[tuple[str, int], _BlockTable] = OrderedDict()
+        self._checked: set[tuple[str, int]] = set()  # blocks whose crc32 this process checked
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
         # Memory maps do not pickle (spawned loader workers, Ray): the copy opens its own.
         state = dict(self.__dict__)
-        state["_maps"] = OrderedDict()
+        state["_maps"], state["_tables"] = OrderedDict(), OrderedDict()
         return state
 
     def close(self) -> None:
@@ -581,9 +578,16 @@ class DataDir:
         return [str(self.root / s["name"]) for s in self.shards(split)]
 
     def index(self, shard: str) -> np.ndarray:
+        """The shard's block index: int64 (n_blocks, INDEX_COLUMNS)."""
         if shard not in self._indexes:
-            self._indexes[shard] = self._load_index(shard)
+            rows = self._load_index(shard)
+            self._indexes[shard] = rows
+            self._firsts[shard] = np.concatenate([[0], np.cumsum(rows[:, N_DOCS])])
         return self._indexes[shard]
+
+    def n_docs(self, shard: str) -> int:
+        self.index(shard)
+        return int(self._firsts[shard][-1])
 
     def _load_index(self, shard: str) -> np.ndarray:
         path = self.root / index_name(shard)
@@ -593,17 +597,16 @@ class DataDir:
             raise ShardError(
                 f"index {path} is missing or unreadable ({err}); re-run `plm data prepare --force`"
             ) from None
-        if rows.ndim != 2 or rows.shape[1] not in (3, INDEX_COLUMNS):
+        if rows.ndim != 2 or rows.shape[1] != INDEX_COLUMNS:
             raise ShardError(
-                f"index {path} has shape {rows.shape}, expected (n_docs, {INDEX_COLUMNS}); "
+                f"index {path} has shape {rows.shape}, expected (n_blocks, {INDEX_COLUMNS}); "
                 "re-run `plm data prepare --force`"
             )
         return rows
 
     def _shard_map(self, shard: str) -> mmap.mmap:
         if self._pid != os.getpid():
-            # A forked loader worker: the maps it inherited are the parent's objects;
-            # drop them (unmapping only in this process) and open its own.
+            # A forked loader worker: drop the parent's maps (unmapping only here).
             self._maps, self._pid = OrderedDict(), os.getpid()
         mm = self._maps.get(shard)
         if mm is not None:
@@ -622,47 +625,122 @@ class DataDir:
             self._maps.popitem(last=False)[1].close()
         return mm
 
-    def read(self, shard: str, i: int) -> Document:
-        """Random access: the i-th document of a shard, found through the index.
-
-        The sample's bytes are copied out of the shard's memory map (so closing the map
-        never invalidates a Document); the Document's arrays are read-only views of them.
-        """
-        row = self.index(shard)[i].tolist()
-        offset, size = row[OFFSET], row[SIZE]
+    def _block_bytes(
+        self, shard: str, b: int, start: int, size: int, check: bool = True
+    ) -> bytes:
+        """Bytes [start, start + size) of block b's sample, its crc32 checked once per
+        process (``check=False``: not checked, for the stream's start-up table)."""
+        row = self._indexes[shard][b]
+        offset, total = int(row[OFFSET]), int(row[SIZE])
         mm = self._shard_map(shard)
-        # The error messages are formatted only on error: read() is on the hot path.
-        if offset < 0 or size <= 0 or offset + size > len(mm):
+        if offset < 0 or total <= 0 or offset + total > len(mm):
             raise ShardError(
-                f"{self.root / shard}: sample {i} at byte {offset} (+{size} bytes) lies "
-                f"outside the shard ({len(mm)} bytes): the shard is truncated or its index "
-                "is stale; re-run `plm data prepare --force`"
+                f"{self.root / shard}: block {b} at byte {offset} (+{total} bytes) lies outside "
+                f"the shard ({len(mm)} bytes): the shard is truncated or its index is stale; "
+                "re-run `plm data prepare --force`"
             )
-        raw = mm[offset : offset + size]
-        try:
-            doc = _decode_indexed(raw, row) if len(row) == INDEX_COLUMNS else None
-            if doc is None:
-                doc = _decode_sample_bytes(raw)
-            if doc is None:  # not plain tar headers: webdataset's general reader
-                doc = _decode_with_webdataset(raw, f"{shard}#{i}")
-        except (tarfile.TarError, ValueError, KeyError) as err:
-            # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if check and (shard, b) not in self._checked:
+            with memoryview(mm) as view, view[offset : offset + total] as sample:
+                crc = zlib.crc32(sample)
+            if crc != int(row[CRC]):
+                raise ShardError(
+                    f"{self.root / shard}: block {b} at byte {offset} is corrupt (crc32 "
+                    "mismatch); `plm data inspect --verify` checks the whole directory, "
+                    "`plm data prepare --force` rebuilds it"
+                )
+            self._checked.add((shard, b))
+        if start < 0 or start + size > total:
             raise ShardError(
-                f"{self.root / shard}: sample {i} at byte {offset} is corrupt ({err}); "
-                "`plm data inspect --verify` checks the whole directory, "
-                "`plm data prepare --force` rebuilds it"
-            ) from None
-        return doc
+                f"{self.root / shard}: block {b}: its index points outside the block; "
+                "re-run `plm data prepare --force`"
+            )
+        return mm[offset + start : offset + start + size]
 
-    def iter_shard(self, shard: str, start: int = 0) -> Iterator[Document]:
-        """Stream a shard's documents in order from sample ``start`` (seeking, not skipping)."""
+    def _table(self, shard: str, b: int) -> _BlockTable:
+        table = self._tables.get((shard, b))
+        if table is not None:
+            self._tables.move_to_end((shard, b))
+            return table
+        row = self.index(shard)[b].tolist()
+        n_docs, n_tokens = row[N_DOCS], row[N_TOKENS]
+        try:
+            meta = json.loads(self._block_bytes(shard, b, row[META_AT], row[META_SIZE]))
+            head = self._block_bytes(shard, b, 0, 100).split(b"\0", 1)[0].decode("ascii")
+
+            def array(at: int, count: int, dtype) -> np.ndarray:
+                dtype = np.dtype(dtype)
+                return np.frombuffer(self._block_bytes(shard, b, at, count * dtype.itemsize), dtype)
+
+            spans = None
+            if row[SPANS_AT] >= 0:
+                spans = array(row[SPANS_AT], 2 * row[N_SPANS], _U32).reshape(-1, 2)
+                spans = spans.astype(np.int64)
+            table = _BlockTable(
+                key=head.split(".", 1)[0],
+                doc_ends=np.concatenate([[0], array(row[DOCS_AT], n_docs, _U32)]).astype(
+                    np.int64
+                ),
+                sents=array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
+                words=np.unpackbits(
+                    array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8),
+                    count=n_tokens,
+                    bitorder="little",
+                ).astype(bool),
+                srcs=array(row[SRCS_AT], n_docs, _U16),
+                langs=array(row[LANGS_AT], n_docs, np.uint8),
+                sources=meta["sources"],
+                languages=meta["languages"],
+                spans=spans,
+            )
+        except (ValueError, KeyError, UnicodeDecodeError) as err:
+            raise ShardError(
+                f"{self.root / shard}: block {b} is corrupt ({err}); re-run "
+                "`plm data prepare --force`"
+            ) from None
+        if table.doc_ends[-1] != n_tokens:
+            raise ShardError(
+                f"{self.root / shard}: block {b}: docs.npy ends at {table.doc_ends[-1]}, the "
+                f"index says {n_tokens} tokens; re-run `plm data prepare --force`"
+            )
+        self._tables[(shard, b)] = table
+        if len(self._tables) > _BLOCK_CACHE:
+            self._tables.popitem(last=False)
+        return table
+
+    def doc_lengths(self, shard: str) -> np.ndarray:
+        """Token count of every document of the shard (int64), from the blocks' docs.npy:
+        4 bytes per document read, no token, no checksum (a corrupt docs.npy fails the
+        block's crc32 when a document of it is read)."""
         rows = self.index(shard)
-        if start >= len(rows):
-            return
+        out = []
+        for b, row in enumerate(rows.tolist()):
+            ends = np.frombuffer(
+                self._block_bytes(shard, b, row[DOCS_AT], 4 * row[N_DOCS], check=False), _U32
+            ).astype(np.int64)
+            out.append(np.diff(ends, prepend=0))
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+
+    def read(self, shard: str, i: int) -> Document:
+        """Random access: the i-th document of a shard (block found by the index)."""
+        self.index(shard)
+        firsts = self._firsts[shard]
+        if not 0 <= i < firsts[-1]:
+            raise IndexError(f"{shard}: document {i} of {int(firsts[-1])}")
+        b = int(np.searchsorted(firsts, i, side="right")) - 1
+        j = i - int(firsts[b])
+        table = self._table(shard, b)
+        row = self._indexes[shard][b]
+        a, e = int(table.doc_ends[j]), int(table.doc_ends[j + 1])
+        dtype = _TOKEN_DTYPES[int(row[TOKEN_BYTES])]
+        raw = self._block_bytes(shard, b, int(row[TOKENS_AT]) + a * dtype.itemsize,
+                                (e - a) * dtype.itemsize)  # fmt: skip
+        return _document(table, j, np.frombuffer(raw, dtype))
+
+    def iter_shard(self, shard: str) -> Iterator[Document]:
+        """A shard's documents in order, through webdataset's tar iterator."""
         with open(self.root / shard, "rb") as f:
-            f.seek(int(rows[start, OFFSET]))
             for sample in _iter_samples(f, shard):
-                yield decode_document(sample)
+                yield from documents_of_sample(sample)
 
     def iter_split(self, split: str) -> Iterator[Document]:
         """Every document of a split, in the deterministic (source) order."""
@@ -670,57 +748,36 @@ class DataDir:
             yield from self.iter_shard(shard["name"])
 
     def verify(self) -> list[str]:
-        """Re-hash every shard and check every index against it; return the problems found."""
+        """Re-hash every shard and index, check every block against the index; the problems."""
         problems = []
         for split in self.manifest["splits"]:
             for shard in self.shards(split):
-                path = self.root / shard["name"]
+                name = shard["name"]
+                path = self.root / name
                 if not path.is_file():
-                    problems.append(f"{shard['name']}: missing")
+                    problems.append(f"{name}: missing")
                     continue
                 if sha256_file(path) != shard["sha256"]:
-                    problems.append(f"{shard['name']}: sha256 does not match the manifest")
+                    problems.append(f"{name}: sha256 does not match the manifest")
                     continue
-                try:
-                    rows = self.index(shard["name"])
-                except ShardError as err:
-                    problems.append(str(err))
+                index = self.root / shard["index"]
+                if not index.is_file() or sha256_file(index) != shard["index_sha256"]:
+                    problems.append(f"{shard['index']}: missing or sha256 does not match")
                     continue
+                rows = self.index(name)
                 if (
-                    len(rows) != shard["n_docs"]
+                    int(rows[:, N_DOCS].sum()) != shard["n_docs"]
                     or int(rows[:, N_TOKENS].sum()) != shard["n_tokens"]
                 ):
-                    problems.append(f"{shard['name']}: index disagrees with the manifest counts")
+                    problems.append(f"{name}: index disagrees with the manifest counts")
                     continue
-                n = 0
-                for n, doc in enumerate(self.iter_shard(shard["name"]), 1):
-                    if doc.n_tokens != rows[n - 1, N_TOKENS]:
-                        problems.append(f"{shard['name']}: sample {n - 1} token count != index")
-                        break
-                    if rows.shape[1] == INDEX_COLUMNS and not _same_document(
-                        doc, self, shard["name"], n - 1
-                    ):
-                        problems.append(
-                            f"{shard['name']}: sample {n - 1} read through the index differs "
-                            "from the tar (stale index)"
-                        )
-                        break
-                if n != len(rows):
-                    problems.append(
-                        f"{shard['name']}: {n} samples in the tar, index has {len(rows)}"
-                    )
+                try:
+                    n = sum(1 for _ in self.iter_shard(name))
+                    for b in range(len(rows)):
+                        self._table(name, b)
+                except (ShardError, ValueError, KeyError) as err:
+                    problems.append(f"{name}: {err}")
+                    continue
+                if n != shard["n_docs"]:
+                    problems.append(f"{name}: {n} documents in the tar, manifest has {shard['n_docs']}")
         return problems
-
-
-def _same_document(doc: Document, data: DataDir, shard: str, i: int) -> bool:
-    """Does random access through the index give the document the tar stream gives?"""
-    try:
-        other = data.read(shard, i)
-    except ShardError:
-        return False
-    arrays = ("tokens", "sents", "words")
-    same = all(np.array_equal(getattr(doc, a), getattr(other, a)) for a in arrays)
-    spans_same = (doc.spans is None) == (other.spans is None) and (
-        doc.spans is None or np.array_equal(doc.spans, other.spans)
-    )
-    return same and spans_same and doc.key == other.key and doc.meta == other.meta

@@ -33,10 +33,15 @@ the documents it needs through the shard index (``DataDir.read`` seeks to the sa
 and any number of loader workers gives the same batches: worker k of n builds batches
 k, k+n, ... and the main process puts them back in order.
 
-Checksums: with ``verify_checksums`` every shard of the split is hashed once when the
-stream is built (before any worker starts, so all ranks agree on the usable shards and
-hence on the number of batches). A bad shard raises ``ShardError`` naming it, or with
-``on_bad_shard="skip"`` is left out of the plan and counted (``skipped_shards``).
+Checks: when the stream is built (before any worker starts, so all ranks agree on the
+usable shards and hence on the number of batches) every shard's size is compared with
+the manifest and, with ``verify_checksums``, every (small) block index is hashed: the
+start-up cost grows with the number of shards, not with the bytes of data. The data
+itself is checked block by block as it is read (crc32 in the index, ``DataDir.read``),
+so a corrupt byte never reaches a batch: it raises ``ShardError`` naming the shard. With
+``on_bad_shard="skip"`` a bad shard is left out of the plan and counted
+(``skipped_shards``) instead; to find corrupt ones before the plan is made, that mode
+re-hashes every shard of the split at start (its cost: reading all the data once).
 
 The train split cycles epochs forever; any other split is one fixed pass (epoch 0's
 order, the same batches at every evaluation).
@@ -57,7 +62,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import ConfigError
-from pipeline.data.shards import N_TOKENS, DataDir, Document, ShardError, sha256_file
+from pipeline.data.shards import DataDir, Document, ShardError, sha256_file
 from pipeline.objectives.base import Layout, Objective, Unit
 
 STATE_VERSION = 1
@@ -168,7 +173,7 @@ class _Core:
         shard_of, local, lengths, chunk_starts = [], [], [], []
         n = 0
         for s, name in enumerate(shards):
-            counts = data.index(name)[:, N_TOKENS]
+            counts = data.doc_lengths(name)
             keep = np.flatnonzero(counts > 0)
             shard_of.append(np.full(keep.shape[0], s, dtype=np.int32))
             local.append(keep)
@@ -324,6 +329,7 @@ class PretrainStream:
         self.micro_batch_size = micro_batch_size
         self.cycle = split == "train" if cycle is None else cycle
         self.skipped_shards: list[str] = []
+        self._skip_bad = on_bad_shard == "skip"
         good = self._check_shards(verify_checksums, on_bad_shard)
         if not good:
             raise ShardError(f"{self.data.root}: no usable shard left in split {split!r}")
@@ -369,17 +375,17 @@ class PretrainStream:
             return "missing"
         if "bytes" in entry and path.stat().st_size != entry["bytes"]:
             return f"{path.stat().st_size} bytes, the manifest says {entry['bytes']}"
-        if verify and sha256_file(path) != entry["sha256"]:
+        if verify and self._skip_bad and sha256_file(path) != entry["sha256"]:
             return "sha256 does not match the manifest (corrupted or changed)"
         index = self.data.root / entry.get("index", "")
         if verify and "index_sha256" in entry and sha256_file(index) != entry["index_sha256"]:
             return f"its index {index.name} does not match the manifest's sha256"
         try:
-            rows = self.data.index(entry["name"])
+            n_docs = self.data.n_docs(entry["name"])
         except ShardError as err:
             return str(err)
-        if len(rows) != entry["n_docs"]:
-            return f"index has {len(rows)} samples, the manifest says {entry['n_docs']}"
+        if n_docs != entry["n_docs"]:
+            return f"index has {n_docs} documents, the manifest says {entry['n_docs']}"
         return None
 
     @property

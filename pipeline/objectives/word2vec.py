@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from pipeline.config import ConfigError
-from pipeline.data.shards import N_TOKENS, Document
+from pipeline.data.shards import Document
 from pipeline.objectives.base import (
     IGNORE_INDEX,
     Layout,
@@ -47,7 +47,7 @@ def count_unigrams(data, vocab_size: int, max_tokens: int) -> np.ndarray:
     seen = 0
     for entry in data.shards("train"):
         name = entry["name"]
-        for i, n in enumerate(data.index(name)[:, N_TOKENS].tolist()):
+        for i, n in enumerate(data.doc_lengths(name).tolist()):
             if n == 0:
                 continue
             counts += np.bincount(data.read(name, i).tokens, minlength=vocab_size)[:vocab_size]

@@ -9,7 +9,7 @@ from pipeline.data.shards import Document, ShardWriter, brace_pattern, shard_nam
 def make_data_dir(root, n_docs=6):
     info = {}
     for split, n in (("train", n_docs), ("valid", 2)):
-        w = ShardWriter(root, shard_name(split, 0), np.uint16)
+        w = ShardWriter.local(root, shard_name(split, 0), np.uint16)
         for i in range(n):
             w.write(
                 Document(
@@ -30,7 +30,7 @@ def make_data_dir(root, n_docs=6):
     write_manifest(
         root,
         {
-            "format_version": 1,
+            "format_version": 3,
             "token_dtype": "uint16",
             "data_config_hash": "ab" * 32,
             "tokenizer": {

@@ -19,10 +19,9 @@ import webdataset as wds
 from pipeline.data import clean as clean_mod
 from pipeline.data import segment
 from pipeline.data.clean import clean
-from pipeline.data.prepare import _meta_template, _Rows, unpack_rows
 from pipeline.data.readers import CORPORA_DIR
 from pipeline.data.segment import _sorted_unique, sentence_ends, wordpiece_continuations
-from pipeline.data.shards import INDEX_COLUMNS, _tar_header, meta_json
+from pipeline.data.shards import _tar_header
 from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
 
 ZH = (CORPORA_DIR / "zh_sample.txt").read_text(encoding="utf-8").split("\n\n")
@@ -277,38 +276,6 @@ def test_whitespace_folding_equals_the_regexes():
 # -- packed batch rows --------------------------------------------------------------------
 
 
-def test_packed_rows_round_trip():
-    rows = _Rows()
-    rows.reject(0, 1, "too_short", 3, "détail")
-    cols = tuple(range(INDEX_COLUMNS - 2))
-    rows.sample(0, 2, 0, "train", b"x" * 1024, cols, b"k" * 16, "zh")
-    rows.sample(0, 2, 1, "valid", b"", cols, b"k" * 16, "zh")
-    rows.sample(1, 0, 0, "train", b"y" * 7, cols, b"j" * 16, "other")
-    (cells,) = rows.table().to_pylist()
-    out = list(unpack_rows(cells["ints"], cells["samples"], cells["dedup"], cells["strings"]))
-    assert [(r[0], r[1], r[2], r[3]) for r in out] == [
-        (0, 1, 0, ""),
-        (0, 2, 0, "train"),
-        (0, 2, 1, "valid"),
-        (1, 0, 0, "train"),
-    ]
-    assert out[0][4] == 3 and out[0][8:] == ("too_short", "", "détail")
-    assert [bytes(r[5]) for r in out] == [b"", b"x" * 1024, b"", b"y" * 7]
-    assert out[1][6] == cols and out[1][7] == b"k" * 16 and out[3][9] == "other"
-    with pytest.raises(RuntimeError, match="inconsistent"):
-        list(unpack_rows(cells["ints"], cells["samples"] + b"z", cells["dedup"], cells["strings"]))
-
-
-def test_meta_template_equals_json_dumps():
-    uris = ["builtin:python-docs", '/data/"n_tokens": 0/a.txt', "C:\\x\\y.jsonl", "ключ\u2028\x00"]
-    for uri in uris:
-        for language in ("zh", "other"):
-            head, tail = _meta_template(uri, language)
-            for n in (0, 1, 1024, 10**9):
-                meta = {"source": uri, "language": language, "n_tokens": n}
-                assert head + b"%d" % n + tail == meta_json(meta), (uri, language, n)
-
-
 # -- the txt reader -----------------------------------------------------------------------
 
 
@@ -370,7 +337,7 @@ def check_chunked_txt_reader(tmp_path, cases: int, seed: int) -> None:
         [source] = resolve_inputs([str(path)])
         want = list(reference_iter_txt(source, max_doc_bytes))
         for chunk_size in (1, 2, 3, 7, 1 << 20):
-            got = list(_iter_txt(source, max_doc_bytes, chunk_size))
+            got = list(_iter_txt(source, max_doc_bytes, chunk_size=chunk_size))
             assert got == want, (data, max_doc_bytes, chunk_size)
 
 

@@ -1,3 +1,6 @@
+"""Format v3 block shards: bytes, random access == webdataset's stream, integrity checks."""
+
+import json
 import os
 import pickle
 
@@ -8,12 +11,10 @@ import webdataset as wds
 
 from pipeline.data.shards import (
     INDEX_COLUMNS,
-    TOKENS_AT,
     DataDir,
     Document,
     ShardError,
     ShardWriter,
-    _decode_sample_bytes,
     brace_pattern,
     shard_name,
     split_of,
@@ -22,71 +23,158 @@ from pipeline.data.shards import (
 )
 
 
-def make_doc(i: int) -> Document:
-    n = 5 + i
-    return Document(
-        key=f"src-{i:06d}",
-        tokens=np.arange(n) + 70000 * (i % 2),
-        sents=np.array([2, n]),
-        words=np.arange(0, n, 2),
-        meta={"source": "x", "n_tokens": n},
-    )
+def varied_docs(n: int = 40, with_spans: bool = True) -> list[Document]:
+    """Documents of every shape: empty, one token, uint32-range ids, spans or not,
+    non-ASCII source names, two languages."""
+    docs = []
+    for i in range(n):
+        k = (7 * i) % 23
+        spans = np.array([[0, 1], [1, k]]) if with_spans and k > 1 else None
+        if with_spans and spans is None:
+            spans = np.zeros((0, 2), dtype=np.int32)
+        docs.append(
+            Document(
+                key=f"d{i}",
+                tokens=(np.arange(k) * 7919 + 65_000 * i) % 100_000,
+                sents=np.array(sorted({k // 2, k} - {0}), dtype=np.int64) if k else np.zeros(0),
+                words=np.arange(0, k, 3),
+                meta={"source": f"维基-{i % 3}.txt", "language": "zh" if i % 4 else "other"},
+                spans=spans,
+            )
+        )
+    return docs
 
 
-def write_dir(root, n_docs=10, vocab=100_000):
-    w = ShardWriter(root, shard_name("train", 0), token_dtype(vocab))
-    for i in range(n_docs):
-        w.write(make_doc(i))
+def write_docs(root, docs, vocab=100_000, block_tokens=40, name="train/shard-000000.tar"):
+    w = ShardWriter.local(root, name, token_dtype(vocab), block_tokens=block_tokens)
+    for doc in docs:
+        w.write(doc)
     info = w.close()
-    write_manifest(
-        root,
-        {
-            "format_version": 1,
-            "tokenizer": {"path": "tokenizer"},
-            "splits": {"train": {"shards": [info]}},
-        },
-    )
-    return info
+    splits = {"train": {"shards": [info]}}
+    write_manifest(root, {"format_version": 3, "tokenizer": {"path": "tok"}, "splits": splits})
+    return name
+
+
+def assert_same(a: Document, b: Document) -> None:
+    assert a.meta["source"] == b.meta["source"] and a.meta["language"] == b.meta["language"]
+    for name in ("tokens", "sents", "words", "spans"):
+        x, y = getattr(a, name), getattr(b, name)
+        if x is None or y is None:
+            assert x is None and y is None, name
+            continue
+        assert np.array_equal(np.asarray(x, np.int64), np.asarray(y, np.int64)), name
 
 
 def test_same_documents_give_identical_bytes(tmp_path):
-    a = write_dir(tmp_path / "a")
-    b = write_dir(tmp_path / "b")
-    assert a["sha256"] == b["sha256"]
-    assert (tmp_path / "a/train/shard-000000.tar").read_bytes() == (
-        tmp_path / "b/train/shard-000000.tar"
-    ).read_bytes()
+    write_docs(tmp_path / "a", varied_docs())
+    write_docs(tmp_path / "b", varied_docs())
+    for name in ("train/shard-000000.tar", "train/shard-000000.idx.npy"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes()
 
 
-def test_random_access_and_seeked_stream_match_sequential(tmp_path):
-    write_dir(tmp_path)
+@pytest.mark.parametrize("vocab", [300, 100_000])
+def test_random_access_and_webdataset_stream_give_the_written_documents(tmp_path, vocab):
+    docs = varied_docs()
+    for d in docs:
+        d.tokens = d.tokens % vocab
+    shard = write_docs(tmp_path, docs, vocab=vocab)
     data = DataDir(tmp_path)
-    docs = list(data.iter_split("train"))
-    assert [d.key for d in docs] == [f"src-{i:06d}" for i in range(10)]
-    seventh = data.read("train/shard-000000.tar", 7)
-    assert np.array_equal(seventh.tokens, docs[7].tokens)
-    assert seventh.tokens.dtype == np.uint32  # vocabulary above 65536
-    assert [d.key for d in data.iter_shard("train/shard-000000.tar", start=8)] == [
-        "src-000008",
-        "src-000009",
-    ]
-    # plain webdataset reads the same shards
-    assert sum(1 for _ in wds.WebDataset(data.urls("train"), shardshuffle=False)) == 10
+    assert len(data.index(shard)) > 5  # several blocks of <= 40 tokens
+    assert data.n_docs(shard) == len(docs)
+    assert data.doc_lengths(shard).tolist() == [d.n_tokens for d in docs]
+    streamed = list(data.iter_shard(shard))
+    assert len(streamed) == len(docs)
+    for i, doc in enumerate(docs):
+        got = data.read(shard, i)
+        assert got.tokens.dtype == token_dtype(vocab) and got.meta["n_tokens"] == doc.n_tokens
+        assert_same(got, doc)
+        assert_same(streamed[i], doc)
+        assert got.key == streamed[i].key
+    # plain webdataset iterates the shard: one sample per block, the documented members
+    samples = list(wds.WebDataset(data.urls("train"), shardshuffle=False))
+    assert len(samples) == len(data.index(shard))
+    assert set(samples[0]) - {"__key__", "__url__", "__local_path__"} == {
+        "docs.npy", "langs.npy", "meta.json", "sents.npy", "spans.npy", "srcs.npy",
+        "tokens.npy", "words.npy",
+    }  # fmt: skip
+    assert json.loads(samples[0]["meta.json"])["sources"][0] == "维基-0.txt"
 
 
-def test_verify_names_a_corrupted_shard(tmp_path):
-    write_dir(tmp_path)
-    assert DataDir(tmp_path).verify() == []
-    path = tmp_path / "train/shard-000000.tar"
+def test_documents_without_spans_have_no_spans_member(tmp_path):
+    shard = write_docs(tmp_path, varied_docs(with_spans=False))
+    data = DataDir(tmp_path)
+    assert data.read(shard, 3).spans is None
+    assert all(d.spans is None for d in data.iter_shard(shard))
+
+
+def test_bytes_on_disk_stay_within_1_3x_the_token_bytes_for_short_documents(tmp_path):
+    """~84-token documents of ~4 sentences and ~65 words: the tar overhead per block and
+    the offsets / bit-packed word starts together stay under 30% of the token ids."""
+    rng = np.random.default_rng(0)
+    w = ShardWriter.local(tmp_path, shard_name("train", 0), np.uint16)
+    n_tokens = 0
+    for _ in range(20_000):
+        n = int(rng.integers(40, 130))
+        ends = np.append(np.sort(rng.choice(np.arange(1, n), 3, replace=False)), n)
+        words = np.flatnonzero(rng.random(n) < 0.75)
+        w.write(Document("x", rng.integers(0, 30_000, n), ends, words, {"source": "a.txt"}))
+        n_tokens += n
+    entry = w.close()
+    on_disk = entry["bytes"] + os.path.getsize(tmp_path / entry["index"])
+    assert on_disk <= 1.3 * 2 * n_tokens, on_disk / (2 * n_tokens)
+
+
+def test_verify_names_a_corrupted_shard_and_a_read_of_the_block_refuses_it(tmp_path):
+    shard = write_docs(tmp_path, varied_docs())
+    data = DataDir(tmp_path)
+    assert data.verify() == []
+    row = data.index(shard)[2]
+    path = tmp_path / shard
     raw = bytearray(path.read_bytes())
-    raw[600] ^= 0xFF
+    raw[int(row[0]) + int(row[16]) - 1] ^= 0x01  # a byte of block 2's tokens.npy
     path.write_bytes(bytes(raw))
     problems = DataDir(tmp_path).verify()
-    assert problems and "train/shard-000000.tar" in problems[0]
+    assert problems and "shard-000000.tar: sha256" in problems[0]
+    fresh = DataDir(tmp_path)
+    first_of_block_2 = int(fresh.index(shard)[:2, 3].sum())
+    fresh.read(shard, 0)  # other blocks still read
+    with pytest.raises(ShardError, match=r"train/shard-000000.tar: block 2 .*crc32"):
+        fresh.read(shard, first_of_block_2)
 
 
-def test_missing_manifest_is_a_clear_error(tmp_path):
-    with pytest.raises(ShardError, match="plm data prepare"):
+def test_a_truncated_shard_is_named(tmp_path):
+    shard = write_docs(tmp_path, varied_docs())
+    path = tmp_path / shard
+    path.write_bytes(path.read_bytes()[:3000])
+    data = DataDir(tmp_path)
+    with pytest.raises(ShardError, match=r"shard-000000.tar: block \d+ .*truncated"):
+        for i in range(data.n_docs(shard)):
+            data.read(shard, i)
+
+
+def test_a_wrong_index_is_refused(tmp_path):
+    shard = write_docs(tmp_path, varied_docs())
+    np.save(tmp_path / "train/shard-000000.idx.npy", np.zeros((3, 5), dtype=np.int64))
+    with pytest.raises(ShardError, match=f"expected \\(n_blocks, {INDEX_COLUMNS}\\)"):
+        DataDir(tmp_path).read(shard, 0)
+    assert "shard-000000.idx.npy: missing or sha256" in DataDir(tmp_path).verify()[0]
+
+
+def test_missing_manifest_and_old_formats_are_clear_errors(tmp_path):
+    with pytest.raises(ShardError, match="run `plm data prepare`"):
+        DataDir(tmp_path)
+    write_manifest(tmp_path, {"format_version": 1, "splits": {}})
+    with pytest.raises(ShardError, match=r"format v1, this code reads v3.*--force"):
+        DataDir(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/shard-000000.tar", "/etc/passwd", "a/../../x"])
+def test_a_manifest_naming_files_outside_the_data_dir_is_refused(tmp_path, name):
+    write_docs(tmp_path, varied_docs())
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    manifest["splits"]["train"]["shards"][0]["name"] = name
+    write_manifest(tmp_path, manifest)
+    with pytest.raises(ShardError, match="not a path inside the data dir"):
         DataDir(tmp_path)
 
 
@@ -98,163 +186,33 @@ def test_split_is_a_stable_function_of_the_text():
     assert brace_pattern("train", 4) == "train/shard-{000000..000003}.tar"
 
 
-def varied_docs() -> list[Document]:
-    """Documents that exercise every member kind: uint32 ids, spans or not, empty arrays,
-    non-ASCII meta, and keys that need pax headers (long, non-ASCII)."""
-    docs = []
-    for i in range(12):
-        n = 3 * i
-        docs.append(
-            Document(
-                key=f"src-{i:06d}",
-                tokens=(np.arange(n) * 7919 + 65_000 * i) % 100_000,
-                sents=np.array([n] if n else [], dtype=np.int64),
-                words=np.arange(0, n, 3),
-                meta={"source": "维基", "n_tokens": n, "i": i},
-                spans=np.array([[0, 1], [1, n]]) if i % 3 == 0 and n else None,
-            )
-        )
-    docs[5].key = "k" * 150  # name over 100 bytes: tarfile writes a pax header
-    docs[7].key = "文档-7"  # non-ASCII name: pax header too
-    docs[9].spans = np.zeros((0, 2), dtype=np.int32)  # spans present but empty
-    return docs
-
-
-def write_docs(root, docs, vocab=100_000):
-    w = ShardWriter(root, shard_name("train", 0), token_dtype(vocab))
-    for doc in docs:
-        w.write(doc)
-    info = w.close()
-    splits = {"train": {"shards": [info]}}
-    write_manifest(root, {"format_version": 1, "tokenizer": {"path": "tok"}, "splits": splits})
-    return "train/shard-000000.tar"
-
-
-def assert_same_document(a: Document, b: Document) -> None:
-    assert a.key == b.key and a.meta == b.meta
-    for name in ("tokens", "sents", "words", "spans"):
-        x, y = getattr(a, name), getattr(b, name)
-        if x is None or y is None:
-            assert x is None and y is None, name
-            continue
-        assert x.dtype == y.dtype and x.shape == y.shape, name
-        assert np.array_equal(x, y), name
-
-
-def test_random_access_decodes_exactly_what_webdataset_streams(tmp_path):
-    docs = varied_docs()
-    shard = write_docs(tmp_path, docs)
-    data = DataDir(tmp_path)
-    streamed = list(data.iter_shard(shard))  # webdataset's tar iterator + np.load
-    assert len(streamed) == len(docs)
-    for i in reversed(range(len(docs))):  # random access order does not matter
-        doc = data.read(shard, i)
-        assert_same_document(doc, streamed[i])
-        assert doc.key == docs[i].key and np.array_equal(doc.tokens, docs[i].tokens)
-    assert data.read(shard, 3).tokens.dtype == np.uint32
-    assert data.read(shard, 3).spans.shape == (2, 2)
-    assert data.read(shard, 0).tokens.shape == (0,)
-    # the arrays view the sample's bytes: read-only, so a cached Document cannot be edited
-    assert not data.read(shard, 4).tokens.flags.writeable
-    # samples 5 and 7 (pax headers) took webdataset's reader inside read(), the rest not
-    raw = (tmp_path / shard).read_bytes()
-    plain = [_decode_sample_bytes(raw[o : o + n]) is not None for o, n, *_ in data.index(shard)]
-    assert [i for i, p in enumerate(plain) if not p] == [5, 7]
-
-
-def flip(path, at: int) -> None:
-    raw = bytearray(path.read_bytes())
-    raw[at] ^= 0xFF
-    path.write_bytes(bytes(raw))
-
-
-@pytest.mark.parametrize("where", ["tar header", "npy header", "json", "truncated"])
-def test_a_corrupted_sample_is_a_shard_error_naming_it(tmp_path, where):
-    docs = varied_docs()
-    shard = write_docs(tmp_path, docs)
-    data = DataDir(tmp_path)
-    offset = int(data.index(shard)[4, 0])
-    size = int(data.index(shard)[4, 1])
-    path = tmp_path / shard
-    sample = path.read_bytes()[offset : offset + size]
-    if where == "tar header":
-        flip(path, offset + 10)  # in the name of the first member: checksum mismatch
-    elif where == "npy header":
-        flip(path, offset + sample.index(b"NUMPY"))  # the magic of the first .npy member
-        # Reads through a full index never parse .npy headers (the shard's sha256, checked
-        # when a stream starts and by `plm data inspect --verify`, covers them): the
-        # header parser is what an older 3-column index uses.
-        assert any("sha256" in p for p in DataDir(tmp_path).verify())
-        index = tmp_path / "train/shard-000000.idx.npy"
-        np.save(index, np.load(index)[:, :3])
-    elif where == "json":
-        flip(path, offset + sample.index(b'"source"'))  # meta.json is no longer JSON
-    else:
-        path.write_bytes(path.read_bytes()[: offset + 100])
-    with pytest.raises(ShardError, match=r"train/shard-000000\.tar: sample 4 at byte"):
-        DataDir(tmp_path).read(shard, 4)
-    if where != "truncated":  # the other samples still read
-        assert DataDir(tmp_path).read(shard, 3).key == docs[3].key
-
-
 class _Reads(torch.utils.data.Dataset):
-    def __init__(self, data: DataDir, shard: str):
+    def __init__(self, data, shard):
         self.data, self.shard = data, shard
 
-    def __len__(self) -> int:
-        return len(self.data.index(self.shard))
+    def __len__(self):
+        return self.data.n_docs(self.shard)
 
     def __getitem__(self, i: int):
         doc = self.data.read(self.shard, i)
-        return os.getpid(), doc.key, int(doc.tokens.astype(np.int64).sum())
+        return os.getpid(), int(doc.tokens.astype(np.int64).sum())
 
 
 def test_random_access_is_safe_in_forked_loader_workers_and_after_close(tmp_path):
     docs = varied_docs()
     shard = write_docs(tmp_path, docs)
     data = DataDir(tmp_path)
-    expected = [(d.key, int(d.tokens.sum())) for d in docs]
-    assert [_Reads(data, shard)[i][1:] for i in range(len(docs))] == expected  # maps open
+    expected = [int(d.tokens.sum()) for d in docs]
+    assert [_Reads(data, shard)[i][1] for i in range(len(docs))] == expected  # maps open
     loader = torch.utils.data.DataLoader(
         _Reads(data, shard), batch_size=None, num_workers=2, multiprocessing_context="fork"
     )
     got = list(loader)
-    assert [tuple(g[1:]) for g in got] == expected
+    assert [g[1] for g in got] == expected
     assert os.getpid() not in {g[0] for g in got}  # really read in the workers
-    # the workers dropped their inherited copies of the maps; the parent's still work
-    assert [_Reads(data, shard)[i][1:] for i in range(len(docs))] == expected
+    assert [_Reads(data, shard)[i][1] for i in range(len(docs))] == expected
     copy = pickle.loads(pickle.dumps(data))  # spawned workers / Ray get a map-less copy
-    assert copy.read(shard, 2).key == docs[2].key
+    assert int(copy.read(shard, 2).tokens.sum()) == expected[2]
     data.close()
     data.close()  # closing twice is fine, and reading reopens
-    assert data.read(shard, 11).key == docs[11].key
-
-
-def test_full_and_legacy_indexes_read_the_same_documents(tmp_path):
-    docs = varied_docs()
-    shard = write_docs(tmp_path, docs)
-    index = tmp_path / "train/shard-000000.idx.npy"
-    assert np.load(index).shape == (len(docs), INDEX_COLUMNS)
-    full = [DataDir(tmp_path).read(shard, i) for i in range(len(docs))]
-    np.save(index, np.load(index)[:, :3])  # an index written before the member columns
-    legacy = DataDir(tmp_path)
-    for i, doc in enumerate(full):
-        assert_same_document(doc, legacy.read(shard, i))
-
-
-def test_a_stale_index_is_caught_by_verify_and_the_stream(tmp_path):
-    from pipeline.config import ObjectiveSection
-    from pipeline.data.stream import PretrainStream
-    from pipeline.objectives import build_objective
-
-    write_docs(tmp_path, varied_docs())
-    index = tmp_path / "train/shard-000000.idx.npy"
-    rows = np.load(index)
-    rows[4, TOKENS_AT] += 2  # still inside the sample: reads garbage, raises nothing
-    np.save(index, rows)
-    problems = DataDir(tmp_path).verify()
-    assert any("sample 4 read through the index differs" in p for p in problems), problems
-    roles = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "bos": 2, "eos": 3, "eod": 5}
-    objective = build_objective(ObjectiveSection(kind="mlm"), roles, 100_000, 16)
-    with pytest.raises(ShardError, match=r"shard-000000.idx.npy does not match"):
-        PretrainStream(tmp_path, "train", objective, 2, seed=0)
+    assert int(data.read(shard, 11).tokens.sum()) == expected[11]
