@@ -1,34 +1,29 @@
-"""Throughput of `plm data prepare` vs the same tokenizer's raw `encode_batch`, at 1 and 2 CPUs.
+"""`plm data prepare` at scale, in CPU seconds, side by side in one run.
 
-    python bench/bench_prepare.py [--copies K] [--join J] [--rounds R] [--no-stage]
-                                  [--no-raw] [--pin] [--stage-only] [--workdir DIR]
+    python bench/bench_prepare.py [--mb 200] [--num-cpus 2] [--workdir DIR] [--keep]
 
-Corpus: builtin:python-docs (about 1.7 MB), or --copies K variants of it written to a
-txt file (each document prefixed with its copy number, so dedup keeps them all), every
---join J consecutive documents made one (article-length documents). Both sides get the
-same documents; MB/s counts raw UTF-8 text in.
+A 2-core machine's wall clock cannot show how a job scales across nodes; CPU seconds
+can: what the job costs per MB of input, and how much of it is the driver's (the part
+that does not spread over more nodes).
 
-- raw: one process, tokenizer loaded, `encode_batch(all documents)` timed alone, with
-  RAYON_NUM_THREADS=N (its Rust thread pool is the parallelism). Also printed, as other
-  references: `encode_batch_fast` (no offsets) over all documents, and `encode_batch` in
-  calls of 256 documents (as the actors take them; one call over everything holds every
-  Encoding at once, gigabytes at 170 MB). --no-raw skips them: only prepare at each CPU
-  count and the 2-vs-1-CPU scaling (corpora where raw's three runs take too long).
-- --pin confines each run to N cores (sched_setaffinity, inherited by every process the
-  run starts): without it, `--num-cpus 1` gives Ray one CPU for the actors while the
-  driver and Ray's own processes use the machine's other core, which raw never gets.
-- prepare: the whole `plm data prepare --num-cpus N --force` command as a user runs it
-  (process start, validation, hashing, local Ray start, the job, manifest, Ray stop),
-  and the pipeline part alone as the command reports it (after Ray is up, before it
-  stops). With --rounds R the CPU counts take turns R times and the ratios are medians
-  of per-round ratios.
-- stage: the actors' work without Ray, in one process, one thread: `Encoder` (clean,
-  segment, encode_batch, serialize) over the same documents in batches of 256, CPU
-  seconds against raw `encode_batch` CPU seconds, and its parts one by one (medians of
-  5 rounds run round-robin). The ceiling of prepare/raw at one CPU were Ray free. It
-  runs after the timed runs; --no-stage skips it.
-Peak memory: the largest sum of RSS over the process tree (driver + Ray processes),
-sampled every 0.1 s, and the driver's own peak RSS.
+Corpus: ``--mb`` MB of jsonl, one file, documents of ~300 bytes (seeded random
+sentences over a 5,000-word vocabulary, each document distinct), so one big file must
+be cut into byte ranges for several tasks, and Ray's fixed start-up is amortised.
+
+Printed, each measured in this run:
+- raw: one process, the same tokenizer, ``encode_batch`` over all documents in calls of
+  256 (RAYON_NUM_THREADS=1), CPU seconds of the calls alone.
+- hf datasets (only when the ``datasets`` package is installed; it is no dependency):
+  ``load_dataset("json")``, ``map(tokenize, batched)``, ``save_to_disk``, CPU seconds of
+  its process.
+- prepare: the whole `plm data prepare --num-cpus N` command as a user runs it, CPU
+  seconds of its whole process tree (driver, Ray's own processes, workers; sampled
+  every 0.1 s with psutil), the driver's own CPU from the manifest's ``stats``, bytes on
+  disk (shards + indexes) against the token ids' bytes (n_tokens x itemsize).
+- start-up: a data dir 1x and 8x as large (the second made by listing every shard
+  eight times in a copy of the manifest: the same files, eight times the documents for
+  the loader), the time from nothing to the first batch of `PretrainStream` (mlm+nsp,
+  seq 128) in a fresh process, median of 3.
 """
 
 from __future__ import annotations
@@ -36,7 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,326 +39,206 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import psutil
 
 RAW = r"""
-import json, os, resource, sys, time
-from pipeline.data.tokenizer import load_tokenizer
-texts = json.load(open(sys.argv[2]))
-tok, _ = load_tokenizer(sys.argv[1])
-t, c = time.perf_counter(), time.process_time()
-enc = tok.encode_batch(texts, add_special_tokens=False)
-seconds, cpu = time.perf_counter() - t, time.process_time() - c
-tokens = sum(len(e.ids) for e in enc)
-rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-del enc
-t = time.perf_counter()  # the same without offsets (what prepare's WordPiece path calls)
-tok.encode_batch_fast(texts, add_special_tokens=False)
-fast_seconds = time.perf_counter() - t
-t = time.perf_counter()  # 256 documents per call, as prepare's actors take them
-for i in range(0, len(texts), 256):
-    tok.encode_batch(texts[i : i + 256], add_special_tokens=False)
-print(json.dumps({"seconds": seconds, "cpu_seconds": cpu, "tokens": tokens, "rss_mb": rss_mb,
-                  "fast_seconds": fast_seconds, "batched_seconds": time.perf_counter() - t}))
-"""
-
-STAGE = r"""
-import json, os, statistics, sys, time
+import json, os, sys, time
 os.environ["RAYON_NUM_THREADS"] = "1"
-import numpy as np
-from pipeline.data import segment
-from pipeline.data.clean import CleanConfig, clean, dedup_key, reject_reason
-from pipeline.data.prepare import Encoder, _language
-from pipeline.data.shards import Document, sample_record, split_of, token_dtype
 from pipeline.data.tokenizer import load_tokenizer
-texts = json.load(open(sys.argv[2]))
-tok, meta = load_tokenizer(sys.argv[1])
-enc = Encoder(sys.argv[1], ["0" * 16], ["bench"], {}, 0.02, 1024)
-n = len(texts)
-batch = {"source": np.zeros(n, np.int32), "ordinal": np.arange(n), "line": np.zeros(n, np.int64),
-         "text": np.array(texts, dtype=object), "reject": np.array([""] * n, dtype=object),
-         "detail": np.array([""] * n, dtype=object)}
-cfg = CleanConfig()
-kept = [(c, _language(c)) for c in (clean(t, cfg) for t in texts) if reject_reason(c, cfg) is None]
-docs, langs = [t for t, _ in kept], [g for _, g in kept]
-batches = [slice(i, i + 256) for i in range(0, len(docs), 256)]  # as the actor gets them
-seg = segment.Segmenter(tok, 1024)
-dtype = token_dtype(meta["vocab_size"])
-def segmentation():
-    return [p for b in batches for p in seg(docs[b], langs[b])]
-pieces = segmentation()
-marked_docs = [segment.mark_sentence_ends(t)[0] for t in docs]
-def encode_marked():  # each batch's Encodings dropped before the next, as in the actor
-    for b in batches:
-        (seg.marking or tok).encode_batch_fast(marked_docs[b], add_special_tokens=False)
-def serialize():
-    for t, g, ps in zip(docs, langs, pieces):
-        dedup_key(t), split_of(t, 0.02)
-        for k, p in enumerate(ps):
-            meta = {"source": "bench", "language": g, "n_tokens": p.n_tokens}
-            sample_record(Document(key=f"{'0' * 16}-{k:010d}-0000", tokens=p.tokens,
-                                   sents=p.sents, words=p.words, meta=meta), dtype)
-# The whole Encoder, raw encode_batch, and the Encoder's parts one at a time on the same
-# documents, measured round-robin (this VM's speed drifts), medians of 5 rounds.
-timed = {
-    "raw": lambda: tok.encode_batch(texts, add_special_tokens=False),
-    "raw_fast": lambda: tok.encode_batch_fast(texts, add_special_tokens=False),
-    "stage": lambda: [enc({k: v[i : i + 256] for k, v in batch.items()}) for i in range(0, n, 256)],
-    "clean + filter + language": lambda: [
-        reject_reason(c, cfg) or _language(c) for c in (clean(t, cfg) for t in texts)],
-    "Segmenter (256 per call)": segmentation,
-    "  sentence_ends (regex) + marks": lambda: [segment.mark_sentence_ends(t) for t in docs],
-    "  encode_batch_fast (marked, 256 per call)": encode_marked,
-    "dedup key + split + sample_record": serialize,
-}
-runs = {k: [] for k in timed}
-for _ in range(5):
-    for k, f in timed.items():
-        c = time.process_time(); f(); runs[k].append(time.process_time() - c)
-med = {k: statistics.median(v) for k, v in runs.items()}
-ratio = statistics.median(r / s for r, s in zip(runs["raw"], runs["stage"]))
-ratio_fast = statistics.median(r / s for r, s in zip(runs["raw_fast"], runs["stage"]))
-print(json.dumps({"raw_cpu": med.pop("raw"), "stage_cpu": med.pop("stage"), "ratio": ratio,
-                  "raw_fast_cpu": med.pop("raw_fast"), "ratio_fast": ratio_fast,
-                  "parts": med, "tokens": int(sum(len(p.tokens) for ps in pieces for p in ps))}))
+tok, _ = load_tokenizer(sys.argv[1])
+texts = [json.loads(line)["text"] for line in open(sys.argv[2], encoding="utf-8")]
+c = time.process_time()
+tokens = 0
+for i in range(0, len(texts), 256):
+    tokens += sum(len(e.ids) for e in tok.encode_batch(texts[i : i + 256], add_special_tokens=False))
+print(json.dumps({"cpu_seconds": time.process_time() - c, "tokens": tokens}))
 """
 
+HF = r"""
+import os, sys, json, time
+os.environ["RAYON_NUM_THREADS"] = "1"
+c = time.process_time()
+from datasets import load_dataset
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file(sys.argv[1])
+ds = load_dataset("json", data_files=sys.argv[2], split="train")
+ds = ds.map(lambda b: {"ids": [e.ids for e in tok.encode_batch(b["text"], add_special_tokens=False)]},
+            batched=True, batch_size=256, remove_columns=["text"])
+ds.save_to_disk(sys.argv[3])
+print(json.dumps({"cpu_seconds": time.process_time() - c}))
+"""
 
-def documents(copies: int, join: int = 1) -> list[str]:
-    """python-docs, ``copies`` times (each copy's documents prefixed with its number, so
-    dedup keeps them), every ``join`` consecutive documents made one (longer documents:
-    python-docs averages ~590 characters, web pages and articles several thousand)."""
-    from pipeline.data.readers import python_docs
+STARTUP = r"""
+import sys, time
+t = time.perf_counter()
+import json
+from pipeline.config import ObjectiveSection
+from pipeline.data.stream import PretrainStream
+from pipeline.objectives import build_objective
+meta = json.load(open(sys.argv[2]))
+obj = build_objective(ObjectiveSection(kind="mlm+nsp"), meta["roles"], meta["vocab_size"], 128)
+s = PretrainStream(sys.argv[1], "train", obj, micro_batch_size=32, seed=1)
+next(iter(s))
+print(time.perf_counter() - t)
+"""
 
-    docs = list(python_docs())
-    if copies > 1:
-        docs = [f"[copy {k}] {d}" for k in range(copies) for d in docs]
-    if join > 1:
-        docs = ["\n".join(docs[i : i + join]) for i in range(0, len(docs), join)]
-    return docs
-
-
-def run_stage(tok: Path, texts_json: Path) -> dict:
-    out = subprocess.run(
-        [sys.executable, "-c", STAGE, str(tok), str(texts_json)],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def pinned_to(cpus: int | None):
-    """A preexec_fn that confines a process and its children to the first ``cpus`` cores
-    (None: no confinement)."""
-    if cpus is None:
-        return None
-    return lambda: os.sched_setaffinity(0, set(range(cpus)))
+WORDS = None
 
 
-def run_raw(tok: Path, texts_json: Path, cpus: int, pin_cpus: int | None = None) -> dict:
-    env = {**os.environ, "RAYON_NUM_THREADS": str(cpus), "TOKENIZERS_PARALLELISM": "true"}
-    out = subprocess.run(
-        [sys.executable, "-c", RAW, str(tok), str(texts_json)],
-        env=env,
-        preexec_fn=pinned_to(pin_cpus),
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def make_corpus(path: Path, mb: int, seed: int = 0) -> int:
+    """~300-byte documents of random sentences; returns the number of documents."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("abcdefghijklmnopqrstuvwxyz"))
+    vocab = ["".join(rng.choice(letters, int(rng.integers(2, 9)))) for _ in range(5000)]
+    vocab = np.array(vocab)
+    target, written, n = mb * 1_000_000, 0, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while written < target:
+            ids = rng.integers(0, len(vocab), (4096, 48))
+            lines = []
+            for row in ids:
+                words = vocab[row].tolist()
+                text = (
+                    " ".join(words[:16]).capitalize() + ". " + " ".join(words[16:32]).capitalize()
+                    + ". " + " ".join(words[32:]).capitalize() + f". Doc {n}."
+                )  # fmt: skip
+                lines.append(json.dumps({"text": text}) + "\n")
+                n += 1
+            chunk = "".join(lines)
+            f.write(chunk)
+            written += len(chunk.encode())
+    return n
 
 
-def run_prepare(cmd: list[str], pin_cpus: int | None = None) -> dict:
+def tree_cpu(cmd: list[str], env: dict) -> tuple[float, float, str]:
+    """(wall seconds, CPU seconds of the whole process tree, stdout)."""
     start = time.perf_counter()
-    proc = psutil.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        preexec_fn=pinned_to(pin_cpus),
-    )
-    peak_tree = peak_driver = 0
-    cpu: dict[int, float] = {}  # pid -> last seen user+system CPU seconds
-    names: dict[int, str] = {}
+    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    cpu: dict[int, float] = {}
     while proc.poll() is None:
         try:
-            tree = [proc, *proc.children(recursive=True)]
-            rss = 0
-            for p in tree:
+            for p in [proc, *proc.children(recursive=True)]:
                 try:
-                    rss += p.memory_info().rss
-                    times = p.cpu_times()
-                    cpu[p.pid] = times.user + times.system
-                    names.setdefault(p.pid, " ".join(p.cmdline()[:2])[-60:] or p.name())
+                    t = p.cpu_times()
+                    cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
                 except psutil.Error:
                     pass
-            peak_tree = max(peak_tree, rss)
-            peak_driver = max(peak_driver, proc.memory_info().rss)
         except psutil.Error:
             pass
         time.sleep(0.1)
-    seconds = time.perf_counter() - start
-    stdout = proc.stdout.read()
-    if proc.returncode != 0:
-        raise SystemExit(f"prepare failed ({proc.returncode}):\n{stdout}")
-    pipeline = float(re.search(r"pipeline ([\d.]+)s", stdout).group(1))
-    return {
-        "seconds": seconds,
-        "pipeline_seconds": pipeline,
-        "cpu_seconds": sum(cpu.values()),
-        "cpu_top": sorted(((v, names.get(k, "?")) for k, v in cpu.items()), reverse=True)[:6],
-        "tree_mb": peak_tree / 2**20,
-        "driver_mb": peak_driver / 2**20,
-        "stdout": stdout.strip(),
-    }
+    out, err = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"{cmd[:4]} failed:\n{err[-3000:]}")
+    return time.perf_counter() - start, sum(cpu.values()), out
 
 
-def print_stage(stage: dict) -> None:
-    print(f"stage in one process (CPU s, median of 5): raw encode_batch {stage['raw_cpu']:.2f}, "
-          f"Encoder {stage['stage_cpu']:.2f} -> {stage['ratio']:.2f}x "
-          f"(the ceiling of prepare/raw at 1 CPU); raw encode_batch_fast (no offsets) "
-          f"{stage['raw_fast_cpu']:.2f} -> {stage['ratio_fast']:.2f}x")  # fmt: skip
-    top = {k: v for k, v in stage["parts"].items() if not k.startswith(" ")}
-    rest = stage["stage_cpu"] - sum(top.values())
-    print(f"  the Encoder's parts (CPU s, and per CPU s of raw encode_batch), "
-          f"{stage['tokens']:,} tokens:")  # fmt: skip
-    for name, seconds in [*stage["parts"].items(), ("the rest (batch glue, packing)", rest)]:
-        print(f"  {name:48s} {seconds:6.3f}  {seconds / stage['raw_cpu']:5.2f}")
+def eight_times(src: Path, dst: Path) -> None:
+    """A data dir listing every shard of ``src`` eight times (copies of the files)."""
+    dst.mkdir()
+    shutil.copytree(src / "tokenizer", dst / "tokenizer")
+    manifest = json.loads((src / "manifest.json").read_text())
+    for split, info in manifest["splits"].items():
+        (dst / split).mkdir()
+        entries = []
+        for copy in range(8):
+            for e in info["shards"]:
+                n = len(entries)
+                name, index = f"{split}/shard-{n:06d}.tar", f"{split}/shard-{n:06d}.idx.npy"
+                os.link(src / e["name"], dst / name) if copy == 0 else os.link(
+                    src / e["name"], dst / name
+                )
+                os.link(src / e["index"], dst / index)
+                entries.append({**e, "name": name, "index": index})
+        info["shards"] = entries
+        info["n_docs"] *= 8
+        info["n_tokens"] *= 8
+    (dst / "manifest.json").write_text(json.dumps(manifest))
 
 
-def print_run(cpus: int, mb: float, raw: dict | None, prep: dict, tokens: int) -> None:
-    print(f"\n--- {cpus} CPU(s), load average {os.getloadavg()[0]:.1f}")
-    if raw is not None:
-        print(f"raw encode_batch   {raw['seconds']:7.2f}s  {mb / raw['seconds']:6.2f} MB/s  "
-              f"{raw['tokens'] / raw['seconds']:>10,.0f} tok/s  peak {raw['rss_mb']:.0f} MB")  # fmt: skip
-    print(f"prepare (command)  {prep['seconds']:7.2f}s  {mb / prep['seconds']:6.2f} MB/s  "
-          f"{tokens / prep['seconds']:>10,.0f} tok/s  "
-          f"peak tree {prep['tree_mb']:.0f} MB, driver {prep['driver_mb']:.0f} MB")  # fmt: skip
-    print(f"prepare (pipeline) {prep['pipeline_seconds']:7.2f}s  "
-          f"{mb / prep['pipeline_seconds']:6.2f} MB/s  "
-          f"{tokens / prep['pipeline_seconds']:>10,.0f} tok/s")  # fmt: skip
-    raw_cpu = "" if raw is None else f"raw {raw['cpu_seconds']:.2f}  "
-    print(f"CPU seconds        {raw_cpu}prepare tree {prep['cpu_seconds']:.2f} "
-          f"(all processes: driver, Ray's own, workers)")  # fmt: skip
-    print("  CPU by process: " + "; ".join(f"{n} {v:.1f}s" for v, n in prep["cpu_top"]))
-    if raw is not None:
-        print(f"ratio prepare/raw: command {raw['seconds'] / prep['seconds']:.2f}x, "
-              f"pipeline {raw['seconds'] / prep['pipeline_seconds']:.2f}x (target >= 0.8x); "
-              f"against encode_batch_fast {raw['fast_seconds']:.2f}s: "
-              f"pipeline {raw['fast_seconds'] / prep['pipeline_seconds']:.2f}x; against "
-              f"encode_batch of 256 documents per call {raw['batched_seconds']:.2f}s: "
-              f"pipeline {raw['batched_seconds'] / prep['pipeline_seconds']:.2f}x")  # fmt: skip
-    print(f"  {prep['stdout'].splitlines()[-1]}")
+def startup(data: Path, rounds: int = 3) -> float:
+    meta = data / "tokenizer" / "tokenizer_meta.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    times = []
+    for _ in range(rounds):
+        out = subprocess.run([sys.executable, "-c", STARTUP, str(data), str(meta)], env=env,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        times.append(float(out.stdout.strip().splitlines()[-1]))
+    return statistics.median(times)
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--copies", type=int, default=1)
-    parser.add_argument("--workdir", default=tempfile.mkdtemp(prefix="bench-prepare-"))
-    parser.add_argument("--join", type=int, default=1, help="join K documents into one")
-    parser.add_argument("--cpus", type=int, nargs="+", default=[1, 2])
-    parser.add_argument(
-        "--rounds", type=int, default=1, help="repeat the raw/prepare runs, CPU counts in turn"
-    )
-    parser.add_argument(
-        "--stage-only",
-        action="store_true",
-        help="only the in-process stage vs raw CPU seconds (robust on a loaded machine)",
-    )
-    parser.add_argument(
-        "--no-stage", action="store_true", help="skip the in-process stage (large corpora)"
-    )
-    parser.add_argument(
-        "--pin",
-        action="store_true",
-        help="confine each run (prepare with all of Ray's processes, raw) to N cores",
-    )
-    parser.add_argument(
-        "--no-raw",
-        action="store_true",
-        help="prepare only: the 2-vs-1-CPU scaling without the raw references (large corpora)",
-    )
-    args = parser.parse_args()
-    work = Path(args.workdir)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=int, default=200)
+    ap.add_argument("--num-cpus", type=int, default=2)
+    ap.add_argument("--workdir")
+    ap.add_argument("--keep", action="store_true")
+    args = ap.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-prepare-"))
     work.mkdir(parents=True, exist_ok=True)
-    tok = work / "tok-wordpiece-8k"
-    if not (tok / "tokenizer.json").is_file():
-        subprocess.run(
-            [
-                "plm",
-                "data",
-                "tokenizer",
-                "--input",
-                "builtin:python-docs",
-                "--kind",
-                "wordpiece",
-                "--vocab-size",
-                "8000",
-                "--output",
-                str(tok),
-            ],  # fmt: skip
-            check=True,
-            capture_output=True,
-        )
-    texts = documents(args.copies, args.join)
-    texts_json = work / "texts.json"
-    texts_json.write_text(json.dumps(texts))
-    mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    if args.copies == 1 and args.join == 1:
-        source = "builtin:python-docs"
-    else:
-        corpus = work / f"python-docs-x{args.copies}-join{args.join}.txt"
-        # Documents may hold blank lines; the txt reader splits on them, so join each
-        # document's paragraphs with single newlines (the same text, one document each).
-        corpus.write_text("\n\n".join(re.sub(r"\n\s*\n", "\n", t) for t in texts) + "\n")
-        source = str(corpus)
-    print(f"corpus {source}: {len(texts):,} documents, {mb:.2f} MB; machine: "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")  # fmt: skip
-    if args.stage_only:
-        print_stage(run_stage(tok, texts_json))
-        return 0
-    # This VM's speed drifts by tens of percent over minutes: the CPU counts take turns
-    # within a round, and the ratios are medians of per-round ratios (neighbouring runs).
-    runs: dict[int, list[tuple[dict, dict]]] = {cpus: [] for cpus in args.cpus}
-    for _ in range(args.rounds):
-        for cpus in args.cpus:
-            pin_cpus = cpus if args.pin else None
-            raw = None if args.no_raw else run_raw(tok, texts_json, cpus, pin_cpus)
-            cmd = ["plm", "data", "prepare", "--input", source, "--tokenizer", str(tok),
-                   "--output", str(work / f"data-{cpus}"), "--num-cpus", str(cpus),
-                   "--shard-docs", "1000", "--force"]  # fmt: skip
-            prep = run_prepare(cmd, pin_cpus)
-            tokens = json.loads((work / f"data-{cpus}" / "manifest.json").read_text())["totals"]
-            print_run(cpus, mb, raw, prep, tokens["n_tokens"])
-            runs[cpus].append((raw, prep))
-    print(f"\nmedians over {args.rounds} round(s):")
-    if not args.no_raw:  # the ratios to raw need raw
-        for cpus, pairs in runs.items():
-            pipeline = statistics.median(r["seconds"] / p["pipeline_seconds"] for r, p in pairs)
-            command = statistics.median(r["seconds"] / p["seconds"] for r, p in pairs)
-            batched = statistics.median(
-                r["batched_seconds"] / p["pipeline_seconds"] for r, p in pairs
-            )
-            print(f"  {cpus} CPU(s): prepare/raw pipeline {pipeline:.2f}x, command {command:.2f}x "
-                  f"(target >= 0.8x); pipeline against raw in calls of 256 documents "
-                  f"{batched:.2f}x")  # fmt: skip
-    if 1 in runs and 2 in runs:
-        rounds = list(zip(runs[1], runs[2], strict=True))
-        scaling = {
-            "pipeline": [
-                p1["pipeline_seconds"] / p2["pipeline_seconds"] for (_, p1), (_, p2) in rounds
-            ],
-            "command": [p1["seconds"] / p2["seconds"] for (_, p1), (_, p2) in rounds],
-        }
-        if not args.no_raw:
-            scaling["raw"] = [r1["seconds"] / r2["seconds"] for (r1, _), (r2, _) in rounds]
-        for label, ratios in scaling.items():
-            print(f"  scaling 2 vs 1 CPU, {label}: {statistics.median(ratios):.2f}x "
-                  f"(per round: {', '.join(f'{x:.2f}' for x in ratios)}; target >= 1.7x)")  # fmt: skip
-    if not args.no_stage:  # last: its big in-process run must not disturb the runs above
-        print()
-        print_stage(run_stage(tok, texts_json))
+    corpus = work / "corpus.jsonl"
+    n_docs = make_corpus(corpus, args.mb)
+    mb = corpus.stat().st_size / 1e6
+    print(f"corpus: {mb:.1f} MB, {n_docs:,} documents of ~{corpus.stat().st_size / n_docs:.0f} B")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    tok = work / "tok"
+    sample = work / "sample.txt"
+    with open(corpus, encoding="utf-8") as f, open(sample, "w", encoding="utf-8") as g:
+        for i, line in enumerate(f):
+            if i >= 20_000:
+                break
+            g.write(json.loads(line)["text"] + "\n\n")
+    subprocess.run(["plm", "data", "tokenizer", "--input", str(sample), "--kind", "wordpiece",
+                    "--vocab-size", "8000", "--output", str(tok)], check=True, env=env,
+                   capture_output=True)  # fmt: skip
+
+    raw = json.loads(subprocess.run([sys.executable, "-c", RAW, str(tok), str(corpus)], env=env,
+                     capture_output=True, text=True, check=True).stdout.splitlines()[-1])  # fmt: skip
+    print(f"raw encode_batch:   {raw['cpu_seconds']:8.1f} CPU s  ({raw['tokens']:,} tokens)")
+
+    hf = None
+    try:
+        import datasets  # noqa: F401
+
+        out = subprocess.run([sys.executable, "-c", HF, str(tok / "tokenizer.json"), str(corpus),
+                              str(work / "hf")], env=env, capture_output=True, text=True,
+                             check=True)  # fmt: skip
+        hf = json.loads(out.stdout.splitlines()[-1])
+        print(f"hf datasets:        {hf['cpu_seconds']:8.1f} CPU s")
+    except ImportError:
+        print("hf datasets:        not measured (the `datasets` package is not installed)")
+
+    data = work / "data"
+    cmd = ["plm", "data", "prepare", "--input", str(corpus), "--tokenizer", str(tok),
+           "--output", str(data), "--num-cpus", str(args.num_cpus), "--force"]  # fmt: skip
+    wall, cpu, _ = tree_cpu(cmd, env)
+    m = json.loads((data / "manifest.json").read_text())
+    st = m["stats"]
+    itemsize = 2 if m["token_dtype"] == "uint16" else 4
+    index_bytes = sum((data / e["index"]).stat().st_size
+                      for info in m["splits"].values() for e in info["shards"])  # fmt: skip
+    on_disk = m["totals"]["bytes"] + index_bytes
+    token_bytes = m["totals"]["n_tokens"] * itemsize
+    print(f"prepare:            {cpu:8.1f} CPU s (whole tree), {wall:.1f} s wall, "
+          f"{st['units']} units, {m['totals']['n_shards']} shards")  # fmt: skip
+    print(f"  driver {st['driver_cpu_seconds']:.1f} CPU s, workers' tasks "
+          f"{st['worker_cpu_seconds']:.1f} CPU s (keys + dedup "
+          f"{st['worker_cpu_seconds_keys_and_dedup']:.1f})")  # fmt: skip
+    print("ratios (goal):")
+    print(f"  prepare CPU / raw encode_batch CPU   {cpu / raw['cpu_seconds']:6.2f}  (<= 1.5)")
+    if hf:
+        print(f"  prepare CPU / hf datasets CPU        {cpu / hf['cpu_seconds']:6.2f}  (<= 1.0)")
+    print(f"  driver CPU / total CPU               {st['driver_cpu_seconds'] / cpu:6.3f}  (<= 0.03)")
+    print(f"  bytes on disk / token bytes          {on_disk / token_bytes:6.3f}  (<= 1.3)")
+    big = work / "data8"
+    if big.exists():
+        shutil.rmtree(big)
+    eight_times(data, big)
+    t1, t8 = startup(data), startup(big)
+    print(f"  first batch, 8x data / 1x data       {t8 / t1:6.2f}  (<= 1.1)  "
+          f"({t1:.2f} s vs {t8:.2f} s)")  # fmt: skip
+    if not args.keep and not args.workdir:
+        shutil.rmtree(work)
     return 0
 
 

@@ -70,6 +70,9 @@ def _write_task(spec: JobSpec, index: int, unit: list[Slice], *reduced) -> UnitR
     dups = of_unit(index, list(reduced))
     result = write_unit(spec, index, unit, dups)
     result.cpu_seconds = time.process_time() - started
+    import ray
+
+    result.node = ray.get_runtime_context().get_node_id()
     return result
 
 
@@ -157,6 +160,7 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
         "results": results,
         "keys_and_dedup_cpu_seconds": cpu,
         "write_cpu_seconds": sum(r.cpu_seconds for r in results if r is not None),
+        "nodes": len({r.node for r in results if r is not None}),
     }
 
 

@@ -337,8 +337,9 @@ def _name_shards(fs, root: str, results) -> dict[str, Any]:
     return splits
 
 
-def run_prepare(cfg: PrepareConfig) -> str:
-    """Validate, then (unless up to date) run the Ray job and write the data dir."""
+def run_prepare(cfg: PrepareConfig) -> Path | str:
+    """Validate, then (unless up to date) run the Ray job and write the data dir.
+    Returns the data dir: a Path for a local output, else the URI."""
     from pipeline.data.job import init_ray, plan_units, run_job
     from pipeline.data.worker import JobSpec
 
@@ -363,7 +364,7 @@ def run_prepare(cfg: PrepareConfig) -> str:
     existing = _existing_manifest(fs, root)
     if existing and existing.get("fingerprint") == fp and not cfg.force:
         print(f"{cfg.output}: up to date (same inputs, tokenizer and config); --force rebuilds it")
-        return root
+        return _result(cfg, root)
     foreign = foreign_files(fs, root)
     if foreign and not cfg.force:
         shown = ", ".join(foreign[:10]) + (
@@ -453,6 +454,7 @@ def run_prepare(cfg: PrepareConfig) -> str:
         "worker_cpu_seconds": round(worker_cpu, 3),
         "worker_cpu_seconds_keys_and_dedup": round(job["keys_and_dedup_cpu_seconds"], 3),
         "units": len(units),
+        "writer_nodes": job["nodes"],
         "dedup_partitions": partitions,
     }
     manifest = {
@@ -501,4 +503,8 @@ def run_prepare(cfg: PrepareConfig) -> str:
             f"warning: no document fell into the valid split (valid_fraction={cfg.valid_fraction})",
             file=sys.stderr,
         )
-    return root
+    return _result(cfg, root)
+
+
+def _result(cfg: PrepareConfig, root: str) -> Path | str:
+    return cfg.output if "://" in cfg.output else Path(root)

@@ -67,6 +67,7 @@ class UnitResult:
     n_tokens: int = 0
     input_bytes: int = 0
     cpu_seconds: float = 0.0
+    node: str = ""  # the Ray node that wrote the parts
 
 
 def part_name(split: str, unit: int, k: int) -> str:

@@ -10,18 +10,12 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.config import ConfigError
+from pipeline.data import job
 from pipeline.data import prepare as prep
 from pipeline.data.inspect import inspect_data
 from pipeline.data.prepare import PrepareConfig, PrepareError, foreign_files, run_prepare
 from pipeline.data.readers import InputError
-from pipeline.data.shards import (
-    DataDir,
-    Document,
-    ShardError,
-    ShardWriter,
-    encode_document,
-    sample_bytes,
-)
+from pipeline.data.shards import DataDir, ShardError, block_sample
 from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
 
 pytestmark = pytest.mark.slow
@@ -82,14 +76,23 @@ def config(inputs, tokenizer_dir, output, **kw) -> PrepareConfig:
 
 
 def shard_bytes(root) -> dict[str, bytes]:
+    """Every file but the manifest (whose ``stats`` are the run's timings)."""
     return {
         p.relative_to(root).as_posix(): p.read_bytes()
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and p.name != "manifest.json"
     }
 
 
-KEY = re.compile(r"[0-9a-f]{16}-\d{10}-\d{4}")
+KEY = re.compile(r"u\d{6}[tv]\d{3}-\d{5}-\d+")  # unit, split, part - block - document
+NUMBER = re.compile(r"number (\d+)")
+
+
+def numbers(data: DataDir, split: str) -> list[int]:
+    """The paragraph number of every document (piece) of a split, in shard order."""
+    tok, _ = load_tokenizer(data.root / "tokenizer")
+    return [int(NUMBER.search(tok.decode(d.tokens.tolist())).group(1))
+            for d in data.iter_split(split)]  # fmt: skip
 
 
 def test_prepare_writes_a_valid_data_dir(ray_local, corpus, tokenizer_dir, tmp_path, capsys):
@@ -97,7 +100,7 @@ def test_prepare_writes_a_valid_data_dir(ray_local, corpus, tokenizer_dir, tmp_p
     data = DataDir(out)
     assert data.verify() == []
     m = data.manifest
-    assert m["format_version"] == 1 and m["token_dtype"] == "uint16"
+    assert m["format_version"] == 3 and m["token_dtype"] == "uint16"
     assert m["tokenizer"]["fingerprint"] == load_tokenizer(tokenizer_dir)[1]["sha256"]
     assert (out / "tokenizer" / "tokenizer.json").read_bytes() == (
         tokenizer_dir / "tokenizer.json"
@@ -111,12 +114,10 @@ def test_prepare_writes_a_valid_data_dir(ray_local, corpus, tokenizer_dir, tmp_p
     assert max(d.n_tokens for d in docs) <= 64
     assert sum(d.n_tokens for d in docs) == m["totals"]["n_tokens"]
     assert all(KEY.fullmatch(d.key) for d in docs)
-    source_index = {s["sha256"][:16]: i for i, s in enumerate(m["sources"])}
     for split in ("train", "valid"):
-        keys = [d.key for d in data.iter_split(split)]
-        order = [(source_index[k[:16]], k[17:]) for k in keys]
-        assert order == sorted(order)  # source order: (source, ordinal, piece)
-        assert m["splits"][split]["n_docs"] == len(keys) > 0
+        order = numbers(data, split)  # a.txt holds paragraphs 0-39, b.jsonl 100-119
+        assert order == sorted(order)  # source order
+        assert m["splits"][split]["n_docs"] == len(order) > 0
         assert all(info["n_docs"] <= 7 for info in m["splits"][split]["shards"])
     doc = docs[0]
     assert doc.tokens.dtype == np.uint16 and doc.sents[-1] == doc.n_tokens and doc.words[0] == 0
@@ -136,10 +137,8 @@ def test_rerun_is_up_to_date_and_force_rebuilds_identical_bytes(
     run_prepare(config([corpus], tokenizer_dir, tmp_path / "one"))
     assert "up to date" in capsys.readouterr().out
     assert {p: p.stat().st_mtime_ns for p in first.rglob("*")} == before
-    # Another dir, other execution settings (1 actor, tiny batches): the same bytes.
-    second = run_prepare(
-        config([corpus], tokenizer_dir, tmp_path / "two", workers=1, batch_docs=3, force=True)
-    )
+    # Another dir, other execution settings (tiny encode batches): the same bytes.
+    second = run_prepare(config([corpus], tokenizer_dir, tmp_path / "two", batch_docs=3))
     assert shard_bytes(first) == shard_bytes(second)
 
 
@@ -184,11 +183,7 @@ def test_dedup_keeps_the_first_occurrence_in_source_order(ray_local, tokenizer_d
         ("a.txt", 2),
         ("b.txt", 1),
     ]
-    keys = [d.key for d in data.iter_split("train")]
-    a_id = data.manifest["sources"][0]["sha256"][:16]
-    b_id = data.manifest["sources"][1]["sha256"][:16]
-    ordinals = [(k.split("-")[0], int(k.split("-")[1])) for k in keys]
-    assert ordinals == [(a_id, 0), (a_id, 1), (a_id, 3), (b_id, 0)]
+    assert numbers(data, "train") == [7, 1, 2, 3]
 
 
 def test_rejects_are_counted_by_reason(ray_local, tokenizer_dir, tmp_path):
@@ -229,8 +224,8 @@ def test_foreign_files_are_refused_before_ray(corpus, tokenizer_dir, tmp_path, m
     (out / "train").mkdir(parents=True)
     (out / "notes.txt").write_text("mine")
     (out / "train/readme.md").write_text("mine")
-    assert foreign_files(out) == ["notes.txt", "train/readme.md"]
-    monkeypatch.setattr(prep, "_init_ray", _ray_must_not_start)
+    assert foreign_files(*prep.output_fs(str(out))) == ["notes.txt", "train/readme.md"]
+    monkeypatch.setattr(job, "init_ray", _ray_must_not_start)
     with pytest.raises(PrepareError, match=r"notes\.txt, train/readme\.md"):
         run_prepare(config([corpus], tokenizer_dir, out))
 
@@ -248,7 +243,7 @@ def test_force_leaves_foreign_files_in_place(ray_local, corpus, tokenizer_dir, t
 
 
 def test_missing_input_is_named_before_ray_starts(tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(prep, "_init_ray", _ray_must_not_start)
+    monkeypatch.setattr(job, "init_ray", _ray_must_not_start)
     missing = tmp_path / "nope" / "corpus.txt"
     with pytest.raises(InputError, match=re.escape(str(missing))):
         run_prepare(config([missing], tokenizer_dir, tmp_path / "data"))
@@ -262,7 +257,7 @@ def test_missing_input_is_named_before_ray_starts(tokenizer_dir, tmp_path, monke
 
 
 def test_parquet_without_the_text_column_names_the_columns(tokenizer_dir, tmp_path, monkeypatch):
-    monkeypatch.setattr(prep, "_init_ray", _ray_must_not_start)
+    monkeypatch.setattr(job, "init_ray", _ray_must_not_start)
     path = tmp_path / "c.parquet"
     pq.write_table(pa.table({"body": ["a b c"], "id": [1]}), path)
     with pytest.raises(InputError, match=r"no column 'text'.*\['body', 'id'\]"):
@@ -285,7 +280,7 @@ def test_valid_split_is_stable_when_shard_size_changes(ray_local, corpus, tokeni
     )
     assert len(small.shards("train")) > len(large.shards("train")) == 1
     for split in ("train", "valid"):
-        assert [d.key for d in small.iter_split(split)] == [d.key for d in large.iter_split(split)]
+        assert numbers(small, split) == numbers(large, split)
     assert small.manifest["data_config_hash"] != large.manifest["data_config_hash"]
 
 
@@ -342,35 +337,19 @@ def test_config_errors_name_the_key(tmp_path):
                                         "clean": {"min_chars": -1}})  # fmt: skip
 
 
-def test_sample_bytes_match_the_shard_writer(tmp_path):
-    docs = [
-        Document(
-            key=f"{'ab' * 8}-{i:010d}-0000",
-            tokens=np.arange(3 + 11 * i) % 500,
-            sents=np.array([3 + 11 * i], np.int32),
-            words=np.arange(0, 3 + 11 * i, 2, dtype=np.int32),
-            meta={"source": "x", "n_tokens": 3 + 11 * i, "language": "zh"},
-        )
-        for i in range(30)
-    ]
-    # The reference: webdataset's own TarWriter on the same samples.
+def test_block_samples_are_the_bytes_webdataset_writes(tmp_path):
     import webdataset as wds
 
+    members = {"tokens.npy": b"\x93NUMPY" + bytes(range(200)), "meta.json": b'{"a": "\xe7"}',
+               "docs.npy": b"x" * 513, "words.npy": b""}  # fmt: skip
     reference = tmp_path / "reference.tar"
     with open(reference, "wb") as f:
         tar = wds.TarWriter(f, user="", group="", mode=0o644, mtime=0)
-        for doc in docs:
-            tar.write(encode_document(doc, np.dtype(np.uint16)))
+        for key in ("u000000t000-00000", "u000000t000-00001"):
+            tar.write({"__key__": key, **members})
         tar.close()
-    ours = ShardWriter(tmp_path, "train/shard-000000.tar", np.uint16)
-    for doc in docs:
-        ours.write(doc)  # = write_bytes(*sample_record(doc, dtype)), as the prepare actors do
-    entry = ours.close()
-    assert (tmp_path / entry["name"]).read_bytes() == reference.read_bytes()
-    assert (
-        b"".join(sample_bytes(d, np.uint16) for d in docs)
-        == reference.read_bytes()[: sum(len(sample_bytes(d, np.uint16)) for d in docs)]
-    )
+    ours = b"".join(block_sample(k, members)[0] for k in ("u000000t000-00000", "u000000t000-00001"))
+    assert reference.read_bytes()[: len(ours)] == ours
 
 
 def test_entity_list_writes_spans(ray_local, corpus, tokenizer_dir, tmp_path):
@@ -423,3 +402,53 @@ def test_bad_entity_list_fails_before_ray_naming_the_line(corpus, tokenizer_dir,
     with pytest.raises(InputError, match="holds no entity"):
         run_prepare(config([corpus], tokenizer_dir, tmp_path / "data", entities=str(empty)))
     assert not (tmp_path / "data").exists()
+
+
+def tokens_of(data: DataDir) -> dict[str, list[list[int]]]:
+    return {s: [d.tokens.tolist() for d in data.iter_split(s)] for s in ("train", "valid")}
+
+
+def test_one_large_file_is_read_by_several_tasks(ray_local, tokenizer_dir, tmp_path):
+    from pipeline.data.job import plan_units
+    from pipeline.data.readers import resolve_inputs
+
+    big = tmp_path / "big.txt"
+    big.write_text("\n\n\n".join(paragraph(i) for i in range(120)) + "\n", "utf-8")
+    units = plan_units(resolve_inputs([str(big)]), 2000)
+    assert len(units) >= 5 and all(len(u) == 1 and u[0].source == 0 for u in units)
+    whole = DataDir(run_prepare(config([big], tokenizer_dir, tmp_path / "whole")))
+    cut = DataDir(run_prepare(config([big], tokenizer_dir, tmp_path / "cut", split_bytes=2000)))
+    assert cut.manifest["stats"]["units"] == len(units)
+    assert whole.manifest["stats"]["units"] == 1
+    assert numbers(cut, "train") == numbers(whole, "train") == sorted(numbers(whole, "train"))
+    assert tokens_of(cut) == tokens_of(whole)
+    assert cut.manifest["totals"]["documents_read"] == 120
+
+
+def test_dedup_is_the_same_across_units_and_partitions(
+    ray_local, tokenizer_dir, tmp_path, monkeypatch
+):
+    """Duplicates in other units (and other files), found the same with 1 or 3 reducers:
+    the first occurrence in source order wins."""
+    from pipeline.data import dedup
+
+    dup_a, dup_b = paragraph(7), paragraph(8)
+    a = tmp_path / "in/a.txt"
+    a.parent.mkdir()
+    docs = [paragraph(i) for i in range(30)]
+    docs[20], docs[25] = dup_a, dup_b  # 7 and 8 again, far later in the same file
+    a.write_text("\n\n".join(docs) + "\n", "utf-8")
+    (tmp_path / "in/b.txt").write_text(f"{dup_b}\n\n{paragraph(40)}\n\n{dup_a}\n", "utf-8")
+    outs = []
+    for n in (1, 3):
+        monkeypatch.setattr(dedup, "n_partitions", lambda _bytes, n=n: n)
+        cfg = config([tmp_path / "in"], tokenizer_dir, tmp_path / f"p{n}", split_bytes=1500)
+        outs.append(DataDir(run_prepare(cfg)))
+    one, three = outs
+    assert one.manifest["stats"]["dedup_partitions"] == 1
+    assert three.manifest["stats"]["dedup_partitions"] == 3
+    assert one.manifest["stats"]["units"] >= 4
+    assert one.manifest["rejected"] == three.manifest["rejected"] == {"duplicate": 4}
+    assert shard_bytes(one.root / "train") == shard_bytes(three.root / "train")
+    kept = sorted(numbers(one, "train") + numbers(one, "valid"))
+    assert kept == [i for i in range(30) if i not in (20, 25)] + [40]
