@@ -8,18 +8,14 @@ sentences of 8-40 tokens, a vocabulary of 30522), then times, in one process
 (= one loader worker), alternating rounds:
 
 * ours, cold:   a whole epoch of PretrainStream (mlm+nsp) from the shards, every
-                document decoded from its tar member on first use (once per epoch, as
-                with any corpus size: the default cache holds two shuffle groups),
-                by DataDir.read (memory map + the index's member offsets + np.frombuffer);
-* ours, cold, webdataset reads: the same with each sample read the way DataDir.read did
-                before (open/seek/read, a webdataset tar stream per sample, np.load),
-                for the before/after comparison under the same load;
+                document read from its block on first use (once per epoch, as with any
+                corpus size: the default cache holds two shuffle groups), by
+                DataDir.read (memory map + the block index + np.frombuffer, each block's
+                crc32 checked on its first read);
 * ours, cached: the same epoch again, documents already decoded: the objective's work
                 alone, the same footing as the collator, which gets token lists in memory;
-* decoding alone: every document read once in a random order by DataDir.read, by
-                DataDir.read given a 3-column index (parses the tar and .npy headers,
-                the reader before the index had member offsets) and by the webdataset
-                reader above (CPU microseconds per document);
+* decoding alone: every document read once in a random order by DataDir.read (CPU
+                microseconds per document);
 * HF:           transformers.DataCollatorForLanguageModeling(mlm_probability=0.15) on
                 the same windows as pre-tokenized lists `[CLS] window [SEP]` (no NSP).
 
@@ -46,7 +42,6 @@ from pipeline.data.shards import (
     DataDir,
     Document,
     ShardWriter,
-    _decode_with_webdataset,
     shard_name,
     write_manifest,
 )
@@ -75,24 +70,6 @@ def build_data(root: Path, n_docs: int, seed: int = 0, per_shard: int = 2000) ->
     write_manifest(
         root, {"format_version": 3, "tokenizer": {"path": "tokenizer"}, "splits": splits}
     )
-
-
-class WebdatasetReads(DataDir):
-    """DataDir.read as it was: a fresh webdataset tar stream and np.load per sample."""
-
-    def read(self, shard: str, i: int) -> Document:
-        offset, size = self.index(shard)[i, :2].tolist()
-        with open(self.root / shard, "rb") as f:
-            f.seek(offset)
-            return _decode_with_webdataset(f.read(size), f"{shard}#{i}")
-
-
-class HeaderParsingReads(DataDir):
-    """DataDir.read with an index of the first three columns only (as before the member
-    offsets were indexed): each read parses the tar and .npy headers of the sample."""
-
-    def index(self, shard: str) -> np.ndarray:
-        return super().index(shard)[:, :3]
 
 
 def hf_collator():
@@ -136,29 +113,22 @@ def main() -> None:
         collator = hf_collator()
         rates: dict[str, list[tuple[float, float]]] = {
             "cold": [],
-            "cold_wds": [],
             "cached": [],
             "hf": [],
         }
         reads = []
-        decode = {"DataDir.read": [], "header parsing": [], "webdataset reads": []}
+        decode = {"DataDir.read": []}
         samples = [
             (e["name"], i) for e in DataDir(root).shards("train") for i in range(e["n_docs"])
         ]
         for epoch in range(args.rounds):  # fresh streams and a new epoch per round
             # the decoding alone: every document once, in a random order, CPU us per document
             order = np.random.default_rng(epoch).permutation(len(samples))
-            for name, data in (
-                ("webdataset reads", WebdatasetReads(root)),
-                ("header parsing", HeaderParsingReads(root)),
-                ("DataDir.read", DataDir(root)),
-            ):
+            for name, data in (("DataDir.read", DataDir(root)),):
                 _, cpu = per_second(lambda i, d=data, o=order: d.read(*samples[o[i]]), len(order))
                 decode[name].append(1e6 / cpu)
-            stream = PretrainStream(WebdatasetReads(root), "train", objective, B, seed=1)
-            n = stream.batches_per_epoch
-            rates["cold_wds"].append(per_second(lambda i, s=stream, e=epoch: s.batch_at(e, i), n))
             stream = PretrainStream(root, "train", objective, B, seed=1)
+            n = stream.batches_per_epoch
             rates["cold"].append(per_second(lambda i, s=stream, e=epoch: s.batch_at(e, i), n))
             reads.append(stream.docs_read / n)
             assert stream.docs_read == args.docs  # the cache held the epoch: no re-decoding
@@ -181,7 +151,6 @@ def main() -> None:
         )
         names = {
             "cold": "ours mlm+nsp, cold (DataDir.read)",
-            "cold_wds": "ours mlm+nsp, cold, webdataset reads",
             "cached": "ours mlm+nsp, documents cached",
             "hf": "HF DataCollatorForLanguageModeling",
         }
@@ -192,7 +161,7 @@ def main() -> None:
         for key, name in names.items():
             wall, cpu = (statistics.median(r[c] for r in rates[key]) for c in (0, 1))
             print(f"{name:38s} {wall:7.1f} wall  {cpu:7.1f} CPU")
-        for key in ("cached", "cold", "cold_wds"):
+        for key in ("cached", "cold"):
             # ratios within each round (same load), then the median over rounds
             ratio = [
                 statistics.median(a[c] / b[c] for a, b in zip(rates[key], rates["hf"], strict=True))
