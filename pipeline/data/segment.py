@@ -337,7 +337,7 @@ def mark_sentence_ends(text: str) -> tuple[str, int]:
 
 class Segmenter:
     """Tokenize and segment batches of cleaned documents with one tokenizer: what the
-    `plm data prepare` actors run, one call per batch.
+    `plm data prepare` write tasks run, one call per batch.
 
     Two paths, the same pieces (tests/unit/test_prepare_speed_parts.py compares them):
 

@@ -1,6 +1,6 @@
 """The fast paths of `plm data prepare` give exactly what the plain ways give.
 
-Each speed-up of the actors' work (tar headers from a template, the one-class sentence
+Each speed-up of the prepare workers' work (tar headers from a template, the one-class sentence
 regex, word starts from WordPiece ids, the ASCII control check, the packed batch rows)
 is checked here against the slower reference it replaced, on real text and on edge
 cases, so the shards stay byte-identical.
