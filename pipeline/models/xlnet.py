@@ -46,6 +46,13 @@ class XLNetConfig(TransformerConfig):
 
     @model_validator(mode="after")
     def _reuse_fits(self):
+        if self.hidden_size % 2:
+            # The relative-position sinusoids come in (sin, cos) pairs of hidden_size
+            # dims; an odd size would only fail in the forward pass.
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be even (sin/cos pairs of the relative "
+                "positions); pick an even hidden_size that num_heads divides"
+            )
         if self.reuse_len is not None and self.reuse_len >= self.max_positions:
             raise ValueError(
                 f"reuse_len {self.reuse_len} must be < max_positions {self.max_positions}"

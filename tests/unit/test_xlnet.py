@@ -166,6 +166,19 @@ def test_bad_settings_are_clear_errors():
     assert obj.reuse_len == 20
 
 
+@pytest.mark.parametrize("hidden,heads", [(9, 3), (66, 4), (63, 7), (66, 6), (60, 4)])
+def test_hidden_size_heads_refused_in_config_or_forward_works(hidden, heads):
+    """A shape the model cannot run is a ConfigError naming the key, never a crash in
+    the forward pass: hidden_size must be a multiple of num_heads and even (sin/cos)."""
+    over = {"hidden_size": hidden, "num_heads": heads}
+    if hidden % heads or hidden % 2:
+        with pytest.raises(ConfigError, match="key .model.: .*hidden_size"):
+            resolve_model_config({"arch": "xlnet", "preset": "xlnet-tiny", **over}, VOCAB)
+        return
+    out = tiny_model(**over)(input_ids=torch.randint(6, VOCAB, (2, 8)))
+    assert out["hidden_states"].shape == (2, 8, hidden)
+
+
 # ----------------------------------------------------------------------------- model
 
 
