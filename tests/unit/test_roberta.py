@@ -202,6 +202,15 @@ def test_export_to_transformers_matches_logits_and_tokenizer(tmp_path):
     assert b[0] == bos and b[-1] == eos
     assert enc == [bos, *a, eos, eos, *b[1:-1], eos]
     assert (tok.pad_token_id, tok.mask_token_id) == (1, meta["roles"]["mask"])
+    # Truncation builds the longest input the model takes: positions run from pad + 1 to
+    # max_positions - 1, so max_positions - pad - 1 tokens (514 -> 512 for roberta-base).
+    assert tok.model_max_length == cfg.max_positions - cfg.pad_token_id - 1
+    long = tok(" ".join(["The model reads byte level pairs."] * 300), truncation=True,
+               return_tensors="pt")  # fmt: skip
+    assert long["input_ids"].shape[1] == tok.model_max_length
+    with torch.no_grad():
+        hf(**long)  # every position of the longest input has a row in the position table
+    assert model(long["input_ids"])["mlm_logits"].shape[1] == tok.model_max_length
 
 
 def test_roberta_base_size_and_flops():
