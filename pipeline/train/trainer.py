@@ -401,6 +401,9 @@ class Trainer:
                     self.log(
                         f"step {self.step}: non-finite loss, update skipped ({bad_in_row} in a row)"
                     )
+                    # Logged at once: a run that stops on a diverging tail has no later
+                    # logging window that would report these skips.
+                    self.tracker.log_metrics({"skipped_steps": self.skipped}, self.step)
                     if bad_in_row >= t.max_nonfinite_in_row:
                         tag = self.save()
                         raise TrainingDiverged(
@@ -455,6 +458,16 @@ class Trainer:
                         },
                     )
             status = "FINISHED"
+        except BaseException as err:
+            # The MLflow run says why it failed, not only that it did.
+            reason = "diverged" if isinstance(err, TrainingDiverged) else type(err).__name__
+            if isinstance(err, KeyboardInterrupt):
+                status, reason = "KILLED", "interrupted"
+            self.tracker.set_tags(
+                {"failure_reason": reason, "failure_step": self.step,
+                 "failure_message": f"{type(err).__name__}: {err}"}
+            )  # fmt: skip
+            raise
         finally:
             self.tracker.end(status)
             self.stream.close()
