@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import io
 import json
+import pickle
 import random
 import shutil
 from pathlib import Path
@@ -43,9 +44,18 @@ def tag_for(step: int) -> str:
 
 
 def rng_state() -> dict[str, Any]:
+    """The RNG states in types ``torch.load(weights_only=True)`` reads: tensors, ints,
+    floats, strings, tuples, lists and dicts (numpy's state tuple holds an ndarray)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),  # uint32 values
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -55,10 +65,48 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    npst = state["numpy"]
+    if isinstance(npst, dict):
+        keys = npst["keys"].numpy().astype(np.uint32)
+        npst = (npst["kind"], keys, npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
+    np.random.set_state(npst)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# What trainer_rank*.pt files written before the weights-only format hold besides tensors:
+# numpy's RNG state array. Allowed for those files only, never arbitrary classes.
+_LEGACY_NUMPY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+try:
+    _LEGACY_NUMPY_GLOBALS.append(np._core.multiarray._reconstruct)
+except AttributeError:  # numpy < 2
+    _LEGACY_NUMPY_GLOBALS.append(np.core.multiarray._reconstruct)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """A rank's trainer state, read with ``weights_only=True``: loading a checkpoint never
+    runs code from it. Files of older versions (numpy RNG arrays) load the same way with
+    numpy's array reconstruction allowed."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        with torch.serialization.safe_globals(_LEGACY_NUMPY_GLOBALS):
+            return torch.load(path, weights_only=True)
+
+
+def plain(obj: Any) -> Any:
+    """numpy scalars and arrays (a loader counter, say) as ints/floats/tensors, so the
+    saved state holds only what ``weights_only=True`` loads."""
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -121,7 +169,10 @@ class CheckpointManager:
         path = self.root / tag / f"trainer_rank{self.rank}.pt"
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
-        state = torch.load(path, weights_only=False)
+        try:
+            state = load_trainer_state(path)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            raise CheckpointError(f"{path} cannot be read safely: {err}") from err
         set_rng_state(state["rng"])
         return state
 
@@ -144,7 +195,7 @@ class CheckpointManager:
             str(self.root), tag=tag, client_state={"step": step}, save_latest=False
         )
         folder.mkdir(parents=True, exist_ok=True)
-        state = {**trainer_state, "rng": rng_state(), "step": step}
+        state = plain({**trainer_state, "rng": rng_state(), "step": step})
         atomic_write_bytes(folder / f"trainer_rank{self.rank}.pt", _torch_bytes(state))
         if self.rank == 0:
             text = yaml.safe_dump(config, sort_keys=False)
