@@ -140,16 +140,61 @@ def _all_reduce_sum(values: list[float], dev: torch.device) -> list[float]:
     return t.tolist()
 
 
+def _replicated_masters(engine) -> dict[int, torch.Tensor]:
+    """{id(16-bit param): its fp32 master} of DeepSpeed's ZeRO-0 mixed-precision optimizers
+    (FP16_UnfusedOptimizer: ``fp32_groups`` lists; FP16_Optimizer: ``fp32_groups_flat``);
+    empty for ZeRO 1-3 (their partitions are read with safe_get_full_fp32_param)."""
+    opt = engine.optimizer
+    lp_groups = getattr(opt, "fp16_groups", None)
+    if engine.zero_optimization() or not lp_groups:
+        return {}
+    out: dict[int, torch.Tensor] = {}
+    if getattr(opt, "fp32_groups", None):
+        for lp_group, hp_group in zip(lp_groups, opt.fp32_groups, strict=True):
+            out.update((id(lp), hp) for lp, hp in zip(lp_group, hp_group, strict=True))
+    elif getattr(opt, "fp32_groups_flat", None):
+        from torch._utils import _unflatten_dense_tensors
+
+        for lp_group, flat in zip(lp_groups, opt.fp32_groups_flat, strict=True):
+            hps = _unflatten_dense_tensors(flat, lp_group)
+            out.update((id(lp), hp) for lp, hp in zip(lp_group, hps, strict=True))
+    return out
+
+
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """Full fp32 weights on rank 0 (None elsewhere). Collective under ZeRO-3."""
-    if engine.zero_optimization_partition_weights():
-        sd = engine._zero3_consolidated_16bit_state_dict()
-    else:
-        sd = engine.module.state_dict() if dist.get_rank() == 0 else None
-    if sd is None:
+    """Full fp32 weights on rank 0 (None elsewhere). Collective under ZeRO 1-3 and bf16.
+
+    The fp32 *master* weights, never the 16-bit copies the forward pass uses: a bf16 run's
+    bundle holds what the optimizer holds (DeepSpeed's 16-bit consolidation would round
+    every weight to 8 bits of mantissa). Each parameter is assembled from the optimizer's
+    partitions (``safe_get_full_fp32_param``, an all-reduce / all-gather per parameter);
+    without a ZeRO or bf16 optimizer (ZeRO-0 fp32) the module's weights are the master.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    rank0 = dist.get_rank() == 0
+    replicated = _replicated_masters(engine)  # ZeRO-0 with bf16/fp16: every rank has it
+    full: dict[int, torch.Tensor] = {}
+    for _, p in module.named_parameters():  # the same order on every rank
+        hp = replicated.get(id(p))
+        if hp is None:
+            hp = safe_get_full_fp32_param(p)
+        if hp is None and hasattr(p, "ds_id"):  # a ZeRO-3 parameter the optimizer lacks
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                hp = p.detach().clone()
+        if hp is not None:
+            full[id(p)] = hp.detach()
+    if not rank0:
         return None
-    # Clone so tied weights become separate tensors (safetensors refuses shared storage)
-    return {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()}
+    sd: dict[str, torch.Tensor] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        value = full.get(id(t), t)  # a parameter's master copy; buffers as they are
+        # Clone so tied weights become separate tensors (safetensors refuses shared storage)
+        sd[name] = value.detach().to("cpu", torch.float32).clone()
+    return sd
 
 
 def discard_gradients(engine) -> None:
