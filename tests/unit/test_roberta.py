@@ -141,6 +141,27 @@ def test_packing_is_refused_for_pair_objectives():
         build_objective(cfg, ROLES, 300, 64)
 
 
+def test_static_masking_means_the_same_examples_every_epoch():
+    """Static masks are seeded on the unit key. FULL-SENTENCES re-packs the shuffled
+    stream every epoch (its key is a stream position), so static masking cannot give the
+    same masks: refused, naming both keys. Window / DOC-SENTENCES units are keyed on
+    (document, window): the same key has the same content whatever the epoch's order."""
+    cfg = ObjectiveSection(kind="mlm", mlm={"packing": "full_sentences", "static": True})
+    with pytest.raises(ConfigError, match=r"objective.mlm.static=true.*packing=full_sentences"):
+        build_objective(cfg, ROLES, 300, 64)
+    lengths = np.array([50, 130, 7, 90, 64])
+    for packing in ("window", "doc_sentences"):
+        obj = build_objective(
+            ObjectiveSection(kind="mlm", mlm={"packing": packing, "static": True}), ROLES, 300, 64
+        )
+        by_key = []
+        for seed in (1, 2):  # two epochs: two shuffles of the same documents
+            order = np.random.default_rng(seed).permutation(len(lengths))
+            layout = obj.layout(order, lengths)
+            by_key.append({u.key: u for u in layout.units(np.arange(layout.n_units))})
+        assert by_key[0] == by_key[1]
+
+
 def test_stream_layout_covers_the_stream_once():
     lengths = np.array([5, 0 + 1, 30, 7, 12])
     layout = StreamLayout(np.arange(5), lengths, 8)
