@@ -9,6 +9,11 @@ Layout of one checkpoint::
     checkpoints/step00000200/COMPLETE           written by rank 0 after every rank finished
     checkpoints/latest                          our pointer: the tag of the last COMPLETE one
 
+A checkpoint resumes on another number of ranks (``resume_plan`` / ``to_universal``):
+ZeRO-0 state is not partitioned and loads as it is; ZeRO 1-3 partitions are converted
+once with DeepSpeed's ``ds_to_universal`` into ``<tag>/universal/`` (fp32 weights and
+Adam moments per parameter) and loaded with ``checkpoint.load_universal``.
+
 DeepSpeed's own ``latest`` is written without waiting for the other ranks, and its
 ``load_checkpoint`` silently starts from scratch when it finds nothing, so we save with
 ``save_latest=False``, load with an explicit tag, and fail loudly if that tag won't load.
@@ -16,11 +21,15 @@ DeepSpeed's own ``latest`` is written without waiting for the other ranks, and i
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import io
 import json
+import os
 import pickle
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +42,7 @@ from pipeline.data.shards import atomic_write_bytes
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
+UNIVERSAL = "universal"  # <tag>/universal: the tag converted by ds_to_universal
 
 
 class CheckpointError(RuntimeError):
@@ -146,27 +156,50 @@ class CheckpointManager:
             p.name for p in self.root.iterdir() if p.is_dir() and self.is_complete(p.name)
         )
 
-    def load(self, engine, tag: str) -> dict[str, Any]:
-        """Restore engine + this rank's trainer state from ``tag``; returns the trainer state."""
+    def meta(self, tag: str) -> dict[str, Any]:
+        """What rank 0 wrote into COMPLETE: step, world size, batch sizes, ZeRO stage."""
+        return json.loads((self.root / tag / COMPLETE).read_text(encoding="utf-8"))
+
+    def load(self, engine, tag: str, universal: bool = False) -> dict[str, Any]:
+        """Restore engine + this rank's trainer state from ``tag``; returns the trainer state.
+
+        ``universal``: load ``tag``'s universal conversion (the engine was built with
+        ``checkpoint.load_universal``). A checkpoint of another world size loads only so,
+        or directly under ZeRO-0 (nothing partitioned); the trainer state then comes from
+        rank 0's file (the loader cursor is global) and recurrent memory starts empty.
+        """
         if not self.is_complete(tag):
             raise CheckpointError(f"checkpoint {self.root / tag} is incomplete (no {COMPLETE})")
-        meta = json.loads((self.root / tag / COMPLETE).read_text(encoding="utf-8"))
-        if meta["world_size"] != self.world_size:
+        meta = self.meta(tag)
+        saved_world = int(meta["world_size"])
+        elastic = saved_world != self.world_size
+        if elastic and not universal and meta.get("zero_stage", 0) != 0:
             raise CheckpointError(
-                f"checkpoint {self.root / tag} was written by {meta['world_size']} ranks, this run "
-                f"has {self.world_size}; exact resume needs the same world size"
+                f"checkpoint {self.root / tag} was written by {saved_world} ranks, this run "
+                f"has {self.world_size}: its ZeRO-{meta.get('zero_stage', '?')} state must be "
+                "converted to a universal checkpoint first (train.resume: auto does it)"
             )
+        ds_tag = f"{tag}/{UNIVERSAL}" if universal else tag
+        # DeepSpeed's ZeRO-3 universal loader copies the first parameter group's
+        # hyperparameters into every group: keep our per-group weight decay.
+        decays = [g.get("weight_decay") for g in engine.optimizer.param_groups]
         try:
             load_path, _ = engine.load_checkpoint(
-                str(self.root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
-        except (AssertionError, OSError, RuntimeError, KeyError) as err:
+                str(self.root), tag=ds_tag, load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )  # fmt: skip
+        except (AssertionError, OSError, RuntimeError, KeyError, ValueError) as err:
             raise CheckpointError(
-                f"DeepSpeed could not load checkpoint {self.root / tag}: {type(err).__name__} {err}"
+                f"DeepSpeed could not load checkpoint {self.root / ds_tag}: "
+                f"{type(err).__name__} {err}"
             ) from err
         if load_path is None:
-            raise CheckpointError(f"DeepSpeed could not load checkpoint {self.root / tag}")
-        path = self.root / tag / f"trainer_rank{self.rank}.pt"
+            raise CheckpointError(f"DeepSpeed could not load checkpoint {self.root / ds_tag}")
+        for group, decay in zip(engine.optimizer.param_groups, decays, strict=True):
+            if decay is not None:
+                group["weight_decay"] = decay
+        rank_file = self.rank if not elastic else min(self.rank, saved_world - 1)
+        path = self.root / tag / f"trainer_rank{rank_file}.pt"
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
         try:
@@ -174,7 +207,43 @@ class CheckpointManager:
         except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
             raise CheckpointError(f"{path} cannot be read safely: {err}") from err
         set_rng_state(state["rng"])
+        if elastic:
+            state["memory"] = None  # each rank's rows are its own streams: they changed
+            state["resumed_world_size"] = saved_world
         return state
+
+    def to_universal(self, tag: str) -> float:
+        """Convert ``tag`` with DeepSpeed's ``ds_to_universal`` into ``<tag>/universal``
+        (rank 0 converts, the others wait); returns the seconds it took (0 if done before).
+        Written to a temp folder and renamed, so a killed conversion is redone, not used."""
+        out = self.root / tag / UNIVERSAL
+        seconds = 0.0
+        if self.rank == 0 and not (out / COMPLETE).is_file():
+            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+            t0 = time.perf_counter()
+            tmp = self.root / tag / f".{UNIVERSAL}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
+            args = argparse.Namespace(
+                input_folder=str(self.root / tag), output_folder=str(tmp),
+                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                strict=True, inject_missing_state=True,
+            )  # fmt: skip
+            log = io.StringIO()  # its progress bars and prints: kept for errors only
+            try:
+                with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                    ds_to_universal(args)
+            except Exception as err:
+                raise CheckpointError(
+                    f"converting {self.root / tag} to a universal checkpoint failed: "
+                    f"{type(err).__name__}: {err}\n{log.getvalue()[-2000:]}"
+                ) from err
+            (tmp / COMPLETE).write_text(json.dumps(self.meta(tag)), encoding="utf-8")
+            os.replace(tmp, out)
+            seconds = time.perf_counter() - t0
+        dist.barrier()
+        return seconds
 
     # --- writing -------------------------------------------------------------------------
     def save(
@@ -184,6 +253,7 @@ class CheckpointManager:
         trainer_state: dict[str, Any],
         config: dict[str, Any],
         ds_config: dict[str, Any],
+        batch_meta: dict[str, Any] | None = None,
     ) -> str:
         """Collective: every rank calls it. ``latest`` moves only after all ranks wrote."""
         tag = tag_for(step)
@@ -203,7 +273,7 @@ class CheckpointManager:
             atomic_write_bytes(folder / "ds_config.json", json.dumps(ds_config, indent=2).encode())
         dist.barrier()  # every rank's files are on disk
         if self.rank == 0:
-            meta = {"step": step, "world_size": self.world_size}
+            meta = {"step": step, "world_size": self.world_size, **(batch_meta or {})}
             atomic_write_bytes(folder / COMPLETE, json.dumps(meta).encode("utf-8"))
             atomic_write_bytes(self.root / LATEST, tag.encode("utf-8"))
             self._prune(keep=tag)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ExperimentConfig
+from pipeline.config import ConfigError, ExperimentConfig
 from pipeline.data.shards import DataDir
 from pipeline.train import engine as ds_engine
 from pipeline.train.checkpoint import CheckpointManager, tag_for
@@ -227,6 +227,12 @@ class Trainer:
         self.run_dir = Path(cfg.train.out_dir)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt = CheckpointManager(self.run_dir, cfg.train.keep_last, self.rank, self.world)
+        # Resuming on another number of ranks: the global batch is kept (grad_accum
+        # adjusted) and ZeRO 1-3 state is converted to a universal checkpoint, before
+        # anything is built from the config.
+        cfg, self.elastic = self.plan_elastic_resume(cfg)
+        self.cfg = cfg
         self.data, self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(
             cfg, self.rank, self.world
         )
@@ -240,10 +246,16 @@ class Trainer:
         self.eval_memory: Any = None
         self.n_params = sum(p.numel() for p in model.parameters())
         self.ds_config = ds_engine.build_ds_config(cfg, self.world)
+        if self.elastic and self.elastic["universal"]:
+            self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine = ds_engine.initialize(model, self.ds_config, scheduler_factory(cfg.train))
+        if self.elastic and self.elastic["universal"]:
+            # Only this run's first load reads the universal folder; later saves are ours.
+            self.ds_config["checkpoint"].pop("load_universal")
+            if not self.ds_config["checkpoint"]:
+                self.ds_config.pop("checkpoint")
         self.stream = self.make_stream("train", cfg.data.workers)
         self.valid_stream = None
-        self.ckpt = CheckpointManager(self.run_dir, cfg.train.keep_last, self.rank, self.world)
         self.tracker = Tracker(self.run_dir, enabled=self.rank == 0)
         self.step = 0
         self.tokens_seen = 0
@@ -252,13 +264,73 @@ class Trainer:
         self.resumed_from: str | None = None
 
     # --- setup ---------------------------------------------------------------------------
+    def plan_elastic_resume(self, cfg: ExperimentConfig) -> tuple[ExperimentConfig, dict | None]:
+        """When ``train.resume: auto`` finds a checkpoint of another world size: the config
+        with grad_accum set so the global batch stays the checkpoint's (or a ConfigError
+        giving the override to pass), and the ZeRO 1-3 state converted to a universal
+        checkpoint. Returns (config, None) when nothing changes."""
+        t = cfg.train
+        if t.resume != "auto":
+            return cfg, None
+        tag = self.ckpt.latest()
+        if tag is None:
+            return cfg, None
+        meta = self.ckpt.meta(tag)
+        saved_world = int(meta["world_size"])
+        if saved_world == self.world:
+            return cfg, None
+        ga_saved = int(meta.get("grad_accum", t.grad_accum))
+        micro_saved = int(meta.get("micro_batch_size", t.micro_batch_size))
+        global_batch = int(meta.get("global_batch", micro_saved * ga_saved * saved_world))
+        where = self.ckpt.root / tag
+        ga = t.grad_accum
+        if t.micro_batch_size * t.grad_accum * self.world != global_batch:
+            per_step = t.micro_batch_size * self.world
+            if global_batch % per_step == 0:
+                ga = global_batch // per_step
+            else:
+                if global_batch % self.world:
+                    hint = (f"a global batch of {global_batch} cannot be split over "
+                            f"{self.world} ranks: resume on a number of ranks that divides it")  # fmt: skip
+                else:
+                    per_rank = global_batch // self.world
+                    hint = (f"pass train.micro_batch_size={per_rank} train.grad_accum=1 (any "
+                            f"micro_batch_size x grad_accum = {per_rank} will do)")  # fmt: skip
+                raise ConfigError(
+                    f"train.resume=auto: checkpoint {where} was written by {saved_world} ranks "
+                    f"with a global batch of {global_batch} ({micro_saved} x {ga_saved} x "
+                    f"{saved_world}); with {self.world} ranks and train.micro_batch_size="
+                    f"{t.micro_batch_size} it cannot be kept by grad_accum alone: {hint}"
+                )
+        stage = ds_engine.zero_stage(ds_engine.load_base_config(cfg.deepspeed)[0])
+        plan = {
+            "tag": tag, "saved_world": saved_world, "universal": stage > 0,
+            "grad_accum": (t.grad_accum, ga), "convert_s": 0.0,
+        }  # fmt: skip
+        if ga != t.grad_accum:
+            self.log(
+                f"checkpoint {where} was written by {saved_world} ranks: train.grad_accum "
+                f"{t.grad_accum} -> {ga} on {self.world} ranks keeps the global batch of "
+                f"{global_batch}"
+            )
+            cfg = cfg.model_copy(update={"train": t.model_copy(update={"grad_accum": ga})})
+        if plan["universal"]:
+            plan["convert_s"] = self.ckpt.to_universal(tag)
+            done = f"in {plan['convert_s']:.1f} s" if plan["convert_s"] else "(converted before)"
+            self.log(
+                f"converted {where} (ZeRO-{stage}, {saved_world} ranks) to a universal "
+                f"checkpoint {done}"
+            )
+        return cfg, plan
+
     def resume_if_asked(self) -> None:
-        if self.cfg.train.resume != "auto":
+        if self.cfg.train.resume != "auto" or self.resumed_from is not None:
             return
         tag = self.ckpt.latest()
         if tag is None:
             return
-        state = self.ckpt.load(self.engine, tag)  # raises if it cannot
+        universal = bool(self.elastic and self.elastic["universal"] and self.elastic["tag"] == tag)
+        state = self.ckpt.load(self.engine, tag, universal=universal)  # raises if it cannot
         self.stream.load_state_dict(state["loader"])
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
@@ -266,7 +338,10 @@ class Trainer:
         self.skipped = state["skipped"]
         self.n_checkpoints = state["n_checkpoints"]
         self.resumed_from = tag
-        self.log(f"resumed from {self.ckpt.root / tag} at step {self.step}")
+        extra = ""
+        if "resumed_world_size" in state:
+            extra = f" (written by {state['resumed_world_size']} ranks, now {self.world})"
+        self.log(f"resumed from {self.ckpt.root / tag} at step {self.step}{extra}")
 
     def start_tracking(self) -> None:
         cfg = self.cfg
@@ -280,6 +355,13 @@ class Trainer:
             "world_size": str(self.world),
             "zero_stage": str(ds_engine.zero_stage(self.ds_config)),
         }
+        if self.elastic:
+            e = self.elastic
+            conversion = f"{e['convert_s']:.1f} s" if e["universal"] else "none (ZeRO-0)"
+            tags["elastic_resume"] = (
+                f"{e['tag']}: {e['saved_world']} -> {self.world} ranks, grad_accum "
+                f"{e['grad_accum'][0]} -> {e['grad_accum'][1]}, universal conversion {conversion}"
+            )
         self.tracker.start(
             tracking_uri=cfg.mlflow.tracking_uri,
             experiment=cfg.name,
@@ -379,9 +461,16 @@ class Trainer:
             "n_checkpoints": self.n_checkpoints + 1,
             "memory": self.memory,  # this rank's recurrent memory (None for most models)
         }
+        t = self.cfg.train
+        batch_meta = {
+            "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
+            "global_batch": t.micro_batch_size * t.grad_accum * self.world,
+            "zero_stage": ds_engine.zero_stage(self.ds_config),
+        }  # fmt: skip
         tag = self.ckpt.save(
-            self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config
-        )
+            self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config,
+            batch_meta,
+        )  # fmt: skip
         self.n_checkpoints += 1
         self.log(f"checkpoint {self.ckpt.root / tag}")
         return tag
