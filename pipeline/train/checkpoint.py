@@ -198,6 +198,14 @@ class CheckpointManager:
         for group, decay in zip(engine.optimizer.param_groups, decays, strict=True):
             if decay is not None:
                 group["weight_decay"] = decay
+        if universal:
+            # ... and gives every sub-group the *same* ``step`` tensor, which torch's Adam
+            # increments in place: once per group per update, so later groups would use
+            # the bias correction of a later step. One tensor per group, as saved.
+            inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+            for st in getattr(inner, "state", {}).values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
         rank_file = self.rank if not elastic else min(self.rank, saved_world - 1)
         path = self.root / tag / f"trainer_rank{rank_file}.pt"
         if not path.is_file():
