@@ -173,11 +173,14 @@ class CheckpointManager:
         meta = self.meta(tag)
         saved_world = int(meta["world_size"])
         elastic = saved_world != self.world_size
-        if elastic and not universal and meta.get("zero_stage", 0) != 0:
+        stage = meta.get("zero_stage")
+        if stage is None:  # checkpoints of older versions: ZeRO 1-3 write optimizer shards
+            stage = 1 if any((self.root / tag).glob("*optim_states.pt")) else 0
+        if elastic and not universal and stage != 0:
             raise CheckpointError(
                 f"checkpoint {self.root / tag} was written by {saved_world} ranks, this run "
-                f"has {self.world_size}: its ZeRO-{meta.get('zero_stage', '?')} state must be "
-                "converted to a universal checkpoint first (train.resume: auto does it)"
+                f"has {self.world_size}: its ZeRO state is partitioned and must be converted "
+                "to a universal checkpoint first (train.resume: auto does it)"
             )
         ds_tag = f"{tag}/{UNIVERSAL}" if universal else tag
         # DeepSpeed's ZeRO-3 universal loader copies the first parameter group's

@@ -294,8 +294,11 @@ class Trainer:
                             f"{self.world} ranks: resume on a number of ranks that divides it")  # fmt: skip
                 else:
                     per_rank = global_batch // self.world
-                    hint = (f"pass train.micro_batch_size={per_rank} train.grad_accum=1 (any "
-                            f"micro_batch_size x grad_accum = {per_rank} will do)")  # fmt: skip
+                    micro = next(m for m in (micro_saved, *range(t.micro_batch_size, 0, -1))
+                                 if per_rank % m == 0)  # fmt: skip
+                    hint = (f"pass train.micro_batch_size={micro} train.grad_accum="
+                            f"{per_rank // micro} (any micro_batch_size x grad_accum = "
+                            f"{per_rank} will do)")  # fmt: skip
                 raise ConfigError(
                     f"train.resume=auto: checkpoint {where} was written by {saved_world} ranks "
                     f"with a global batch of {global_batch} ({micro_saved} x {ga_saved} x "

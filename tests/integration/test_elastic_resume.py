@@ -123,3 +123,22 @@ def test_one_mlflow_run_with_one_curve(runs):
             history = client.get_metric_history(run.info.run_id, "step_loss")
             assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
             assert "ranks" in run.data.tags["elastic_resume"]
+
+
+def test_a_global_batch_grad_accum_cannot_keep_names_the_override(tiny_data, tmp_path):
+    """A checkpoint of 3 ranks x 8 x 1 (global batch 24) resumed on 1 rank with
+    micro_batch_size 5: no grad_accum keeps 24, so one `plm:` line gives the override."""
+    from conftest import plm
+
+    ckpt = tmp_path / "run" / "checkpoints"
+    (ckpt / "step00000004").mkdir(parents=True)
+    meta = {"step": 4, "world_size": 3, "micro_batch_size": 8, "grad_accum": 1,
+            "global_batch": 24, "zero_stage": 2}  # fmt: skip
+    (ckpt / "step00000004" / "COMPLETE").write_text(json.dumps(meta))
+    (ckpt / "latest").write_text("step00000004")
+    proc = plm("train", BERT, f"data.path={tiny_data}", f"train.out_dir={tmp_path / 'run'}",
+               "train.micro_batch_size=5", cwd=tmp_path, check=False)  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "written by 3 ranks with a global batch of 24" in proc.stderr
+    assert "pass train.micro_batch_size=8 train.grad_accum=3" in proc.stderr
