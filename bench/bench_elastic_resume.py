@@ -144,7 +144,9 @@ def main() -> None:
     r, s = res["resume"], res["same"]
     print(f"model {args.preset}, vocab {args.vocab}: {r['params']:,} parameters, ZeRO-{args.stage}, "
           f"{args.precision}; checkpoint {size:.0f} MiB (2 ranks), universal copy {uni:.0f} MiB")  # fmt: skip
-    print("| resume | conversion s | load s | conversion + load s | engine start s | process wall s |")
+    print(
+        "| resume | conversion s | load s | conversion + load s | engine start s | process wall s |"
+    )
     print("|---|---|---|---|---|---|")
     print(f"| 2 -> 2 ranks (same world size) | - | {s['load_s']:.2f} | {s['load_s']:.2f} | "
           f"{s['init_s']:.2f} | {wall['same']:.1f} |")  # fmt: skip

@@ -54,6 +54,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def micro_batch_seed(seed: int, step: int, index: int) -> int:
+    """The torch seed of micro-batch ``index`` (counted across ranks) of optimizer step
+    ``step``: a function of the global position only, never of the rank layout."""
+    return int(np.random.SeedSequence([seed % 2**32, step, index]).generate_state(1, np.uint64)[0])
+
+
 def tokenizer_meta(data: DataDir) -> dict[str, Any]:
     path = data.tokenizer_path.parent / "tokenizer_meta.json"
     return json.loads(path.read_text(encoding="utf-8"))
@@ -394,6 +400,13 @@ class Trainer:
             if bad:
                 continue  # consume the window's batches so the stream stays aligned
             batch = _to_device(batch, self.dev)
+            # Dropout (and any other torch randomness of the step) is drawn from a seed of
+            # the global micro-batch: the same samples get the same draws whatever the
+            # world size and grad_accum (rank r's micro-batch m holds the step's samples
+            # [(m * W + r) * B, ...)), so a resume on another world size continues the run.
+            torch.manual_seed(
+                micro_batch_seed(self.cfg.train.seed, self.step, micro * self.world + self.rank)
+            )
             outputs = self.forward(batch, train=True)
             loss, metrics = self.objective.loss(outputs, batch)
             names = sorted(metrics)
