@@ -54,7 +54,8 @@ def _engine(args, world: int):
     torch.manual_seed(0)
     model = build_model("bert", model_cfg)
     engine = ds_engine.initialize(model, ds, scheduler_factory(cfg.train))
-    return engine, ds, time.perf_counter() - t0, sum(p.numel() for p in model.parameters())
+    n_params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3
+    return engine, ds, time.perf_counter() - t0, n_params
 
 
 def _weight_sum(engine) -> float:
