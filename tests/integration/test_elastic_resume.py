@@ -29,6 +29,7 @@ STAGES = ("zero0", "zero1", "zero2", "zero3")
 # turns it on: its draws are seeded per global micro-batch, so they survive the change too.
 VARIANTS = {stage: (stage, []) for stage in STAGES}
 VARIANTS["zero2-dropout"] = ("zero2", ["model.dropout=0.1", "model.attention_dropout=0.1"])
+VARIANTS["zero2-bf16"] = ("zero2", ["train.precision=bf16"])
 STEPS, STOP = 8, 4
 
 
