@@ -52,8 +52,9 @@ def two_ranks(plan: list[dict], root: Path, name: str) -> subprocess.CompletedPr
 
 @pytest.fixture(scope="module")
 def runs(tiny_data, tmp_path_factory) -> dict:
-    """Per ZeRO stage: `ref` (2 ranks, uninterrupted), `down` (2 ranks to step 4, then 1
-    rank to the end) and `up` (1 rank with grad_accum 2 to step 4, then 2 ranks)."""
+    """Per variant: `ref` (2 ranks, uninterrupted), `down` (2 ranks to step 4, then 1
+    rank to the end), `up` (1 rank with grad_accum 2 to step 4, then 2 ranks) and `same`
+    (2 ranks to step 4, then 2 ranks again)."""
     root = tmp_path_factory.mktemp("elastic")
 
     def entry(stage, out, **kw):
@@ -69,10 +70,12 @@ def runs(tiny_data, tmp_path_factory) -> dict:
         (root / stage).mkdir()
         first2.append(entry(stage, "ref"))
         first2.append(entry(stage, "down", stop_after=STOP, dump=str(root / stage / "saved.pt")))
+        first2.append(entry(stage, "same", stop_after=STOP))
         first1.append(entry(stage, "up", stop_after=STOP, extra=["train.grad_accum=2"]))
         then1.append(entry(stage, "down", resume_only=True, dump=str(root / stage / "loaded.pt")))
         then1.append(entry(stage, "down"))  # the config says grad_accum 1: adjusted to 2
         then2.append(entry(stage, "up", extra=["train.grad_accum=2"]))  # adjusted to 1
+        then2.append(entry(stage, "same"))
     out = {"first2": two_ranks(first2, root, "first2.json").stdout}
     out["first1"] = one_process(first1, root, "first1.json").stdout
     out["then1"] = one_process(then1, root, "then1.json").stdout
@@ -96,6 +99,13 @@ def test_two_ranks_to_one_continues_the_curve(runs, stage):
            "(written by 2 ranks, now 1)" in runs["then1"]  # fmt: skip
     assert "train.grad_accum 1 -> 2 on 1 ranks keeps the global batch of 16" in runs["then1"]
     assert (root / "down" / "bundles" / "final" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("stage", VARIANTS)
+def test_same_world_size_stays_bitwise_exact(runs, stage):
+    root = runs["root"] / stage
+    assert step_losses(root / "same") == step_losses(root / "ref")
+    assert not (root / "same" / "checkpoints" / "step00000004" / "universal").exists()
 
 
 @pytest.mark.parametrize("stage", VARIANTS)
