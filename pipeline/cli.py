@@ -83,6 +83,7 @@ def _train(args: argparse.Namespace) -> int:
         from pipeline.train.plan import print_plan
 
         return print_plan(cfg)
+    from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.trainer import TrainingDiverged, train
 
     try:
@@ -90,6 +91,9 @@ def _train(args: argparse.Namespace) -> int:
     except TrainingDiverged as err:  # the message says what was saved and what to change
         print(f"plm: {err}", file=sys.stderr)
         return 1
+    except CheckpointError as err:  # names the checkpoint and what is wrong with it
+        print(f"plm: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

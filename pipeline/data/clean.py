@@ -24,6 +24,10 @@ _HSPACE = re.compile(r"[^\S\n]+")  # whitespace other than newline
 _BLANK_LINES = re.compile(r"\n{3,}")
 _CJK = re.compile("[\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\U00020000-\U0002ebef]")
 _LETTER = re.compile(r"[^\W\d_]")  # letters of any script (CJK ideographs included)
+# A hard line wrap inside Chinese text: one newline between two CJK ideographs (with any
+# blanks around it). Chinese has no spaces, so the wrap is joined away; left in, jieba and
+# the sentence splitter treat it as a break ("人身\n攻击" became two words).
+_CJK_WRAP = re.compile(f"(?<={_CJK.pattern})" + r"[^\S\n]*\n[^\S\n]*" + f"(?={_CJK.pattern})")
 
 
 # The characters of _CONTROL below 128, for bytes.translate.
@@ -59,7 +63,8 @@ def _fold_ascii_blanks(text: str) -> str:
 
 
 def clean(text: str, cfg: CleanConfig | None = None) -> str:
-    """Normalize, drop control characters, fold whitespace; paragraphs stay ("\\n\\n").
+    """Normalize, drop control characters, fold whitespace, join hard line wraps between
+    CJK ideographs; paragraphs stay ("\\n\\n").
 
     Each step is skipped when a cheap substring test shows it would change nothing (the
     regexes visit every character, the tests run at memchr speed): most text is ASCII
@@ -86,6 +91,8 @@ def clean(text: str, cfg: CleanConfig | None = None) -> str:
             text = text.replace("\n ", "\n")
         if "\n\n\n" in text:
             text = _BLANK_LINES.sub("\n\n", text)
+    if not ascii_only and "\n" in text:
+        text = _CJK_WRAP.sub("", text)
     return text.strip()
 
 

@@ -156,6 +156,18 @@ def _hf_tokenizer(bundle_dir: Path, arch: str, roles: dict[str, int], max_len: i
 # ----------------------------------------------------------------------------- export
 
 
+def max_input_tokens(arch: str, cfg: Any) -> int:
+    """The tokenizer's ``model_max_length``: the longest input the exported model takes.
+
+    RoBERTa numbers real tokens from ``pad_token_id + 1`` (fairseq), so of its
+    ``max_positions`` rows only ``max_positions - pad_token_id - 1`` serve tokens: 512 of
+    roberta-base's 514, as transformers' ``roberta-base`` tokenizer says.
+    """
+    if arch == "roberta":
+        return cfg.max_positions - cfg.pad_token_id - 1
+    return cfg.max_positions
+
+
 def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
     """Write OUT/config.json, OUT/model.safetensors and the tokenizer files (atomically)."""
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
@@ -181,7 +193,7 @@ def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
             "the adapter in pipeline/export/hf.py is out of date with transformers"
         )
     _check_tied(model)
-    tokenizer = _hf_tokenizer(bundle_dir, arch, roles, cfg.max_positions)
+    tokenizer = _hf_tokenizer(bundle_dir, arch, roles, max_input_tokens(arch, cfg))
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

@@ -62,6 +62,10 @@ def hf_xlnet_config(cfg: Any, roles: dict[str, int]):
         same_length=False,
         clamp_len=cfg.clamp_len,
         mem_len=cfg.mem_len or None,
+        # Our model keeps memory exactly when mem_len > 0, training or not. transformers
+        # would keep *all* past states with mem_len None and use_mems on (its eval default).
+        use_mems_eval=cfg.mem_len > 0,
+        use_mems_train=cfg.mem_len > 0,
         reuse_len=cfg.reuse_len,
         dropout=cfg.dropout,  # HF has one rate for everything (attention included)
         layer_norm_eps=cfg.layer_norm_eps,

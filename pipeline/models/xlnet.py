@@ -46,6 +46,13 @@ class XLNetConfig(TransformerConfig):
 
     @model_validator(mode="after")
     def _reuse_fits(self):
+        if self.hidden_size % 2:
+            # The relative-position sinusoids come in (sin, cos) pairs of hidden_size
+            # dims; an odd size would only fail in the forward pass.
+            raise ValueError(
+                f"hidden_size {self.hidden_size} must be even (sin/cos pairs of the relative "
+                "positions); pick an even hidden_size that num_heads divides"
+            )
         if self.reuse_len is not None and self.reuse_len >= self.max_positions:
             raise ValueError(
                 f"reuse_len {self.reuse_len} must be < max_positions {self.max_positions}"
@@ -240,14 +247,18 @@ class XLNet(nn.Module):
         K = M + T
         h_pos = torch.arange(T, device=dev).expand(B, T)
 
-        # What each content-stream query may not see: later factorization steps (perm_mask
-        # minus the diagonal: a token always sees itself) and padding. Memory is visible.
+        # What each content-stream query may not see: later factorization steps and
+        # padding, minus the diagonal: a position always sees itself, a padded one too
+        # (as in transformers, so the memory cached from padded rows is the same there).
+        # Memory is visible.
         blocked = None
         if perm_mask is not None:
-            blocked = perm_mask.bool() & ~torch.eye(T, dtype=torch.bool, device=dev)
+            blocked = perm_mask.bool()
         if attention_mask is not None and not bool(attention_mask.all()):
             pad = ~attention_mask.bool()[:, None, :].expand(B, T, T)
             blocked = pad if blocked is None else blocked | pad
+        if blocked is not None:
+            blocked = blocked & ~torch.eye(T, dtype=torch.bool, device=dev)
         h_blocked = None if blocked is None else F.pad(blocked, (M, 0))  # [B, T, K]
 
         seg_same = None

@@ -206,6 +206,14 @@ class MaskingMixin:
                 f"objective.mlm.packing={cfg.packing} applies to objective.kind=mlm only "
                 f"(kind {self.kind} builds sentence pairs); remove the key or use kind mlm"
             )
+        if cfg.static and cfg.packing == "full_sentences":
+            raise ConfigError(
+                "objective.mlm.static=true with objective.mlm.packing=full_sentences: "
+                "full_sentences packs a new stream of sentences every epoch, so an example "
+                "(and its mask) cannot be the same in every epoch; set "
+                "objective.mlm.packing=doc_sentences (or window) for static masking, or "
+                "objective.mlm.static=false"
+            )
         self.mlm = cfg
         self.ngram = (
             (cfg.ngram, ngram_start_rate(cfg.probability, cfg.ngram)) if cfg.ngram > 1 else None

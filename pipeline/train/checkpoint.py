@@ -9,6 +9,11 @@ Layout of one checkpoint::
     checkpoints/step00000200/COMPLETE           written by rank 0 after every rank finished
     checkpoints/latest                          our pointer: the tag of the last COMPLETE one
 
+A checkpoint resumes on another number of ranks (``resume_plan`` / ``to_universal``):
+ZeRO-0 state is not partitioned and loads as it is; ZeRO 1-3 partitions are converted
+once with DeepSpeed's ``ds_to_universal`` into ``<tag>/universal/`` (fp32 weights and
+Adam moments per parameter) and loaded with ``checkpoint.load_universal``.
+
 DeepSpeed's own ``latest`` is written without waiting for the other ranks, and its
 ``load_checkpoint`` silently starts from scratch when it finds nothing, so we save with
 ``save_latest=False``, load with an explicit tag, and fail loudly if that tag won't load.
@@ -16,10 +21,15 @@ DeepSpeed's own ``latest`` is written without waiting for the other ranks, and i
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import io
 import json
+import os
+import pickle
 import random
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +42,7 @@ from pipeline.data.shards import atomic_write_bytes
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
+UNIVERSAL = "universal"  # <tag>/universal: the tag converted by ds_to_universal
 
 
 class CheckpointError(RuntimeError):
@@ -43,9 +54,18 @@ def tag_for(step: int) -> str:
 
 
 def rng_state() -> dict[str, Any]:
+    """The RNG states in types ``torch.load(weights_only=True)`` reads: tensors, ints,
+    floats, strings, tuples, lists and dicts (numpy's state tuple holds an ndarray)."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": {
+            "kind": str(kind),
+            "keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),  # uint32 values
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -55,10 +75,48 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    npst = state["numpy"]
+    if isinstance(npst, dict):
+        keys = npst["keys"].numpy().astype(np.uint32)
+        npst = (npst["kind"], keys, npst["pos"], npst["has_gauss"], npst["cached_gaussian"])
+    np.random.set_state(npst)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# What trainer_rank*.pt files written before the weights-only format hold besides tensors:
+# numpy's RNG state array. Allowed for those files only, never arbitrary classes.
+_LEGACY_NUMPY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+try:
+    _LEGACY_NUMPY_GLOBALS.append(np._core.multiarray._reconstruct)
+except AttributeError:  # numpy < 2
+    _LEGACY_NUMPY_GLOBALS.append(np.core.multiarray._reconstruct)
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    """A rank's trainer state, read with ``weights_only=True``: loading a checkpoint never
+    runs code from it. Files of older versions (numpy RNG arrays) load the same way with
+    numpy's array reconstruction allowed."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError:
+        with torch.serialization.safe_globals(_LEGACY_NUMPY_GLOBALS):
+            return torch.load(path, weights_only=True)
+
+
+def plain(obj: Any) -> Any:
+    """numpy scalars and arrays (a loader counter, say) as ints/floats/tensors, so the
+    saved state holds only what ``weights_only=True`` loads."""
+    if isinstance(obj, dict):
+        return {k: plain(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(plain(v) for v in obj)
+    if isinstance(obj, np.ndarray):
+        return torch.from_numpy(obj.copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return obj
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -98,32 +156,105 @@ class CheckpointManager:
             p.name for p in self.root.iterdir() if p.is_dir() and self.is_complete(p.name)
         )
 
-    def load(self, engine, tag: str) -> dict[str, Any]:
-        """Restore engine + this rank's trainer state from ``tag``; returns the trainer state."""
+    def meta(self, tag: str) -> dict[str, Any]:
+        """What rank 0 wrote into COMPLETE: step, world size, batch sizes, ZeRO stage."""
+        return json.loads((self.root / tag / COMPLETE).read_text(encoding="utf-8"))
+
+    def load(self, engine, tag: str, universal: bool = False) -> dict[str, Any]:
+        """Restore engine + this rank's trainer state from ``tag``; returns the trainer state.
+
+        ``universal``: load ``tag``'s universal conversion (the engine was built with
+        ``checkpoint.load_universal``). A checkpoint of another world size loads only so,
+        or directly under ZeRO-0 (nothing partitioned); the trainer state then comes from
+        rank 0's file (the loader cursor is global) and recurrent memory starts empty.
+        """
         if not self.is_complete(tag):
             raise CheckpointError(f"checkpoint {self.root / tag} is incomplete (no {COMPLETE})")
-        meta = json.loads((self.root / tag / COMPLETE).read_text(encoding="utf-8"))
-        if meta["world_size"] != self.world_size:
+        meta = self.meta(tag)
+        saved_world = int(meta["world_size"])
+        elastic = saved_world != self.world_size
+        stage = meta.get("zero_stage")
+        if stage is None:  # checkpoints of older versions: ZeRO 1-3 write optimizer shards
+            stage = 1 if any((self.root / tag).glob("*optim_states.pt")) else 0
+        if elastic and not universal and stage != 0:
             raise CheckpointError(
-                f"checkpoint {self.root / tag} was written by {meta['world_size']} ranks, this run "
-                f"has {self.world_size}; exact resume needs the same world size"
+                f"checkpoint {self.root / tag} was written by {saved_world} ranks, this run "
+                f"has {self.world_size}: its ZeRO state is partitioned and must be converted "
+                "to a universal checkpoint first (train.resume: auto does it)"
             )
+        ds_tag = f"{tag}/{UNIVERSAL}" if universal else tag
+        # DeepSpeed's ZeRO-3 universal loader copies the first parameter group's
+        # hyperparameters into every group: keep our per-group weight decay.
+        decays = [g.get("weight_decay") for g in engine.optimizer.param_groups]
         try:
             load_path, _ = engine.load_checkpoint(
-                str(self.root), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
-        except (AssertionError, OSError, RuntimeError, KeyError) as err:
+                str(self.root), tag=ds_tag, load_optimizer_states=True,
+                load_lr_scheduler_states=True,
+            )  # fmt: skip
+        except (AssertionError, OSError, RuntimeError, KeyError, ValueError) as err:
             raise CheckpointError(
-                f"DeepSpeed could not load checkpoint {self.root / tag}: {type(err).__name__} {err}"
+                f"DeepSpeed could not load checkpoint {self.root / ds_tag}: "
+                f"{type(err).__name__} {err}"
             ) from err
         if load_path is None:
-            raise CheckpointError(f"DeepSpeed could not load checkpoint {self.root / tag}")
-        path = self.root / tag / f"trainer_rank{self.rank}.pt"
+            raise CheckpointError(f"DeepSpeed could not load checkpoint {self.root / ds_tag}")
+        for group, decay in zip(engine.optimizer.param_groups, decays, strict=True):
+            if decay is not None:
+                group["weight_decay"] = decay
+        if universal:
+            # ... and gives every sub-group the *same* ``step`` tensor, which torch's Adam
+            # increments in place: once per group per update, so later groups would use
+            # the bias correction of a later step. One tensor per group, as saved.
+            inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+            for st in getattr(inner, "state", {}).values():
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
+        rank_file = self.rank if not elastic else min(self.rank, saved_world - 1)
+        path = self.root / tag / f"trainer_rank{rank_file}.pt"
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
-        state = torch.load(path, weights_only=False)
+        try:
+            state = load_trainer_state(path)
+        except (pickle.UnpicklingError, RuntimeError, EOFError) as err:
+            raise CheckpointError(f"{path} cannot be read safely: {err}") from err
         set_rng_state(state["rng"])
+        if elastic:
+            state["memory"] = None  # each rank's rows are its own streams: they changed
+            state["resumed_world_size"] = saved_world
         return state
+
+    def to_universal(self, tag: str) -> float:
+        """Convert ``tag`` with DeepSpeed's ``ds_to_universal`` into ``<tag>/universal``
+        (rank 0 converts, the others wait); returns the seconds it took (0 if done before).
+        Written to a temp folder and renamed, so a killed conversion is redone, not used."""
+        out = self.root / tag / UNIVERSAL
+        seconds = 0.0
+        if self.rank == 0 and not (out / COMPLETE).is_file():
+            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+            t0 = time.perf_counter()
+            tmp = self.root / tag / f".{UNIVERSAL}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
+            args = argparse.Namespace(
+                input_folder=str(self.root / tag), output_folder=str(tmp),
+                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+                strict=True, inject_missing_state=True,
+            )  # fmt: skip
+            log = io.StringIO()  # its progress bars and prints: kept for errors only
+            try:
+                with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                    ds_to_universal(args)
+            except Exception as err:
+                raise CheckpointError(
+                    f"converting {self.root / tag} to a universal checkpoint failed: "
+                    f"{type(err).__name__}: {err}\n{log.getvalue()[-2000:]}"
+                ) from err
+            (tmp / COMPLETE).write_text(json.dumps(self.meta(tag)), encoding="utf-8")
+            os.replace(tmp, out)
+            seconds = time.perf_counter() - t0
+        dist.barrier()
+        return seconds
 
     # --- writing -------------------------------------------------------------------------
     def save(
@@ -133,6 +264,7 @@ class CheckpointManager:
         trainer_state: dict[str, Any],
         config: dict[str, Any],
         ds_config: dict[str, Any],
+        batch_meta: dict[str, Any] | None = None,
     ) -> str:
         """Collective: every rank calls it. ``latest`` moves only after all ranks wrote."""
         tag = tag_for(step)
@@ -144,7 +276,7 @@ class CheckpointManager:
             str(self.root), tag=tag, client_state={"step": step}, save_latest=False
         )
         folder.mkdir(parents=True, exist_ok=True)
-        state = {**trainer_state, "rng": rng_state(), "step": step}
+        state = plain({**trainer_state, "rng": rng_state(), "step": step})
         atomic_write_bytes(folder / f"trainer_rank{self.rank}.pt", _torch_bytes(state))
         if self.rank == 0:
             text = yaml.safe_dump(config, sort_keys=False)
@@ -152,7 +284,7 @@ class CheckpointManager:
             atomic_write_bytes(folder / "ds_config.json", json.dumps(ds_config, indent=2).encode())
         dist.barrier()  # every rank's files are on disk
         if self.rank == 0:
-            meta = {"step": step, "world_size": self.world_size}
+            meta = {"step": step, "world_size": self.world_size, **(batch_meta or {})}
             atomic_write_bytes(folder / COMPLETE, json.dumps(meta).encode("utf-8"))
             atomic_write_bytes(self.root / LATEST, tag.encode("utf-8"))
             self._prune(keep=tag)

@@ -149,6 +149,15 @@ class Tracker:
             except Exception as err:
                 self._fail(f"log_dict {name}", err)
 
+    def set_tags(self, tags: dict[str, str]) -> None:
+        if self.enabled and self.mlflow_ok:
+            import mlflow
+
+            try:
+                mlflow.set_tags({k: str(v)[:4000] for k, v in tags.items()})
+            except Exception as err:
+                self._fail("set_tags", err)
+
     def register(
         self, artifact_path: str, name: str, alias: str, tags: dict[str, str]
     ) -> str | None:

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ExperimentConfig
+from pipeline.config import ConfigError, ExperimentConfig
 from pipeline.data.shards import DataDir
 from pipeline.train import engine as ds_engine
 from pipeline.train.checkpoint import CheckpointManager, tag_for
@@ -52,6 +52,12 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
+
+
+def micro_batch_seed(seed: int, step: int, index: int) -> int:
+    """The torch seed of micro-batch ``index`` (counted across ranks) of optimizer step
+    ``step``: a function of the global position only, never of the rank layout."""
+    return int(np.random.SeedSequence([seed % 2**32, step, index]).generate_state(1, np.uint64)[0])
 
 
 def tokenizer_meta(data: DataDir) -> dict[str, Any]:
@@ -140,16 +146,61 @@ def _all_reduce_sum(values: list[float], dev: torch.device) -> list[float]:
     return t.tolist()
 
 
+def _replicated_masters(engine) -> dict[int, torch.Tensor]:
+    """{id(16-bit param): its fp32 master} of DeepSpeed's ZeRO-0 mixed-precision optimizers
+    (FP16_UnfusedOptimizer: ``fp32_groups`` lists; FP16_Optimizer: ``fp32_groups_flat``);
+    empty for ZeRO 1-3 (their partitions are read with safe_get_full_fp32_param)."""
+    opt = engine.optimizer
+    lp_groups = getattr(opt, "fp16_groups", None)
+    if engine.zero_optimization() or not lp_groups:
+        return {}
+    out: dict[int, torch.Tensor] = {}
+    if getattr(opt, "fp32_groups", None):
+        for lp_group, hp_group in zip(lp_groups, opt.fp32_groups, strict=True):
+            out.update((id(lp), hp) for lp, hp in zip(lp_group, hp_group, strict=True))
+    elif getattr(opt, "fp32_groups_flat", None):
+        from torch._utils import _unflatten_dense_tensors
+
+        for lp_group, flat in zip(lp_groups, opt.fp32_groups_flat, strict=True):
+            hps = _unflatten_dense_tensors(flat, lp_group)
+            out.update((id(lp), hp) for lp, hp in zip(lp_group, hps, strict=True))
+    return out
+
+
 def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """Full fp32 weights on rank 0 (None elsewhere). Collective under ZeRO-3."""
-    if engine.zero_optimization_partition_weights():
-        sd = engine._zero3_consolidated_16bit_state_dict()
-    else:
-        sd = engine.module.state_dict() if dist.get_rank() == 0 else None
-    if sd is None:
+    """Full fp32 weights on rank 0 (None elsewhere). Collective under ZeRO 1-3 and bf16.
+
+    The fp32 *master* weights, never the 16-bit copies the forward pass uses: a bf16 run's
+    bundle holds what the optimizer holds (DeepSpeed's 16-bit consolidation would round
+    every weight to 8 bits of mantissa). Each parameter is assembled from the optimizer's
+    partitions (``safe_get_full_fp32_param``, an all-reduce / all-gather per parameter);
+    without a ZeRO or bf16 optimizer (ZeRO-0 fp32) the module's weights are the master.
+    """
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = engine.module
+    rank0 = dist.get_rank() == 0
+    replicated = _replicated_masters(engine)  # ZeRO-0 with bf16/fp16: every rank has it
+    full: dict[int, torch.Tensor] = {}
+    for _, p in module.named_parameters():  # the same order on every rank
+        hp = replicated.get(id(p))
+        if hp is None:
+            hp = safe_get_full_fp32_param(p)
+        if hp is None and hasattr(p, "ds_id"):  # a ZeRO-3 parameter the optimizer lacks
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                hp = p.detach().clone()
+        if hp is not None:
+            full[id(p)] = hp.detach()
+    if not rank0:
         return None
-    # Clone so tied weights become separate tensors (safetensors refuses shared storage)
-    return {k: v.detach().to("cpu", torch.float32).clone() for k, v in sd.items()}
+    sd: dict[str, torch.Tensor] = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        value = full.get(id(t), t)  # a parameter's master copy; buffers as they are
+        # Clone so tied weights become separate tensors (safetensors refuses shared storage)
+        sd[name] = value.detach().to("cpu", torch.float32).clone()
+    return sd
 
 
 def discard_gradients(engine) -> None:
@@ -182,6 +233,12 @@ class Trainer:
         self.run_dir = Path(cfg.train.out_dir)
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ckpt = CheckpointManager(self.run_dir, cfg.train.keep_last, self.rank, self.world)
+        # Resuming on another number of ranks: the global batch is kept (grad_accum
+        # adjusted) and ZeRO 1-3 state is converted to a universal checkpoint, before
+        # anything is built from the config.
+        cfg, self.elastic = self.plan_elastic_resume(cfg)
+        self.cfg = cfg
         self.data, self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(
             cfg, self.rank, self.world
         )
@@ -195,10 +252,16 @@ class Trainer:
         self.eval_memory: Any = None
         self.n_params = sum(p.numel() for p in model.parameters())
         self.ds_config = ds_engine.build_ds_config(cfg, self.world)
+        if self.elastic and self.elastic["universal"]:
+            self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine = ds_engine.initialize(model, self.ds_config, scheduler_factory(cfg.train))
+        if self.elastic and self.elastic["universal"]:
+            # Only this run's first load reads the universal folder; later saves are ours.
+            self.ds_config["checkpoint"].pop("load_universal")
+            if not self.ds_config["checkpoint"]:
+                self.ds_config.pop("checkpoint")
         self.stream = self.make_stream("train", cfg.data.workers)
         self.valid_stream = None
-        self.ckpt = CheckpointManager(self.run_dir, cfg.train.keep_last, self.rank, self.world)
         self.tracker = Tracker(self.run_dir, enabled=self.rank == 0)
         self.step = 0
         self.tokens_seen = 0
@@ -207,13 +270,76 @@ class Trainer:
         self.resumed_from: str | None = None
 
     # --- setup ---------------------------------------------------------------------------
+    def plan_elastic_resume(self, cfg: ExperimentConfig) -> tuple[ExperimentConfig, dict | None]:
+        """When ``train.resume: auto`` finds a checkpoint of another world size: the config
+        with grad_accum set so the global batch stays the checkpoint's (or a ConfigError
+        giving the override to pass), and the ZeRO 1-3 state converted to a universal
+        checkpoint. Returns (config, None) when nothing changes."""
+        t = cfg.train
+        if t.resume != "auto":
+            return cfg, None
+        tag = self.ckpt.latest()
+        if tag is None:
+            return cfg, None
+        meta = self.ckpt.meta(tag)
+        saved_world = int(meta["world_size"])
+        if saved_world == self.world:
+            return cfg, None
+        ga_saved = int(meta.get("grad_accum", t.grad_accum))
+        micro_saved = int(meta.get("micro_batch_size", t.micro_batch_size))
+        global_batch = int(meta.get("global_batch", micro_saved * ga_saved * saved_world))
+        where = self.ckpt.root / tag
+        ga = t.grad_accum
+        if t.micro_batch_size * t.grad_accum * self.world != global_batch:
+            per_step = t.micro_batch_size * self.world
+            if global_batch % per_step == 0:
+                ga = global_batch // per_step
+            else:
+                if global_batch % self.world:
+                    hint = (f"a global batch of {global_batch} cannot be split over "
+                            f"{self.world} ranks: resume on a number of ranks that divides it")  # fmt: skip
+                else:
+                    per_rank = global_batch // self.world
+                    micro = next(m for m in (micro_saved, *range(t.micro_batch_size, 0, -1))
+                                 if per_rank % m == 0)  # fmt: skip
+                    hint = (f"pass train.micro_batch_size={micro} train.grad_accum="
+                            f"{per_rank // micro} (any micro_batch_size x grad_accum = "
+                            f"{per_rank} will do)")  # fmt: skip
+                raise ConfigError(
+                    f"train.resume=auto: checkpoint {where} was written by {saved_world} ranks "
+                    f"with a global batch of {global_batch} ({micro_saved} x {ga_saved} x "
+                    f"{saved_world}); with {self.world} ranks and train.micro_batch_size="
+                    f"{t.micro_batch_size} it cannot be kept by grad_accum alone: {hint}"
+                )
+        stage = ds_engine.zero_stage(ds_engine.load_base_config(cfg.deepspeed)[0])
+        plan = {
+            "tag": tag, "saved_world": saved_world, "universal": stage > 0,
+            "grad_accum": (t.grad_accum, ga), "convert_s": 0.0,
+        }  # fmt: skip
+        if ga != t.grad_accum:
+            self.log(
+                f"checkpoint {where} was written by {saved_world} ranks: train.grad_accum "
+                f"{t.grad_accum} -> {ga} on {self.world} ranks keeps the global batch of "
+                f"{global_batch}"
+            )
+            cfg = cfg.model_copy(update={"train": t.model_copy(update={"grad_accum": ga})})
+        if plan["universal"]:
+            plan["convert_s"] = self.ckpt.to_universal(tag)
+            done = f"in {plan['convert_s']:.1f} s" if plan["convert_s"] else "(converted before)"
+            self.log(
+                f"converted {where} (ZeRO-{stage}, {saved_world} ranks) to a universal "
+                f"checkpoint {done}"
+            )
+        return cfg, plan
+
     def resume_if_asked(self) -> None:
-        if self.cfg.train.resume != "auto":
+        if self.cfg.train.resume != "auto" or self.resumed_from is not None:
             return
         tag = self.ckpt.latest()
         if tag is None:
             return
-        state = self.ckpt.load(self.engine, tag)  # raises if it cannot
+        universal = bool(self.elastic and self.elastic["universal"] and self.elastic["tag"] == tag)
+        state = self.ckpt.load(self.engine, tag, universal=universal)  # raises if it cannot
         self.stream.load_state_dict(state["loader"])
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
@@ -221,7 +347,10 @@ class Trainer:
         self.skipped = state["skipped"]
         self.n_checkpoints = state["n_checkpoints"]
         self.resumed_from = tag
-        self.log(f"resumed from {self.ckpt.root / tag} at step {self.step}")
+        extra = ""
+        if "resumed_world_size" in state:
+            extra = f" (written by {state['resumed_world_size']} ranks, now {self.world})"
+        self.log(f"resumed from {self.ckpt.root / tag} at step {self.step}{extra}")
 
     def start_tracking(self) -> None:
         cfg = self.cfg
@@ -235,6 +364,13 @@ class Trainer:
             "world_size": str(self.world),
             "zero_stage": str(ds_engine.zero_stage(self.ds_config)),
         }
+        if self.elastic:
+            e = self.elastic
+            conversion = f"{e['convert_s']:.1f} s" if e["universal"] else "none (ZeRO-0)"
+            tags["elastic_resume"] = (
+                f"{e['tag']}: {e['saved_world']} -> {self.world} ranks, grad_accum "
+                f"{e['grad_accum'][0]} -> {e['grad_accum'][1]}, universal conversion {conversion}"
+            )
         self.tracker.start(
             tracking_uri=cfg.mlflow.tracking_uri,
             experiment=cfg.name,
@@ -264,6 +400,13 @@ class Trainer:
             if bad:
                 continue  # consume the window's batches so the stream stays aligned
             batch = _to_device(batch, self.dev)
+            # Dropout (and any other torch randomness of the step) is drawn from a seed of
+            # the global micro-batch: the same samples get the same draws whatever the
+            # world size and grad_accum (rank r's micro-batch m holds the step's samples
+            # [(m * W + r) * B, ...)), so a resume on another world size continues the run.
+            torch.manual_seed(
+                micro_batch_seed(self.cfg.train.seed, self.step, micro * self.world + self.rank)
+            )
             outputs = self.forward(batch, train=True)
             loss, metrics = self.objective.loss(outputs, batch)
             names = sorted(metrics)
@@ -334,9 +477,16 @@ class Trainer:
             "n_checkpoints": self.n_checkpoints + 1,
             "memory": self.memory,  # this rank's recurrent memory (None for most models)
         }
+        t = self.cfg.train
+        batch_meta = {
+            "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
+            "global_batch": t.micro_batch_size * t.grad_accum * self.world,
+            "zero_stage": ds_engine.zero_stage(self.ds_config),
+        }  # fmt: skip
         tag = self.ckpt.save(
-            self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config
-        )
+            self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config,
+            batch_meta,
+        )  # fmt: skip
         self.n_checkpoints += 1
         self.log(f"checkpoint {self.ckpt.root / tag}")
         return tag
@@ -401,6 +551,9 @@ class Trainer:
                     self.log(
                         f"step {self.step}: non-finite loss, update skipped ({bad_in_row} in a row)"
                     )
+                    # Logged at once: a run that stops on a diverging tail has no later
+                    # logging window that would report these skips.
+                    self.tracker.log_metrics({"skipped_steps": self.skipped}, self.step)
                     if bad_in_row >= t.max_nonfinite_in_row:
                         tag = self.save()
                         raise TrainingDiverged(
@@ -455,6 +608,16 @@ class Trainer:
                         },
                     )
             status = "FINISHED"
+        except BaseException as err:
+            # The MLflow run says why it failed, not only that it did.
+            reason = "diverged" if isinstance(err, TrainingDiverged) else type(err).__name__
+            if isinstance(err, KeyboardInterrupt):
+                status, reason = "KILLED", "interrupted"
+            self.tracker.set_tags(
+                {"failure_reason": reason, "failure_step": self.step,
+                 "failure_message": f"{type(err).__name__}: {err}"}
+            )  # fmt: skip
+            raise
         finally:
             self.tracker.end(status)
             self.stream.close()

@@ -230,6 +230,22 @@ def test_nonfinite_losses_in_a_row_stop_with_a_checkpoint(tiny_data, tmp_path):
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert (run_dir / "checkpoints" / latest).is_dir()
     assert "update skipped (3 in a row)" in proc.stdout + proc.stderr
+    # Every skip of the diverging tail is logged, in metrics.jsonl and in MLflow, and the
+    # failed MLflow run says why it failed.
+    out = proc.stdout + proc.stderr
+    skipped = out.count("non-finite loss, update skipped")
+    assert skipped >= 3
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["skipped_steps"] for r in rows if "skipped_steps" in r]
+    assert logged and logged[-1] == skipped, (logged, skipped)
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
+    assert run.info.status == "FAILED"
+    assert run.data.metrics["skipped_steps"] == skipped
+    assert run.data.tags["failure_reason"] == "diverged"
+    assert "3 non-finite losses in a row" in run.data.tags["failure_message"]
 
 
 def test_missing_data_dir_is_a_clear_error(tmp_path):

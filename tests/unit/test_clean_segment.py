@@ -45,6 +45,20 @@ def test_clean_folds_whitespace_but_keeps_paragraphs():
     assert clean("a\u2029b\x85c") == "a\nb\nc"
 
 
+def test_clean_joins_hard_line_wraps_inside_chinese_text():
+    """A newline between two CJK ideographs is a wrap of the source, not a break: joined
+    before segmenting, so jieba keeps the word whole (人身攻击, not 人身 + 攻击)."""
+    raw = "他们的评论是人身\n攻击，不是批评。\n下一行\n\n新的段落 \n 继续"
+    text = clean(raw)
+    assert text == "他们的评论是人身攻击,不是批评。\n下一行\n\n新的段落继续"  # NFKC: ，->,
+    starts = jieba_word_starts(text)
+    word = text.index("人身攻击")
+    assert word in starts and all(s not in starts for s in range(word + 1, word + 4))
+    # Everything else keeps its newlines: paragraphs, other scripts, mixed lines.
+    assert clean("a\nb\n中文\nEnglish\n字") == "a\nb\n中文\nEnglish\n字"
+    assert clean(text) == text  # idempotent
+
+
 def test_clean_normalization_is_configurable():
     cfg = CleanConfig(normalization="none")
     assert clean("ＡＢ\x00C", cfg) == "ＡＢC"

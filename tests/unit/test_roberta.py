@@ -141,6 +141,27 @@ def test_packing_is_refused_for_pair_objectives():
         build_objective(cfg, ROLES, 300, 64)
 
 
+def test_static_masking_means_the_same_examples_every_epoch():
+    """Static masks are seeded on the unit key. FULL-SENTENCES re-packs the shuffled
+    stream every epoch (its key is a stream position), so static masking cannot give the
+    same masks: refused, naming both keys. Window / DOC-SENTENCES units are keyed on
+    (document, window): the same key has the same content whatever the epoch's order."""
+    cfg = ObjectiveSection(kind="mlm", mlm={"packing": "full_sentences", "static": True})
+    with pytest.raises(ConfigError, match=r"objective.mlm.static=true.*packing=full_sentences"):
+        build_objective(cfg, ROLES, 300, 64)
+    lengths = np.array([50, 130, 7, 90, 64])
+    for packing in ("window", "doc_sentences"):
+        obj = build_objective(
+            ObjectiveSection(kind="mlm", mlm={"packing": packing, "static": True}), ROLES, 300, 64
+        )
+        by_key = []
+        for seed in (1, 2):  # two epochs: two shuffles of the same documents
+            order = np.random.default_rng(seed).permutation(len(lengths))
+            layout = obj.layout(order, lengths)
+            by_key.append({u.key: u for u in layout.units(np.arange(layout.n_units))})
+        assert by_key[0] == by_key[1]
+
+
 def test_stream_layout_covers_the_stream_once():
     lengths = np.array([5, 0 + 1, 30, 7, 12])
     layout = StreamLayout(np.arange(5), lengths, 8)
@@ -202,6 +223,15 @@ def test_export_to_transformers_matches_logits_and_tokenizer(tmp_path):
     assert b[0] == bos and b[-1] == eos
     assert enc == [bos, *a, eos, eos, *b[1:-1], eos]
     assert (tok.pad_token_id, tok.mask_token_id) == (1, meta["roles"]["mask"])
+    # Truncation builds the longest input the model takes: positions run from pad + 1 to
+    # max_positions - 1, so max_positions - pad - 1 tokens (514 -> 512 for roberta-base).
+    assert tok.model_max_length == cfg.max_positions - cfg.pad_token_id - 1
+    long = tok(" ".join(["The model reads byte level pairs."] * 300), truncation=True,
+               return_tensors="pt")  # fmt: skip
+    assert long["input_ids"].shape[1] == tok.model_max_length
+    with torch.no_grad():
+        hf(**long)  # every position of the longest input has a row in the position table
+    assert model(long["input_ids"])["mlm_logits"].shape[1] == tok.model_max_length
 
 
 def test_roberta_base_size_and_flops():

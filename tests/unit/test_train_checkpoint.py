@@ -96,10 +96,48 @@ def test_keep_last_and_loud_failures(tmp_path):
     with pytest.raises(CheckpointError, match="step00000009"):
         mgr.latest()
     other = CheckpointManager(tmp_path, keep_last=2, rank=0, world_size=2)
-    with pytest.raises(CheckpointError, match="same world size"):
-        other.load(engine, "step00000003")
+    with pytest.raises(CheckpointError, match="written by 1 ranks.*universal checkpoint"):
+        other.load(engine, "step00000003")  # ZeRO-2 shards of 1 rank: converted first
     # DeepSpeed files gone but marker present: DeepSpeed would start from scratch; we raise.
     for f in (tmp_path / "checkpoints" / "step00000003").glob("*model_states.pt"):
         f.unlink()
     with pytest.raises(CheckpointError, match="could not load"):
         mgr.load(engine, "step00000003")
+
+
+class _RunsCode:
+    """Unpickling this calls a function: what a tampered trainer state could do."""
+
+    def __reduce__(self):
+        return (print, ("code ran while loading a checkpoint",))
+
+
+def test_trainer_state_loads_with_weights_only(tmp_path, capsys):
+    import numpy as np
+
+    engine, ds = tiny_engine(seed=2)
+    mgr = CheckpointManager(tmp_path, keep_last=2, rank=0, world_size=1)
+    step(engine)
+    np.random.seed(5)
+    trainer_state = {"loader": {"epoch": np.int64(2), "samples": 8}, "memory": [torch.ones(2, 3)]}
+    tag = mgr.save(engine, 1, trainer_state, {}, ds)
+    path = tmp_path / "checkpoints" / tag / "trainer_rank0.pt"
+    raw = torch.load(path, weights_only=True)  # no pickled classes or numpy arrays in it
+    assert raw["loader"] == {"epoch": 2, "samples": 8} and raw["step"] == 1
+    expect = np.random.random()
+    np.random.random()
+    state = mgr.load(engine, tag)
+    assert np.random.random() == expect  # numpy's RNG state restored from plain types
+    assert torch.equal(state["memory"][0], torch.ones(2, 3))
+    # A trainer state that would run code when unpickled is refused, and nothing runs.
+    torch.save({**raw, "evil": _RunsCode()}, path)
+    with pytest.raises(CheckpointError, match="cannot be read safely"):
+        mgr.load(engine, tag)
+    assert "code ran" not in capsys.readouterr().out
+    # A state written before this format (numpy's RNG tuple with an ndarray) still loads.
+    legacy = {**raw, "rng": {**raw["rng"], "numpy": np.random.get_state()}}
+    torch.save(legacy, path)
+    expect = np.random.random()
+    np.random.random()
+    mgr.load(engine, tag)
+    assert np.random.random() == expect

@@ -51,7 +51,8 @@ def make_trainer(grad_accum: int, stage: int = 2):
     ds_engine.init_distributed()
     torch.manual_seed(0)
     trainer = Trainer.__new__(Trainer)  # only what train_step needs, no data dir
-    trainer.cfg, trainer.dev, trainer.world = cfg, torch.device("cpu"), 1
+    trainer.cfg, trainer.dev, trainer.world, trainer.rank = cfg, torch.device("cpu"), 1, 0
+    trainer.step = 0
     trainer.objective = PoisonableObjective()
     model = TinyLM()
     trainer.input_keys, trainer.uses_memory = forward_keys(model), False

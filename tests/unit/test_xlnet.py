@@ -166,6 +166,19 @@ def test_bad_settings_are_clear_errors():
     assert obj.reuse_len == 20
 
 
+@pytest.mark.parametrize("hidden,heads", [(9, 3), (66, 4), (63, 7), (66, 6), (60, 4)])
+def test_hidden_size_heads_refused_in_config_or_forward_works(hidden, heads):
+    """A shape the model cannot run is a ConfigError naming the key, never a crash in
+    the forward pass: hidden_size must be a multiple of num_heads and even (sin/cos)."""
+    over = {"hidden_size": hidden, "num_heads": heads}
+    if hidden % heads or hidden % 2:
+        with pytest.raises(ConfigError, match="key .model.: .*hidden_size"):
+            resolve_model_config({"arch": "xlnet", "preset": "xlnet-tiny", **over}, VOCAB)
+        return
+    out = tiny_model(**over)(input_ids=torch.randint(6, VOCAB, (2, 8)))
+    assert out["hidden_states"].shape == (2, 8, hidden)
+
+
 # ----------------------------------------------------------------------------- model
 
 
@@ -344,3 +357,60 @@ def test_hf_export_gives_our_logits_with_and_without_memory(tmp_path):
     cls, sep = meta["roles"]["cls"], meta["roles"]["sep"]
     assert enc["input_ids"][-1] == cls and enc["input_ids"].count(sep) == 2
     assert enc["token_type_ids"][-1] == 2 and set(enc["token_type_ids"][:-1]) == {0, 1}
+
+
+def exported(tmp_path, **overrides):
+    """(our model with random 1-D params, its transformers export, vocab size)."""
+    transformers = pytest.importorskip("transformers")
+    from pipeline.export.hf import export_to_hf
+    from pipeline.models.bundle import save_bundle
+
+    tok_dir = tmp_path / "tok"
+    tok_dir.mkdir()
+    V = unigram_tokenizer(tok_dir)["vocab_size"]
+    cfg = resolve_model_config({"arch": "xlnet", "preset": "xlnet-tiny", **overrides}, V)
+    torch.manual_seed(0)
+    model = build_model("xlnet", cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.normal_(0.0 if "bias" in name else 1.0, 0.1)
+    bundle = save_bundle(tmp_path / "bundle", "xlnet", cfg, model.state_dict(), tok_dir)
+    hf = transformers.XLNetLMHeadModel.from_pretrained(export_to_hf(bundle, tmp_path / "hf"))
+    return model, hf.eval(), V
+
+
+@pytest.mark.slow
+def test_hf_export_memory_of_padded_rows_matches(tmp_path):
+    """A padded position attends to itself, as in transformers (its mask's diagonal is
+    always open), so the memory cached from padded rows - and the next segment that
+    reads it - equal transformers'."""
+    model, hf, V = exported(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(6, V, (2, 40), generator=g)
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, 10:] = 0  # row 1 ends early: padding inside the reused (cached) positions
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask)
+        theirs = hf(ids, attention_mask=mask, use_mems=True)
+        for hf_mem, our_mem in zip(theirs.mems, ours["mems"], strict=True):
+            torch.testing.assert_close(hf_mem.transpose(0, 1), our_mem, atol=1e-4, rtol=1e-4)
+        nxt = torch.randint(6, V, (2, 40), generator=g)
+        ours2 = model(nxt, mems=ours["mems"])
+        theirs2 = hf(nxt, mems=list(ours["mems"].transpose(1, 2)), use_mems=True)
+        torch.testing.assert_close(theirs2.logits, ours2["logits"][..., :V], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.slow
+def test_hf_export_without_memory_keeps_none(tmp_path):
+    """model.mem_len: 0 means no memory: the export says so (use_mems_eval/train false),
+    so transformers returns no mems either."""
+    model, hf, V = exported(tmp_path, mem_len=0)
+    assert hf.config.use_mems_eval is False and hf.config.use_mems_train is False
+    ids = torch.randint(6, V, (2, 16), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ours, theirs = model(ids), hf(ids)
+    assert ours["mems"] is None and theirs.mems is None
+    torch.testing.assert_close(theirs.logits, ours["logits"][..., :V], atol=1e-4, rtol=1e-4)
+    hf.train()
+    assert hf(ids).mems is None
