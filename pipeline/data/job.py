@@ -24,8 +24,6 @@ from pipeline.config import ConfigError
 from pipeline.data.readers import Slice, Source, plan_slices
 from pipeline.data.worker import JobSpec, UnitResult
 
-log = logging.getLogger(__name__)
-
 
 def plan_units(sources: list[Source], split_bytes: int) -> list[list[Slice]]:
     """Slices packed into units: consecutive slices until a unit holds ``split_bytes``."""

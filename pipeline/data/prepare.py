@@ -340,6 +340,9 @@ def _name_shards(fs, root: str, results) -> dict[str, Any]:
 def run_prepare(cfg: PrepareConfig) -> Path | str:
     """Validate, then (unless up to date) run the Ray job and write the data dir.
     Returns the data dir: a Path for a local output, else the URI."""
+    import pyarrow.fs as pafs
+
+    from pipeline.data.dedup import n_partitions
     from pipeline.data.job import init_ray, plan_units, run_job
     from pipeline.data.worker import JobSpec
 
@@ -354,8 +357,6 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     _, meta = load_tokenizer(tok_dir)
     entities = load_entities(cfg.entities, cfg.clean) if cfg.entities else None
     fs, root = output_fs(cfg.output)
-    import pyarrow.fs as pafs
-
     if fs.get_file_info(root).type == pafs.FileType.File:
         raise PrepareError(f"output {cfg.output} exists and is not a folder")
     config_hash = _sha256_json(cfg.output_settings())
@@ -410,8 +411,6 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         entities=entities,
         builtin_docs=python_docs() if any(s.format == "builtin" for s in sources) else None,
     )
-    from pipeline.data.dedup import n_partitions
-
     partitions = n_partitions(input_bytes)
     own_ray = init_ray(cfg.ray_address, cfg.num_cpus)
     ray_ready = time.perf_counter()

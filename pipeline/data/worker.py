@@ -17,7 +17,6 @@ included), so (unit, position) is the document's place in source order.
 from __future__ import annotations
 
 import os
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -66,7 +65,7 @@ class UnitResult:
     languages: Counter = field(default_factory=Counter)
     n_tokens: int = 0
     input_bytes: int = 0
-    cpu_seconds: float = 0.0
+    cpu_seconds: float = 0.0  # the task's, set by job._write_task
     node: str = ""  # the Ray node that wrote the parts
 
 
@@ -89,7 +88,7 @@ def _documents(spec: JobSpec, unit: list[Slice]) -> Iterator[tuple[int, Slice, R
             position += 1
 
 
-def _cleaned(spec: JobSpec, doc: RawDocument, cfg: CleanConfig) -> tuple[str | None, str | None]:
+def _cleaned(doc: RawDocument, cfg: CleanConfig) -> tuple[str | None, str | None]:
     """(cleaned text, None) or (None, reject reason)."""
     if doc.reject:
         return None, doc.reject
@@ -105,7 +104,7 @@ def unit_keys(spec: JobSpec, unit: list[Slice], n_partitions: int):
     cfg = CleanConfig(**spec.clean)
     keys, positions = [], []
     for position, _, doc in _documents(spec, unit):
-        text, _ = _cleaned(spec, doc, cfg)
+        text, _ = _cleaned(doc, cfg)
         if text is not None:
             keys.append(dedup_key(text))
             positions.append(position)
@@ -155,7 +154,6 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
     from pipeline.data.segment import Segmenter, entity_pattern
     from pipeline.data.shards import token_dtype
 
-    started = time.process_time()
     tokenizer = Tokenizer.from_str(spec.tokenizer_json)
     segment = Segmenter(
         tokenizer,
@@ -201,7 +199,7 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
 
     for position, part, doc in _documents(spec, unit):
         result.read[part.source] += 1
-        text, reason = _cleaned(spec, doc, cfg)
+        text, reason = _cleaned(doc, cfg)
         if text is None:
             reject(reason, part, doc)
             continue
@@ -216,7 +214,6 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
     for split, writer in parts.items():
         writer.close()
         result.parts[split] = writer.entries
-    result.cpu_seconds = time.process_time() - started
     return result
 
 

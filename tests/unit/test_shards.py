@@ -11,6 +11,9 @@ import webdataset as wds
 
 from pipeline.data.shards import (
     INDEX_COLUMNS,
+    N_DOCS,
+    OFFSET,
+    TOKENS_AT,
     DataDir,
     Document,
     ShardError,
@@ -131,12 +134,12 @@ def test_verify_names_a_corrupted_shard_and_a_read_of_the_block_refuses_it(tmp_p
     row = data.index(shard)[2]
     path = tmp_path / shard
     raw = bytearray(path.read_bytes())
-    raw[int(row[0]) + int(row[16]) - 1] ^= 0x01  # a byte of block 2's tokens.npy
+    raw[int(row[OFFSET]) + int(row[TOKENS_AT])] ^= 0x01  # a byte of block 2's tokens.npy
     path.write_bytes(bytes(raw))
     problems = DataDir(tmp_path).verify()
     assert problems and "shard-000000.tar: sha256" in problems[0]
     fresh = DataDir(tmp_path)
-    first_of_block_2 = int(fresh.index(shard)[:2, 3].sum())
+    first_of_block_2 = int(fresh.index(shard)[:2, N_DOCS].sum())
     fresh.read(shard, 0)  # other blocks still read
     with pytest.raises(ShardError, match=r"train/shard-000000.tar: block 2 .*crc32"):
         fresh.read(shard, first_of_block_2)

@@ -305,23 +305,9 @@ def unigram_tokenizer(out):
 @pytest.mark.slow  # importing transformers' model code takes seconds of CPU
 def test_hf_export_gives_our_logits_with_and_without_memory(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from pipeline.export.hf import export_to_hf
-    from pipeline.models.bundle import save_bundle
-
-    tok_dir = tmp_path / "tok"
-    tok_dir.mkdir()
-    meta = unigram_tokenizer(tok_dir)
-    V = meta["vocab_size"]
-    cfg = resolve_model_config({"arch": "xlnet", "preset": "xlnet-tiny"}, V)
-    torch.manual_seed(0)
-    model = build_model("xlnet", cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.ndim == 1:
-                p.normal_(0.0 if "bias" in name else 1.0, 0.1)
-    bundle = save_bundle(tmp_path / "bundle", "xlnet", cfg, model.state_dict(), tok_dir)
-    out = export_to_hf(bundle, tmp_path / "hf")
-    hf = transformers.XLNetLMHeadModel.from_pretrained(out).eval()
+    model, hf, V = exported(tmp_path)
+    meta = json.loads((tmp_path / "tok" / "tokenizer_meta.json").read_text())
+    out = tmp_path / "hf"
     assert hf.config.vocab_size == V
     assert hf.lm_loss.weight.data_ptr() == hf.transformer.word_embedding.weight.data_ptr()
 
