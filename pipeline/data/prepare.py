@@ -234,7 +234,7 @@ def output_fs(output: str):
     if "://" in output:
         try:
             return pafs.FileSystem.from_uri(output)
-        except (pafs.ArrowInvalid, OSError, ValueError) as err:
+        except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
             raise PrepareError(f"output {output}: not a usable filesystem URI ({err})") from None
     return pafs.LocalFileSystem(), str(Path(output).resolve())
 

@@ -230,7 +230,7 @@ def test_foreign_files_are_refused_before_ray(corpus, tokenizer_dir, tmp_path, m
         run_prepare(config([corpus], tokenizer_dir, out))
 
 
-def _ray_must_not_start(cfg):
+def _ray_must_not_start(*args):
     raise AssertionError("Ray was started before validation finished")
 
 
@@ -452,3 +452,21 @@ def test_dedup_is_the_same_across_units_and_partitions(
     assert shard_bytes(one.root / "train") == shard_bytes(three.root / "train")
     kept = sorted(numbers(one, "train") + numbers(one, "valid"))
     assert kept == [i for i in range(30) if i not in (20, 25)] + [40]
+
+
+def test_an_unusable_output_uri_is_refused_before_ray(corpus, tokenizer_dir, monkeypatch):
+    monkeypatch.setattr(job, "init_ray", _ray_must_not_start)
+    with pytest.raises(PrepareError, match=r"output nosuch://bucket/data: not a usable"):
+        run_prepare(config([corpus], tokenizer_dir, "nosuch://bucket/data"))
+
+
+def test_an_input_a_task_cannot_read_is_named_not_a_remote_traceback(
+    ray_local, tokenizer_dir, tmp_path
+):
+    import gzip
+
+    good = gzip.compress(("\n".join(json.dumps({"text": paragraph(i)}) for i in range(50))).encode())
+    bad = tmp_path / "cut.jsonl.gz"
+    bad.write_bytes(good[: len(good) // 2])  # truncated: the task's reader fails mid-file
+    with pytest.raises(InputError, match=r"cut.jsonl.gz: cannot read"):
+        run_prepare(config([bad], tokenizer_dir, tmp_path / "data"))
