@@ -625,9 +625,7 @@ class DataDir:
             self._maps.popitem(last=False)[1].close()
         return mm
 
-    def _block_bytes(
-        self, shard: str, b: int, start: int, size: int, check: bool = True
-    ) -> bytes:
+    def _block_bytes(self, shard: str, b: int, start: int, size: int, check: bool = True) -> bytes:
         """Bytes [start, start + size) of block b's sample, its crc32 checked once per
         process (``check=False``: not checked, for the stream's start-up table)."""
         row = self._indexes[shard][b]
@@ -677,9 +675,7 @@ class DataDir:
                 spans = spans.astype(np.int64)
             table = _BlockTable(
                 key=head.split(".", 1)[0],
-                doc_ends=np.concatenate([[0], array(row[DOCS_AT], n_docs, _U32)]).astype(
-                    np.int64
-                ),
+                doc_ends=np.concatenate([[0], array(row[DOCS_AT], n_docs, _U32)]).astype(np.int64),
                 sents=array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
                 words=np.unpackbits(
                     array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8),
@@ -707,18 +703,30 @@ class DataDir:
             self._tables.popitem(last=False)
         return table
 
-    def doc_lengths(self, shard: str) -> np.ndarray:
-        """Token count of every document of the shard (int64), from the blocks' docs.npy:
-        4 bytes per document read, no token, no checksum (a corrupt docs.npy fails the
-        block's crc32 when a document of it is read)."""
+    def doc_lengths(self, shard: str, start: int = 0, stop: int | None = None) -> np.ndarray:
+        """Token count (int64) of documents [start, stop) of the shard (default: all), from
+        the blocks' docs.npy: 4 bytes per document read, no token, no checksum (a corrupt
+        docs.npy fails the block's crc32 when a document of it is read)."""
         rows = self.index(shard)
+        firsts = self._firsts[shard]
+        stop = int(firsts[-1]) if stop is None else stop
+        if not 0 <= start <= stop <= firsts[-1]:
+            raise IndexError(f"{shard}: documents [{start}, {stop}) of {int(firsts[-1])}")
+        if start == stop:
+            return np.zeros(0, dtype=np.int64)
+        first = int(np.searchsorted(firsts, start, side="right")) - 1
+        last = int(np.searchsorted(firsts, stop - 1, side="right")) - 1
         out = []
-        for b, row in enumerate(rows.tolist()):
+        for b in range(first, last + 1):
+            row = rows[b]
             ends = np.frombuffer(
-                self._block_bytes(shard, b, row[DOCS_AT], 4 * row[N_DOCS], check=False), _U32
+                self._block_bytes(shard, b, int(row[DOCS_AT]), 4 * int(row[N_DOCS]), check=False),
+                _U32,
             ).astype(np.int64)
             out.append(np.diff(ends, prepend=0))
-        return np.concatenate(out) if out else np.zeros(0, dtype=np.int64)
+        lengths = np.concatenate(out)
+        base = int(firsts[first])
+        return lengths[start - base : stop - base]
 
     def read(self, shard: str, i: int) -> Document:
         """Random access: the i-th document of a shard (block found by the index)."""
@@ -779,5 +787,7 @@ class DataDir:
                     problems.append(f"{name}: {err}")
                     continue
                 if n != shard["n_docs"]:
-                    problems.append(f"{name}: {n} documents in the tar, manifest has {shard['n_docs']}")
+                    problems.append(
+                        f"{name}: {n} documents in the tar, manifest has {shard['n_docs']}"
+                    )
         return problems

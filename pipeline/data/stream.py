@@ -2,22 +2,31 @@
 
 How an epoch is laid out (from the manifest and the shard indexes alone, no document read):
 
-* The split's non-empty documents get global ids in manifest order (shard by shard).
-  They are cut into *chunks* of ``chunk_docs`` consecutive documents of one shard.
+* The split's documents get global ids in manifest order (shard by shard) and are cut
+  into *chunks* of ``chunk_docs`` consecutive documents of one shard.
+* The objective's layout gives each document an *extent* (its number of windows for
+  mlm/nsp, its tokens plus a separator for the joined streams of clm/plm/full_sentences);
+  at start the stream reads every document's token count once (4 bytes each, the blocks'
+  ``docs.npy``) and keeps only per-chunk sums: O(chunks) memory, no per-document table.
 * Epoch ``e``: the chunks are put in a seeded random order and taken ``group_chunks``
-  at a time into *groups*; the documents of a group are shuffled (seeded). This is the
-  epoch's document order.
-* The objective cuts that order into units (``Objective.layout``): for mlm/nsp one unit
-  per window of <= seq_len tokens of a document, for clm block b of the eod-joined
-  document stream, located with a cumulative sum. Any unit is found in O(log n).
+  at a time into *groups*. From the per-chunk sums alone, each group's start on the
+  layout's axis, the epoch's number of units and each group's first unit are known.
+* A group is listed only when a batch needs it: its non-empty documents, in a seeded
+  shuffle (by (seed, epoch, group)); the objective lays out that group (with the groups
+  next to it when a unit crosses a group boundary), so any unit is found in O(log n).
+  The epoch's order is the groups' orders end to end, and a slice's units equal those
+  of a layout of the whole epoch (tested).
 * The units of each group are shuffled once more (seeded by (seed, epoch, group)): the
   epoch's unit order. Global batch g is units [g*W*B, (g+1)*W*B) of it and rank r takes
   [g*W*B + r*B, g*W*B + (r+1)*B), so every rank gets exactly floor(n_units / (W*B))
   batches per epoch (the remainder is dropped; the next epoch reshuffles everything).
 
-Why groups rather than one permutation of all units: decoding a document from its tar
-member is the expensive step (webdataset's tar iterator + three .npy loads), and a
-document yields several units (windows) and serves as the random partner of others
+So the start costs one read of the token counts and O(chunks) arithmetic, and a batch
+lays out one or two groups of ~2048 documents: a data dir 8x as large starts as fast.
+
+Why groups rather than one permutation of all units: reading a document is the
+expensive step (its block's crc32 on first use, then slices of the block's members),
+and a document yields several units (windows) and serves as the random partner of others
 (NSP). Within a group, all of that happens while the document sits in a small LRU
 cache, so each document is decoded about once per epoch per process, instead of once
 per unit. A group spans ``chunk_docs * group_chunks`` (default 2048) documents drawn
@@ -65,9 +74,10 @@ from pipeline.config import ConfigError
 from pipeline.data.shards import DataDir, Document, ShardError, sha256_file
 from pipeline.objectives.base import Layout, Objective, Unit
 
-STATE_VERSION = 1
+# 2: groups laid out lazily (session 11): the same seed gives another order than 1.
+STATE_VERSION = 2
 # Seed-sequence salts, so the different random streams never coincide.
-_ORDER, _UNITS, _EXAMPLE = 11, 12, 13
+_ORDER, _UNITS, _EXAMPLE, _GROUP = 11, 12, 13, 14
 
 
 class _RngPool:
@@ -100,37 +110,89 @@ class _RngPool:
 
 
 class _EpochPlan:
-    """The epoch's document order, its units and the group boundaries in unit space."""
+    """Epoch ``e``'s order, built lazily: the chunk order and every group's place on the
+    layout's axis come from per-chunk sums (O(chunks)); a group's documents are listed,
+    shuffled and laid out only when a batch reads from it."""
 
     def __init__(self, core: _Core, epoch: int):
         self.core, self.epoch = core, epoch
         rng = np.random.default_rng([core.seed, _ORDER, core.split_salt, epoch])
-        chunks = rng.permutation(core.chunk_starts.shape[0])
-        sizes = core.chunk_stops[chunks] - core.chunk_starts[chunks]
-        first = np.repeat(core.chunk_starts[chunks] - np.cumsum(sizes) + sizes, sizes)
-        docs = first + np.arange(first.shape[0])  # global ids, chunk after chunk
-        group = np.repeat(np.arange(chunks.shape[0]) // core.group_chunks, sizes)
-        self.order = docs[np.lexsort((rng.random(docs.shape[0]), group))]
-        n_groups = int(group[-1]) + 1
-        self.group_starts = np.concatenate([[0], np.cumsum(np.bincount(group, minlength=n_groups))])
-        self.layout: Layout = core.objective.layout(self.order, core.lengths)
+        self.chunks = rng.permutation(core.chunk_extent.shape[0])
+        firsts = np.arange(0, self.chunks.shape[0], core.group_chunks)
+        extents = np.add.reduceat(core.chunk_extent[self.chunks], firsts)
+        self.offsets = np.concatenate([[0], np.cumsum(extents)])  # each group's start, total
+        self.total = int(self.offsets[-1])
+        self.n_units = core.rule.count(self.total)
         # The units of group k are [span_starts[k], span_starts[k + 1]).
-        bounds = np.asarray(self.layout.boundary(self.group_starts[:-1]), dtype=np.int64)
-        self.span_starts = np.append(bounds, self.layout.n_units)
+        first_units = np.minimum(core.rule.first_unit(self.offsets[:-1]), self.n_units)
+        self.span_starts = np.append(first_units, self.n_units)
+        self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._layouts: OrderedDict[tuple[int, int], Layout] = OrderedDict()
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def locate(self, positions: np.ndarray, shuffle: bool = True) -> tuple[list[Unit], np.ndarray]:
         """(units at these positions of the epoch's unit order, their groups); with
         ``shuffle=False`` the units keep the layout order inside their group."""
         groups = np.searchsorted(self.span_starts, positions, side="right") - 1
-        if not shuffle:
-            return self.layout.units(positions), groups
-        units = np.empty_like(positions)
-        for group in np.unique(groups).tolist():
-            inside = groups == group
-            start = int(self.span_starts[group])
-            units[inside] = start + self._perm(group)[positions[inside] - start]
-        return self.layout.units(units), groups
+        units = positions.copy()
+        if shuffle:
+            for group in np.unique(groups).tolist():
+                inside = groups == group
+                start = int(self.span_starts[group])
+                units[inside] = start + self._perm(group)[positions[inside] - start]
+        return self._units(units), groups
+
+    def _units(self, us: np.ndarray) -> list[Unit]:
+        """Units by number, each from a layout of the groups its span touches."""
+        spans = np.array([self.core.rule.span(u) for u in us.tolist()], dtype=np.int64)
+        last_group = self.offsets.shape[0] - 2
+        firsts = np.searchsorted(self.offsets, spans[:, 0], side="right") - 1
+        lasts = np.minimum(
+            np.searchsorted(self.offsets, spans[:, 1] - 1, side="right") - 1, last_group
+        )
+        out: list[Unit] = [None] * us.shape[0]  # type: ignore[list-item]
+        keys = firsts * (last_group + 1) + lasts
+        for key in np.unique(keys).tolist():
+            rows = np.flatnonzero(keys == key)
+            layout = self._layout(*divmod(key, last_group + 1))
+            for row, unit in zip(rows.tolist(), layout.units(us[rows]), strict=True):
+                out[row] = unit
+        return out
+
+    def _layout(self, first: int, last: int) -> Layout:
+        """The objective's layout of groups first..last (their documents in epoch order)."""
+        layout = self._layouts.get((first, last))
+        if layout is None:
+            parts = [self.group(g) for g in range(first, last + 1)]
+            order, n = (np.concatenate(column) for column in zip(*parts, strict=True))
+            offset = int(self.offsets[first])
+            layout = self.core.objective.layout(order, n, offset, self.total)
+            self._layouts[(first, last)] = layout
+            if len(self._layouts) > self.core.cache_groups:
+                self._layouts.popitem(last=False)
+        return layout
+
+    def group(self, group: int) -> tuple[np.ndarray, np.ndarray]:
+        """(global ids, token counts) of the group's non-empty documents, shuffled."""
+        found = self._groups.get(group)
+        if found is not None:
+            return found
+        core = self.core
+        ids, lengths = [], []
+        chunks = self.chunks[group * core.group_chunks : (group + 1) * core.group_chunks]
+        for c in chunks.tolist():
+            shard, first = int(core.chunk_shard[c]), int(core.chunk_first[c])
+            n = core.data.doc_lengths(core.shards[shard], first, first + int(core.chunk_size[c]))
+            keep = np.flatnonzero(n > 0)
+            ids.append(core.doc_base[shard] + first + keep)
+            lengths.append(n[keep])
+        seed = [core.seed, _GROUP, core.split_salt, self.epoch, group]
+        docs, n = np.concatenate(ids), np.concatenate(lengths)
+        perm = np.random.default_rng(seed).permutation(docs.shape[0])
+        found = self._groups[group] = (docs[perm], n[perm])
+        if len(self._groups) > core.cache_groups:
+            self._groups.popitem(last=False)
+        return found
 
     def _perm(self, group: int) -> np.ndarray:
         perm = self._perms.get(group)
@@ -138,12 +200,12 @@ class _EpochPlan:
             seed = [self.core.seed, _UNITS, self.core.split_salt, self.epoch, group]
             size = int(self.span_starts[group + 1] - self.span_starts[group])
             perm = self._perms[group] = np.random.default_rng(seed).permutation(size)
-            if len(self._perms) > 8:
+            if len(self._perms) > self.core.cache_groups:
                 self._perms.popitem(last=False)
         return perm
 
     def pool(self, group: int) -> np.ndarray:
-        return self.order[self.group_starts[group] : self.group_starts[group + 1]]
+        return self.group(group)[0]
 
 
 class _Core:
@@ -165,39 +227,42 @@ class _Core:
         cycle: bool,
     ):
         self.data, self.shards, self.objective = data, shards, objective
-        self.split_salt = 0 if split == "train" else 1 + sum(split.encode())
+        self.split, self.split_salt = split, 0 if split == "train" else 1 + sum(split.encode())
         self.B, self.seed, self.rank, self.W = micro_batch_size, seed, rank, world_size
         self.group_chunks, self.cache_docs, self.cycle = group_chunks, cache_docs, cycle
-        # The document table: global id -> (shard, sample), token count. Empty documents
-        # produce no units, so they are left out.
-        shard_of, local, lengths, chunk_starts = [], [], [], []
-        n = 0
+        # Layouts and groups kept per process: a batch touches one or two groups, or one
+        # per row for recurrent objectives (each row reads its own part of the epoch).
+        self.cache_groups = 2 * micro_batch_size + 8
+        # The layout's rule (extents, unit count, spans) without documents.
+        self.rule = objective.layout(np.zeros(0, np.int64), np.zeros(0, np.int64))
+        # Chunks: runs of chunk_docs consecutive documents of one shard, empty ones
+        # included (they take no extent, and are left out when a group is listed).
+        # Global document id = doc_base[shard] + the document's number in its shard.
+        # One pass over the documents' token counts (4 bytes each), nothing kept per
+        # document: the start costs O(documents) reads and O(chunks) memory.
+        columns: list[list[np.ndarray]] = [[], [], [], []]
+        n_docs = []
         for s, name in enumerate(shards):
-            counts = data.doc_lengths(name)
-            keep = np.flatnonzero(counts > 0)
-            shard_of.append(np.full(keep.shape[0], s, dtype=np.int32))
-            local.append(keep)
-            lengths.append(counts[keep])
-            chunk_starts.append(n + np.arange(0, keep.shape[0], chunk_docs))
-            n += keep.shape[0]
-        if n == 0:
+            n = data.doc_lengths(name)
+            starts = np.arange(0, n.shape[0], chunk_docs)
+            extent = np.where(n > 0, self.rule.extent(n), 0)
+            columns[0].append(np.full(starts.shape[0], s, dtype=np.int64))
+            columns[1].append(starts)
+            columns[2].append(np.minimum(starts + chunk_docs, n.shape[0]) - starts)
+            columns[3].append(np.add.reduceat(extent, starts) if starts.size else starts)
+            n_docs.append(n.shape[0])
+        self.chunk_shard, self.chunk_first, self.chunk_size, self.chunk_extent = (
+            np.concatenate(c).astype(np.int64) for c in columns
+        )
+        self.doc_base = np.concatenate([[0], np.cumsum(n_docs)]).astype(np.int64)
+        if not self.chunk_extent.any():
             raise ShardError(f"{data.root}: split {split!r} has no non-empty documents")
-        self.shard_of = np.concatenate(shard_of)
-        self.local = np.concatenate(local).astype(np.int64)
-        self.lengths = np.concatenate(lengths).astype(np.int64)
-        self.chunk_starts = np.concatenate(chunk_starts).astype(np.int64)
-        # A chunk ends where the next begins or where its shard ends.
-        shard_ends = np.cumsum([x.shape[0] for x in local])
-        next_start = np.append(self.chunk_starts[1:], n)
-        self.chunk_stops = np.minimum(
-            next_start, shard_ends[self.shard_of[self.chunk_starts]]
-        ).astype(np.int64)
-        self.all_docs = np.arange(n, dtype=np.int64)
+        self._all_docs: np.ndarray | None = None
         self._plans: OrderedDict[int, _EpochPlan] = OrderedDict()
         self._cache: OrderedDict[int, Document] = OrderedDict()
         self._rngs = _RngPool()
         self.docs_read = 0
-        self.n_units = self.plan(0).layout.n_units
+        self.n_units = self.plan(0).n_units
         self.batches_per_epoch = self.n_units // (self.W * self.B)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -205,6 +270,18 @@ class _Core:
         state["_plans"], state["_cache"], state["docs_read"] = OrderedDict(), OrderedDict(), 0
         state["_rngs"] = _RngPool()
         return state
+
+    @property
+    def all_docs(self) -> np.ndarray:
+        """Every non-empty document of the split: the partner pool of static objectives
+        (their examples must not depend on the epoch's groups). Built on first use."""
+        if self._all_docs is None:
+            ids = [
+                self.doc_base[s] + np.flatnonzero(self.data.doc_lengths(name) > 0)
+                for s, name in enumerate(self.shards)
+            ]
+            self._all_docs = np.concatenate(ids)
+        return self._all_docs
 
     def plan(self, epoch: int) -> _EpochPlan:
         epoch = epoch if self.cycle else 0
@@ -243,30 +320,20 @@ class _Core:
         if doc is not None:
             self._cache.move_to_end(doc_id)
             return doc
-        shard, sample = self.shards[self.shard_of[doc_id]], int(self.local[doc_id])
+        s = int(np.searchsorted(self.doc_base, doc_id, side="right")) - 1
+        shard, sample = self.shards[s], doc_id - int(self.doc_base[s])
         doc = self.data.read(shard, sample)
         self.docs_read += 1
-        if doc.n_tokens != self.lengths[doc_id] or (
-            doc.n_tokens and int(doc.tokens.max()) >= self.objective.vocab_size
-        ):
-            self._bad_document(doc_id, shard, sample, doc)
+        if doc.n_tokens and int(doc.tokens.max()) >= self.objective.vocab_size:
+            raise ShardError(
+                f"{self.data.root / shard} document {sample} ({doc.key}) holds token id "
+                f"{int(doc.tokens.max())} >= the vocabulary size {self.objective.vocab_size}: "
+                "the shards and the tokenizer do not match"
+            )
         self._cache[doc_id] = doc
         if len(self._cache) > self.cache_docs:
             self._cache.popitem(last=False)
         return doc
-
-    def _bad_document(self, doc_id: int, shard: str, sample: int, doc: Document) -> None:
-        where = f"{self.data.root / shard} sample {sample} ({doc.key})"
-        if doc.n_tokens != self.lengths[doc_id]:
-            raise ShardError(
-                f"{where} has {doc.n_tokens} tokens, its index says {self.lengths[doc_id]}; "
-                "re-run `plm data prepare --force`"
-            )
-        if int(doc.tokens.max()) >= self.objective.vocab_size:
-            raise ShardError(
-                f"{where} holds token id {int(doc.tokens.max())} >= the vocabulary size "
-                f"{self.objective.vocab_size}: the shards and the tokenizer do not match"
-            )
 
 
 class _WorkerBatches(IterableDataset):
@@ -478,8 +545,10 @@ class PretrainStream:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"loader state version {state.get('version')!r}, expected {STATE_VERSION}"
+            raise ConfigError(
+                f"the checkpoint's loader state has version {state.get('version')!r}, this plm "
+                f"reads version {STATE_VERSION} (the data order changed between them): resume "
+                "it with the plm that wrote it, or start a new train.out_dir"
             )
         for key, mine in (
             ("split", self.split),

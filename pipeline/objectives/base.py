@@ -4,10 +4,11 @@ An objective turns documents into training examples without doing any I/O itself
 The loader (``pipeline.data.stream``) owns the I/O and asks the objective three
 things, always with the example's own seeded ``numpy.random.Generator``:
 
-1. ``layout(order, lengths)``: how an epoch's documents (in the epoch's order, known
-   from the shard indexes alone) are cut into *units*, one unit per example. The
+1. ``layout(order, n)``: how an epoch's documents (in the epoch's order, with their
+   token counts ``n``, known from the shard indexes alone) are cut into *units*, one unit per example. The
    layout maps a unit number to its ``Unit`` (which token ranges of which documents)
-   without reading any document, so the loader can seek straight to any batch.
+   without reading any document, so the loader can seek straight to any batch; it can
+   be built over a slice of the epoch (``offset``, ``total``: see ``Layout``).
 2. ``needs(unit, rng, pool)``: the global ids of the documents the example reads
    (the unit's own ones, plus e.g. a random partner document for NSP drawn from ``pool``).
 3. ``make_example(unit, docs, rng)``: numpy arrays of one example; ``collate`` stacks
@@ -52,17 +53,49 @@ class Unit(NamedTuple):
 
 
 class Layout(ABC):
-    """An epoch's documents cut into units; built from token counts only."""
+    """An epoch's documents cut into units; built from token counts only.
 
-    n_units: int
+    Each document takes an *extent* on the layout's axis (its number of windows, or its
+    tokens plus the separator after it in a joined stream); the epoch is the documents'
+    extents end to end, and a unit is a range of that axis. A layout can be built over any
+    contiguous slice of the epoch order: ``offset`` is the extent before the slice and
+    ``total`` the whole epoch's, so the loader lays out only the shuffle groups a batch
+    needs (``pipeline.data.stream``), and a slice gives the same units as the whole.
+    """
+
+    def __init__(self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None):
+        self.order = np.asarray(order, dtype=np.int64)
+        self.n = np.asarray(n, dtype=np.int64)  # tokens of document order[i]
+        if self.n.shape != self.order.shape:
+            raise ValueError(f"{self.order.shape[0]} documents but {self.n.shape[0]} lengths")
+        self.cum = offset + np.concatenate([[0], np.cumsum(self.extent(self.n))])
+        self.n_units = self.count(int(self.cum[-1]) if total is None else total)
 
     @abstractmethod
-    def boundary(self, positions: np.ndarray) -> np.ndarray:
-        """First unit of the documents at these positions of the epoch order (non-decreasing)."""
+    def extent(self, n: np.ndarray) -> np.ndarray:
+        """Extent of documents of ``n`` tokens (n > 0)."""
+
+    @abstractmethod
+    def count(self, total: int) -> int:
+        """Units of an epoch whose documents' extents sum to ``total``."""
+
+    @abstractmethod
+    def first_unit(self, offsets: np.ndarray) -> np.ndarray:
+        """The first unit that belongs to a document starting at these extent offsets
+        (callers clamp it to ``n_units``)."""
+
+    @abstractmethod
+    def span(self, u: int) -> tuple[int, int]:
+        """The extent range [lo, hi) that unit ``u`` reads."""
 
     @abstractmethod
     def unit(self, u: int) -> Unit:
-        """Unit number ``u`` (0 <= u < n_units) in layout order."""
+        """Unit number ``u`` (0 <= u < n_units) in layout order; its span must lie in
+        this layout's slice."""
+
+    def boundary(self, positions: np.ndarray) -> np.ndarray:
+        """First unit of the documents at these positions of the slice (non-decreasing)."""
+        return np.minimum(self.first_unit(self.cum[positions]), self.n_units)
 
     def units(self, us: np.ndarray) -> list[Unit]:
         return [self.unit(int(u)) for u in us]
@@ -75,30 +108,58 @@ class WindowLayout(Layout):
     the tiny tail window a plain ``[k*window, (k+1)*window)`` cut leaves behind.
     """
 
-    def __init__(self, order: np.ndarray, lengths: np.ndarray, window: int):
-        self.order = order
-        self.n = lengths[order]
-        self.windows = -(-self.n // window)
-        self.cum = np.concatenate([[0], np.cumsum(self.windows)])
-        self.n_units = int(self.cum[-1])
+    def __init__(self, order, n, window: int, offset: int = 0, total: int | None = None):
+        self.window = window
+        super().__init__(order, n, offset, total)
 
-    def boundary(self, positions: np.ndarray) -> np.ndarray:
-        return self.cum[positions]
+    def extent(self, n: np.ndarray) -> np.ndarray:
+        return -(-n // self.window)
+
+    def count(self, total: int) -> int:
+        return total
+
+    def first_unit(self, offsets: np.ndarray) -> np.ndarray:
+        return offsets
+
+    def span(self, u: int) -> tuple[int, int]:
+        return u, u + 1
 
     def unit(self, u: int) -> Unit:
-        i = int(np.searchsorted(self.cum, u, side="right")) - 1
-        w, k, n = u - int(self.cum[i]), int(self.windows[i]), int(self.n[i])
-        doc = int(self.order[i])
-        return Unit(key=(doc, w), pieces=(Piece(doc, n * w // k, n * (w + 1) // k),))
+        return self.units(np.array([u]))[0]
 
-    def units(self, us: np.ndarray) -> list[Unit]:  # the same, vectorized
+    def units(self, us: np.ndarray) -> list[Unit]:  # vectorized
         i = np.searchsorted(self.cum, us, side="right") - 1
-        w, k, n = us - self.cum[i], self.windows[i], self.n[i]
+        k, n = self.cum[i + 1] - self.cum[i], self.n[i]
+        w = us - self.cum[i]
         cols = (self.order[i], w, n * w // k, n * (w + 1) // k)
         return [
             Unit(key=(d, x), pieces=(Piece(d, a, b),))
             for d, x, a, b in zip(*(c.tolist() for c in cols), strict=True)
         ]
+
+
+class JoinedLayout(Layout):
+    """Units on the stream ``doc SEP doc SEP ...`` of the epoch (each document's extent:
+    its tokens and the separator after it); subclasses choose where units start and end."""
+
+    def extent(self, n: np.ndarray) -> np.ndarray:
+        return n + 1
+
+    def pieces(self, lo: int, hi: int, eod: bool) -> tuple[Piece, ...]:
+        """The documents' token ranges in stream positions [lo, hi); with ``eod`` a range
+        that reaches a document's separator says so (``Piece.eod``), else separators
+        are left out."""
+        first = int(np.searchsorted(self.cum, lo, side="right")) - 1
+        last = int(np.searchsorted(self.cum, hi - 1, side="right")) - 1
+        out = []
+        for i in range(first, min(last, self.n.shape[0] - 1) + 1):
+            start, n = int(self.cum[i]), int(self.n[i])
+            a, b = max(lo - start, 0), min(hi - start, n + 1)  # the separator sits at n
+            if eod:
+                out.append(Piece(int(self.order[i]), a, min(b, n), eod=b > n))
+            elif a < min(b, n):  # (a window may open on the separator after a document)
+                out.append(Piece(int(self.order[i]), a, min(b, n)))
+        return tuple(out)
 
 
 def special_table(vocab_size: int, special_ids: set[int]) -> np.ndarray:
@@ -135,7 +196,9 @@ class Objective(ABC):
         return None
 
     @abstractmethod
-    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout: ...
+    def layout(
+        self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None
+    ) -> Layout: ...
 
     def needs(self, unit: Unit, rng: np.random.Generator, pool: np.ndarray) -> list[int]:
         return unit.docs

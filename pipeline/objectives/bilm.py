@@ -63,8 +63,10 @@ class BilmObjective(Objective):
 
         model.set_char_table(build_char_table(data.tokenizer_path.parent, model.config))
 
-    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
-        return WindowLayout(order, lengths, self.window)
+    def layout(
+        self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None
+    ) -> Layout:
+        return WindowLayout(order, n, self.window, offset, total)
 
     def make_example(self, unit: Unit, docs: list[Document], rng) -> dict[str, np.ndarray]:
         (piece,), (doc,) = unit.pieces, docs

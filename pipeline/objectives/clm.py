@@ -27,32 +27,27 @@ import torch.nn.functional as F
 
 from pipeline.config import ConfigError
 from pipeline.data.shards import Document
-from pipeline.objectives.base import IGNORE_INDEX, Layout, Objective, Piece, Unit
+from pipeline.objectives.base import IGNORE_INDEX, JoinedLayout, Layout, Objective, Piece, Unit
 
 
-class BlockLayout(Layout):
+class BlockLayout(JoinedLayout):
     """Blocks of ``block`` (+1) tokens of the eod-joined stream; from token counts only."""
 
-    def __init__(self, order: np.ndarray, lengths: np.ndarray, block: int):
-        self.order, self.block = order, block
-        self.n = lengths[order]
-        self.cum = np.concatenate([[0], np.cumsum(self.n + 1)])  # stream offset of each doc
-        self.n_units = max(0, int(self.cum[-1] - 1) // block)
+    def __init__(self, order, n, block: int, offset: int = 0, total: int | None = None):
+        self.block = block
+        super().__init__(order, n, offset, total)
 
-    def boundary(self, positions: np.ndarray) -> np.ndarray:
-        return np.minimum(self.cum[positions] // self.block, self.n_units)
+    def count(self, total: int) -> int:
+        return max(0, (total - 1) // self.block)
+
+    def first_unit(self, offsets: np.ndarray) -> np.ndarray:
+        return offsets // self.block
+
+    def span(self, u: int) -> tuple[int, int]:
+        return u * self.block, (u + 1) * self.block + 1
 
     def unit(self, u: int) -> Unit:
-        lo = u * self.block
-        hi = lo + self.block + 1
-        first = int(np.searchsorted(self.cum, lo, side="right")) - 1
-        last = int(np.searchsorted(self.cum, hi - 1, side="right")) - 1
-        pieces = []
-        for i in range(first, last + 1):
-            start, n = int(self.cum[i]), int(self.n[i])
-            a, b = max(lo - start, 0), min(hi - start, n + 1)  # the eod sits at index n
-            pieces.append(Piece(int(self.order[i]), a, min(b, n), eod=b > n))
-        return Unit(key=(u,), pieces=tuple(pieces))
+        return Unit(key=(u,), pieces=self.pieces(*self.span(u), eod=True))
 
 
 def pack_block(
@@ -98,8 +93,10 @@ class ClmObjective(Objective):
                 "blocks; use objective.kind=clm-recurrent"
             )
 
-    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
-        return BlockLayout(order, lengths, self.seq_len)
+    def layout(
+        self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None
+    ) -> Layout:
+        return BlockLayout(order, n, self.seq_len, offset, total)
 
     def make_example(self, unit: Unit, docs: list[Document], rng) -> dict[str, np.ndarray]:
         L = self.seq_len

@@ -286,10 +286,12 @@ class MlmObjective(MaskingMixin, Objective):
         self._init_masking(cfg.mlm, roles, vocab_size, special_ids)
         self.window = seq_len - 2
 
-    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
+    def layout(
+        self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None
+    ) -> Layout:
         if self.mlm.packing == "full_sentences":
-            return StreamLayout(order, lengths, self.window)
-        return WindowLayout(order, lengths, self.window)
+            return StreamLayout(order, n, self.window, offset, total)
+        return WindowLayout(order, n, self.window, offset, total)
 
     def segments(self, unit: Unit, docs: list[Document]) -> list[Segment]:
         if self.mlm.packing == "window":

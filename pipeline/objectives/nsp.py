@@ -111,8 +111,10 @@ class MlmNspObjective(MaskingMixin, Objective):
         self.nsp = cfg.nsp
         self.max_tokens = seq_len - 3  # room for [CLS] A [SEP] B [SEP]
 
-    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
-        return WindowLayout(order, lengths, self.max_tokens)
+    def layout(
+        self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None
+    ) -> Layout:
+        return WindowLayout(order, n, self.max_tokens, offset, total)
 
     def needs(self, unit: Unit, rng: np.random.Generator, pool: np.ndarray) -> list[int]:
         (piece,) = unit.pieces

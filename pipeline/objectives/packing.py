@@ -28,35 +28,29 @@ from __future__ import annotations
 import numpy as np
 
 from pipeline.data.shards import Document
-from pipeline.objectives.base import Layout, Piece, Unit
+from pipeline.objectives.base import JoinedLayout, Unit
 
 Segment = tuple[Document, int, int]  # tokens [start, stop) of a document
 
 
-class StreamLayout(Layout):
+class StreamLayout(JoinedLayout):
     """Windows of ``window`` positions of the stream ``doc SEP doc SEP ...`` of the epoch."""
 
-    def __init__(self, order: np.ndarray, lengths: np.ndarray, window: int):
-        self.order, self.window = order, window
-        self.n = lengths[order]
-        self.cum = np.concatenate([[0], np.cumsum(self.n + 1)])  # stream offset of each doc
-        total = int(self.cum[-1]) - 1  # no separator after the last document
-        self.n_units = -(-total // window)
+    def __init__(self, order, n, window: int, offset: int = 0, total: int | None = None):
+        self.window = window
+        super().__init__(order, n, offset, total)
 
-    def boundary(self, positions: np.ndarray) -> np.ndarray:
-        return np.minimum(self.cum[positions] // self.window, self.n_units)
+    def count(self, total: int) -> int:
+        return -(-(total - 1) // self.window)  # no separator after the last document
+
+    def first_unit(self, offsets: np.ndarray) -> np.ndarray:
+        return offsets // self.window
+
+    def span(self, u: int) -> tuple[int, int]:
+        return u * self.window, (u + 1) * self.window
 
     def unit(self, u: int) -> Unit:
-        lo, hi = u * self.window, (u + 1) * self.window
-        first = int(np.searchsorted(self.cum, lo, side="right")) - 1
-        last = int(np.searchsorted(self.cum, hi - 1, side="right")) - 1
-        pieces = []
-        for i in range(first, min(last, self.n.shape[0] - 1) + 1):
-            start, n = int(self.cum[i]), int(self.n[i])
-            a, b = max(lo - start, 0), min(hi - start, n)
-            if a < b:  # (a window may open on the separator after a document)
-                pieces.append(Piece(int(self.order[i]), a, b))
-        return Unit(key=(u,), pieces=tuple(pieces))
+        return Unit(key=(u,), pieces=self.pieces(*self.span(u), eod=False))
 
 
 def sentence_ends(doc: Document) -> np.ndarray:

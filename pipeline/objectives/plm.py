@@ -33,37 +33,33 @@ import numpy as np
 
 from pipeline.config import ConfigError
 from pipeline.data.shards import Document
-from pipeline.objectives.base import Layout, Objective, Piece, Unit
+from pipeline.objectives.base import JoinedLayout, Layout, Objective, Unit
 from pipeline.objectives.clm import pack_block
 from pipeline.objectives.mlm import masked_lm_loss
 
 N_SPECIAL = 3  # [SEP] [SEP] [CLS]
 
 
-class StreamLayout(Layout):
+class StreamLayout(JoinedLayout):
     """Units of ``width`` tokens every ``stride`` tokens of the eod-joined stream."""
 
-    def __init__(self, order: np.ndarray, lengths: np.ndarray, stride: int, width: int):
-        self.order, self.stride, self.width = order, stride, width
-        self.n = lengths[order]
-        self.cum = np.concatenate([[0], np.cumsum(self.n + 1)])  # stream offset of each doc
-        total = int(self.cum[-1])
-        self.n_units = (total - width) // stride + 1 if total >= width else 0
+    def __init__(
+        self, order, n, stride: int, width: int, offset: int = 0, total: int | None = None
+    ):
+        self.stride, self.width = stride, width
+        super().__init__(order, n, offset, total)
 
-    def boundary(self, positions: np.ndarray) -> np.ndarray:
-        return np.minimum(-(-self.cum[positions] // self.stride), self.n_units)
+    def count(self, total: int) -> int:
+        return (total - self.width) // self.stride + 1 if total >= self.width else 0
+
+    def first_unit(self, offsets: np.ndarray) -> np.ndarray:
+        return -(-offsets // self.stride)
+
+    def span(self, u: int) -> tuple[int, int]:
+        return u * self.stride, u * self.stride + self.width
 
     def unit(self, u: int) -> Unit:
-        lo = u * self.stride
-        hi = lo + self.width
-        first = int(np.searchsorted(self.cum, lo, side="right")) - 1
-        last = int(np.searchsorted(self.cum, hi - 1, side="right")) - 1
-        pieces = []
-        for i in range(first, last + 1):
-            start, n = int(self.cum[i]), int(self.n[i])
-            a, b = max(lo - start, 0), min(hi - start, n + 1)  # the eod sits at index n
-            pieces.append(Piece(int(self.order[i]), a, min(b, n), eod=b > n))
-        return Unit(key=(u,), pieces=tuple(pieces))
+        return Unit(key=(u,), pieces=self.pieces(*self.span(u), eod=True))
 
 
 def n_predict(n_tokens: int, k: float) -> int:
@@ -163,8 +159,10 @@ class PlmObjective(Objective):
             )
         self.reuse_len = self._check_reuse(cfg.reuse_len, "model")
 
-    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
-        return StreamLayout(order, lengths, self.reuse_len, self.width)
+    def layout(
+        self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None
+    ) -> Layout:
+        return StreamLayout(order, n, self.reuse_len, self.width, offset, total)
 
     def make_example(self, unit: Unit, docs: list[Document], rng) -> dict[str, np.ndarray]:
         T, W, R = self.seq_len, self.width, self.reuse_len

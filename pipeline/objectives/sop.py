@@ -54,8 +54,10 @@ class MlmSopObjective(MaskingMixin, Objective):
         self.sop = cfg.sop
         self.max_tokens = seq_len - 3  # room for [CLS] A [SEP] B [SEP]
 
-    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
-        return WindowLayout(order, lengths, self.max_tokens)
+    def layout(
+        self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None
+    ) -> Layout:
+        return WindowLayout(order, n, self.max_tokens, offset, total)
 
     def new_rows(self, batch_size: int) -> Rows:
         rows = super().new_rows(batch_size)

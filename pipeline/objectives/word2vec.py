@@ -111,8 +111,10 @@ class Word2vecObjective(Objective):
             keep = np.minimum(1.0, np.sqrt(t / f) + t / f)
         self.keep_prob = np.where(self.is_special, 0.0, keep)
 
-    def layout(self, order: np.ndarray, lengths: np.ndarray) -> Layout:
-        return WindowLayout(order, lengths, self.seq_len)
+    def layout(
+        self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None
+    ) -> Layout:
+        return WindowLayout(order, n, self.seq_len, offset, total)
 
     def _draw_noise(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
         if self.noise_cdf is None:

@@ -465,7 +465,9 @@ def test_an_input_a_task_cannot_read_is_named_not_a_remote_traceback(
 ):
     import gzip
 
-    good = gzip.compress(("\n".join(json.dumps({"text": paragraph(i)}) for i in range(50))).encode())
+    good = gzip.compress(
+        ("\n".join(json.dumps({"text": paragraph(i)}) for i in range(50))).encode()
+    )
     bad = tmp_path / "cut.jsonl.gz"
     bad.write_bytes(good[: len(good) // 2])  # truncated: the task's reader fails mid-file
     with pytest.raises(InputError, match=r"cut.jsonl.gz: cannot read"):

@@ -197,7 +197,7 @@ def test_clm_blocks_pack_documents_with_eod(reset, block_docs):
     lengths = np.array([10, 50, 3, 70, 25, 9])
     docs = clm_docs(rng, lengths)
     order = np.array([3, 0, 5, 1, 4, 2])
-    layout = obj.layout(order, lengths)
+    layout = obj.layout(order, lengths[order])
     stream = np.concatenate(
         [np.append(docs[d].tokens.astype(np.int64), ROLES["eod"]) for d in order]
     )

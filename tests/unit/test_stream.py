@@ -227,7 +227,7 @@ def test_token_ids_out_of_the_vocabulary_are_named(tmp_path):
     small = build_objective(ObjectiveSection(kind="mlm"), ROLES, 500, SEQ)
     s = PretrainStream(root, "train", small, micro_batch_size=4, seed=7)
     with pytest.raises(
-        ShardError, match=r"train/shard-00000\d\.tar sample \d+ .*vocabulary size 500"
+        ShardError, match=r"train/shard-00000\d\.tar document \d+ .*vocabulary size 500"
     ):
         next(iter(s))
 
@@ -235,3 +235,59 @@ def test_token_ids_out_of_the_vocabulary_are_named(tmp_path):
 def test_too_little_data_for_one_batch_is_a_config_error(data_dir):
     with pytest.raises(ConfigError, match="train.micro_batch_size"):
         stream(data_dir, split="valid", B=10_000)
+
+
+@pytest.fixture(scope="module")
+def gappy_dir(tmp_path_factory):
+    """Shards with empty documents here and there, and documents of every size."""
+    root = tmp_path_factory.mktemp("gappy")
+    rng = np.random.default_rng(3)
+    entries = []
+    for s in range(3):
+        w = ShardWriter.local(root, shard_name("train", s), np.uint16, block_tokens=500)
+        for i in range(90):
+            n = 0 if rng.random() < 0.15 else int(rng.integers(1, 90))
+            ends = np.array([n], dtype=np.int32) if n else np.zeros(0, np.int32)
+            w.write(Document(f"d{s}-{i}", rng.integers(6, VOCAB, n), ends, np.zeros(0, np.int32)))
+        entries.append(w.close())
+    write_manifest(
+        root,
+        {"format_version": 3, "tokenizer": {"path": "t"}, "splits": {"train": {"shards": entries}}},
+    )
+    return root
+
+
+@pytest.mark.parametrize(
+    "kind,section",
+    [("mlm", {}), ("mlm", {"mlm": {"packing": "full_sentences"}}), ("clm", {}), ("plm", {})],
+)
+def test_groups_laid_out_lazily_give_the_units_of_the_whole_epoch(gappy_dir, kind, section):
+    """The loader lays out only the groups a batch touches; every unit must equal the one
+    a layout of the whole epoch order gives (units straddling groups included), and the
+    groups must hold every non-empty document exactly once."""
+    obj = objective(kind, **section)
+    s = PretrainStream(gappy_dir, "train", obj, 1, seed=5, chunk_docs=4, group_chunks=3)
+    data = DataDir(gappy_dir)
+    lengths = np.concatenate([data.doc_lengths(e["name"]) for e in data.shards("train")])
+    for epoch in (0, 1):
+        plan = s._core.plan(epoch)
+        groups = [plan.group(g) for g in range(plan.offsets.shape[0] - 1)]
+        order = np.concatenate([g[0] for g in groups])
+        assert sorted(order.tolist()) == np.flatnonzero(lengths > 0).tolist()
+        assert np.array_equal(np.concatenate([g[1] for g in groups]), lengths[order])
+        whole = obj.layout(order, lengths[order])
+        assert whole.n_units == plan.n_units == s.units_per_epoch
+        lazy = s._core.plan(epoch)._units(np.arange(whole.n_units))
+        assert lazy == whole.units(np.arange(whole.n_units))
+    # the shuffle is per epoch: the second epoch puts the documents in another order
+    assert not np.array_equal(s._core.plan(0).group(0)[0], s._core.plan(1).group(0)[0])
+
+
+def test_start_reads_only_document_counts(data_dir, monkeypatch):
+    """Building the stream reads each shard's document counts once and no document."""
+    calls = []
+    real = DataDir.read
+    monkeypatch.setattr(DataDir, "read", lambda self, *a: calls.append(a) or real(self, *a))
+    s = stream(data_dir, kind="mlm")
+    assert calls == [] and s.docs_read == 0
+    assert len(s._core.chunk_extent) < 240 / 8  # per-chunk sums, not per-document tables
