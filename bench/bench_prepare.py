@@ -13,7 +13,7 @@ be cut into byte ranges for several tasks, and Ray's fixed start-up is amortised
 Printed, each measured in this run:
 - raw: one process, the same tokenizer, ``encode_batch`` over all documents in calls of
   256 (RAYON_NUM_THREADS=1), CPU seconds of the calls alone.
-- hf datasets (only when the ``datasets`` package is installed; it is no dependency):
+- hf datasets (only when ``--hf-python`` has the ``datasets`` package; it is no dependency):
   ``load_dataset("json")``, ``map(tokenize, batched)``, ``save_to_disk``, CPU seconds of
   its process.
 - prepare: the whole `plm data prepare --num-cpus N` command as a user runs it, CPU
@@ -23,7 +23,7 @@ Printed, each measured in this run:
 - start-up: a data dir 1x and 8x as large (the second made by listing every shard
   eight times in a copy of the manifest: the same files, eight times the documents for
   the loader), the time from nothing to the first batch of `PretrainStream` (mlm+nsp,
-  seq 128) in a fresh process, median of 3.
+  seq 128) in a fresh process (imports included), median of 5.
 """
 
 from __future__ import annotations
@@ -141,13 +141,11 @@ def eight_times(src: Path, dst: Path) -> None:
     for split, info in manifest["splits"].items():
         (dst / split).mkdir()
         entries = []
-        for copy in range(8):
+        for _ in range(8):
             for e in info["shards"]:
                 n = len(entries)
                 name, index = f"{split}/shard-{n:06d}.tar", f"{split}/shard-{n:06d}.idx.npy"
-                os.link(src / e["name"], dst / name) if copy == 0 else os.link(
-                    src / e["name"], dst / name
-                )
+                os.link(src / e["name"], dst / name)
                 os.link(src / e["index"], dst / index)
                 entries.append({**e, "name": name, "index": index})
         info["shards"] = entries
@@ -156,7 +154,7 @@ def eight_times(src: Path, dst: Path) -> None:
     (dst / "manifest.json").write_text(json.dumps(manifest))
 
 
-def startup(data: Path, rounds: int = 3) -> float:
+def startup(data: Path, rounds: int = 5) -> float:
     meta = data / "tokenizer" / "tokenizer_meta.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     times = []
@@ -173,6 +171,12 @@ def main() -> int:
     ap.add_argument("--num-cpus", type=int, default=2)
     ap.add_argument("--workdir")
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument(
+        "--hf-python",
+        default=sys.executable,
+        help="interpreter with `datasets` installed (it is no dependency of plm), e.g. a venv "
+        "made with --system-site-packages plus `pip install datasets`",
+    )
     args = ap.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="bench-prepare-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -197,16 +201,15 @@ def main() -> int:
     print(f"raw encode_batch:   {raw['cpu_seconds']:8.1f} CPU s  ({raw['tokens']:,} tokens)")
 
     hf = None
-    try:
-        import datasets  # noqa: F401
-
-        out = subprocess.run([sys.executable, "-c", HF, str(tok / "tokenizer.json"), str(corpus),
+    has_datasets = subprocess.run([args.hf_python, "-c", "import datasets"], capture_output=True)
+    if has_datasets.returncode == 0:
+        out = subprocess.run([args.hf_python, "-c", HF, str(tok / "tokenizer.json"), str(corpus),
                               str(work / "hf")], env=env, capture_output=True, text=True,
                              check=True)  # fmt: skip
         hf = json.loads(out.stdout.splitlines()[-1])
         print(f"hf datasets:        {hf['cpu_seconds']:8.1f} CPU s")
-    except ImportError:
-        print("hf datasets:        not measured (the `datasets` package is not installed)")
+    else:
+        print(f"hf datasets:        not measured ({args.hf_python} has no `datasets` package)")
 
     data = work / "data"
     cmd = ["plm", "data", "prepare", "--input", str(corpus), "--tokenizer", str(tok),
@@ -228,7 +231,9 @@ def main() -> int:
     print(f"  prepare CPU / raw encode_batch CPU   {cpu / raw['cpu_seconds']:6.2f}  (<= 1.5)")
     if hf:
         print(f"  prepare CPU / hf datasets CPU        {cpu / hf['cpu_seconds']:6.2f}  (<= 1.0)")
-    print(f"  driver CPU / total CPU               {st['driver_cpu_seconds'] / cpu:6.3f}  (<= 0.03)")
+    print(
+        f"  driver CPU / total CPU               {st['driver_cpu_seconds'] / cpu:6.3f}  (<= 0.03)"
+    )
     print(f"  bytes on disk / token bytes          {on_disk / token_bytes:6.3f}  (<= 1.3)")
     big = work / "data8"
     if big.exists():
