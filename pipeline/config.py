@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CONFIGS_DIR = REPO_ROOT / "configs"
@@ -131,12 +131,44 @@ class ObjectiveSection(Strict):
     plm: PlmConfig = PlmConfig()
 
 
-class DataSection(Strict):
+class SourceSpec(Strict):
+    """One prepared data dir of a mixture (``data.sources``)."""
+
     path: str
+    weight: float = Field(1.0, gt=0)  # normalised over the sources
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")  # default: the folder's name
+
+
+class DataSection(Strict):
+    path: str | None = None  # one data dir, or:
+    sources: list[SourceSpec] | None = None  # a weighted mixture of data dirs (path: null)
     seq_len: int = Field(128, gt=8)
     workers: int = Field(2, ge=0)
     verify_checksums: bool = True
     on_bad_shard: Literal["error", "skip"] = "error"
+
+    @model_validator(mode="after")
+    def _one_kind_of_data(self) -> DataSection:
+        if (self.path is None) == (self.sources is None):
+            raise ValueError(
+                "give data.path (one data dir) or data.sources (a mixture), not both: with "
+                "data.sources set data.path=null"
+            )
+        if self.sources is not None:
+            if not self.sources:
+                raise ValueError("data.sources is empty: list at least one {path, weight}")
+            names = self.source_names()
+            if len(set(names)) != len(names):
+                raise ValueError(
+                    f"data.sources names {names} repeat: give each source a distinct `name`"
+                )
+        return self
+
+    def source_names(self) -> list[str]:
+        """The metric name of each source (``eval_loss/<name>``)."""
+        if self.sources is None:
+            return [Path(self.path or ".").name or "data"]
+        return [s.name or Path(s.path).name for s in self.sources]
 
 
 class TrainSection(Strict):

@@ -59,10 +59,12 @@ order, the same batches at every evaluation).
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 import warnings
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +116,7 @@ class _EpochPlan:
     layout's axis come from per-chunk sums (O(chunks)); a group's documents are listed,
     shuffled and laid out only when a batch reads from it."""
 
-    def __init__(self, core: _Core, epoch: int):
+    def __init__(self, core: _Source, epoch: int):
         self.core, self.epoch = core, epoch
         rng = np.random.default_rng([core.seed, _ORDER, core.split_salt, epoch])
         self.chunks = rng.permutation(core.chunk_extent.shape[0])
@@ -208,8 +210,10 @@ class _EpochPlan:
         return self.group(group)[0]
 
 
-class _Core:
-    """Everything needed to build any batch; a copy lives in every loader worker."""
+class _Source:
+    """One data dir's split as the stream reads it: per-chunk sums, lazy epoch plans and
+    the decoded-document cache (see the module docstring). A copy lives in every loader
+    worker."""
 
     def __init__(
         self,
@@ -217,22 +221,17 @@ class _Core:
         split: str,
         shards: list[str],
         objective: Objective,
-        micro_batch_size: int,
         seed: int,
-        rank: int,
-        world_size: int,
         chunk_docs: int,
         group_chunks: int,
         cache_docs: int,
+        cache_groups: int,
         cycle: bool,
     ):
         self.data, self.shards, self.objective = data, shards, objective
-        self.split, self.split_salt = split, 0 if split == "train" else 1 + sum(split.encode())
-        self.B, self.seed, self.rank, self.W = micro_batch_size, seed, rank, world_size
-        self.group_chunks, self.cache_docs, self.cycle = group_chunks, cache_docs, cycle
-        # Layouts and groups kept per process: a batch touches one or two groups, or one
-        # per row for recurrent objectives (each row reads its own part of the epoch).
-        self.cache_groups = 2 * micro_batch_size + 8
+        self.split_salt = 0 if split == "train" else 1 + sum(split.encode())
+        self.seed, self.group_chunks, self.cycle = seed, group_chunks, cycle
+        self.cache_docs, self.cache_groups = cache_docs, cache_groups
         # The layout's rule (extents, unit count, spans) without documents.
         self.rule = objective.layout(np.zeros(0, np.int64), np.zeros(0, np.int64))
         # Chunks: runs of chunk_docs consecutive documents of one shard, empty ones
@@ -260,15 +259,12 @@ class _Core:
         self._all_docs: np.ndarray | None = None
         self._plans: OrderedDict[int, _EpochPlan] = OrderedDict()
         self._cache: OrderedDict[int, Document] = OrderedDict()
-        self._rngs = _RngPool()
         self.docs_read = 0
         self.n_units = self.plan(0).n_units
-        self.batches_per_epoch = self.n_units // (self.W * self.B)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["_plans"], state["_cache"], state["docs_read"] = OrderedDict(), OrderedDict(), 0
-        state["_rngs"] = _RngPool()
         return state
 
     @property
@@ -292,29 +288,6 @@ class _Core:
                 self._plans.popitem(last=False)
         return plan
 
-    def units(self, epoch: int, index: int) -> tuple[list[Unit], np.ndarray]:
-        rows = np.arange(self.rank * self.B, (self.rank + 1) * self.B)
-        if self.objective.recurrent_rows:
-            # Row j of every global batch reads units [j * n, (j + 1) * n) of the epoch's
-            # layout order in turn (n = batches per epoch), so a recurrent model's memory
-            # of row j always holds the segment just before the one it sees now.
-            return self.plan(epoch).locate(rows * self.batches_per_epoch + index, shuffle=False)
-        return self.plan(epoch).locate(index * self.W * self.B + rows)
-
-    def batch(self, epoch: int, index: int) -> dict[str, torch.Tensor]:
-        plan, objective = self.plan(epoch), self.objective
-        units, groups = self.units(epoch, index)
-        key = [self.seed, _EXAMPLE, self.split_salt, 0 if objective.static else epoch + 1]
-        rngs = self._rngs.get([key + list(unit.key) for unit in units])
-        docs = []
-        for unit, group, rng in zip(units, groups.tolist(), rngs, strict=True):
-            pool = self.all_docs if objective.static else plan.pool(group)
-            docs.append([self.read(d) for d in objective.needs(unit, rng, pool)])
-        if objective.staged:  # ERNIE: masking stages by training progress (None: eval pass)
-            position = epoch * self.batches_per_epoch + index if self.cycle else None
-            return objective.make_batch(units, docs, rngs, position=position)
-        return objective.make_batch(units, docs, rngs)
-
     def read(self, doc_id: int) -> Document:
         doc = self._cache.get(doc_id)
         if doc is not None:
@@ -336,6 +309,173 @@ class _Core:
         return doc
 
 
+class _Interleave:
+    """Which source each position of a weighted mixture reads, and its unit number there.
+
+    Unit ``j`` of source ``k`` sits at time ``(j + 1/2) / w_k`` (weights normalised to sum
+    1); the mixture's positions are all sources' units in time order (ties: lower source
+    first). Any ``n`` consecutive positions hold ``n * w_k`` units of source ``k`` give or
+    take one, and position ``p`` is found in O(sources) without walking from the start:
+    at time ``p + 1/2`` about ``p`` units have passed, and a few steps correct the count.
+    """
+
+    def __init__(self, weights: list[float]):
+        total = math.fsum(weights)
+        self.w = [w / total for w in weights]
+
+    def time(self, k: int, j: int) -> float:
+        return (j + 0.5) / self.w[k]
+
+    def _before(self, k: int, tau: float) -> int:
+        """Units of source k whose time is < tau (the same ``time`` as every comparison)."""
+        j = max(0, int(tau * self.w[k]))
+        while self.time(k, j) < tau:
+            j += 1
+        while j > 0 and self.time(k, j - 1) >= tau:
+            j -= 1
+        return j
+
+    def counts(self, position: int) -> list[int]:
+        """Units of each source among the first ``position`` positions."""
+        tau = position + 0.5
+        c = [self._before(k, tau) for k in range(len(self.w))]
+        n = sum(c)
+        while n > position:  # drop the latest units until exactly `position` remain
+            k = max((k for k in range(len(c)) if c[k]), key=lambda k: (self.time(k, c[k] - 1), k))
+            c[k] -= 1
+            n -= 1
+        while n < position:
+            k = min(range(len(c)), key=lambda k: (self.time(k, c[k]), k))
+            c[k] += 1
+            n += 1
+        return c
+
+    def take(self, position: int, n: int) -> list[tuple[int, int]]:
+        """(source, its unit number) of positions [position, position + n)."""
+        c = self.counts(position)
+        out = []
+        for _ in range(n):
+            k = min(range(len(c)), key=lambda k: (self.time(k, c[k]), k))
+            out.append((k, c[k]))
+            c[k] += 1
+        return out
+
+
+class _Core:
+    """Everything needed to build any batch of one rank, from one source or a weighted
+    mixture of several; a copy lives in every loader worker."""
+
+    def __init__(
+        self,
+        sources: list[_Source],
+        weights: list[float],
+        objective: Objective,
+        micro_batch_size: int,
+        seed: int,
+        rank: int,
+        world_size: int,
+        cycle: bool,
+    ):
+        self.sources, self.objective = sources, objective
+        self.B, self.seed, self.rank, self.W, self.cycle = (
+            micro_batch_size, seed, rank, world_size, cycle,
+        )  # fmt: skip
+        self.split_salt = sources[0].split_salt
+        self.mix = _Interleave(weights) if len(sources) > 1 else None
+        self._rngs = _RngPool()
+        # A mixture's epoch is nominal (as many units as the sources hold together): its
+        # positions run on across epochs, each source cycling its own epochs as it goes.
+        self.n_units = sum(source.n_units for source in sources)
+        self.batches_per_epoch = self.n_units // (self.W * self.B)
+        self.row_sources: list[tuple[int, int]] = []
+        self.row_batches: list[int] = []
+        if self.mix is not None and objective.recurrent_rows:
+            # Each row of the global batch reads one source's stream to the end (so a
+            # recurrent memory never crosses sources); rows are shared by the weights.
+            self.row_sources = self.mix.take(0, self.W * self.B)
+            rows = Counter(k for k, _ in self.row_sources)
+            self.row_batches = [s.n_units // max(rows[k], 1) for k, s in enumerate(sources)]
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["_rngs"] = _RngPool()
+        return state
+
+    @property
+    def docs_read(self) -> int:
+        return sum(source.docs_read for source in self.sources)
+
+    def units(self, epoch: int, index: int) -> list[tuple[int, int, Unit, int]]:
+        """(source, source epoch, unit, group) of each row of this rank's batch."""
+        rows = np.arange(self.rank * self.B, (self.rank + 1) * self.B)
+        if self.mix is None:
+            source = self.sources[0]
+            if self.objective.recurrent_rows:
+                # Row j of every global batch reads units [j * n, (j + 1) * n) of the
+                # epoch's layout order in turn (n = batches per epoch), so a recurrent
+                # model's memory of row j always holds the segment just before this one.
+                positions, shuffle = rows * self.batches_per_epoch + index, False
+            else:
+                positions, shuffle = index * self.W * self.B + rows, True
+            units, groups = source.plan(epoch).locate(positions, shuffle)
+            return [(0, epoch, u, g) for u, g in zip(units, groups.tolist(), strict=True)]
+        epoch = epoch if self.cycle else 0
+        wanted: list[tuple[int, int, int]] = []  # (source, its epoch, position in that epoch)
+        if self.objective.recurrent_rows:
+            shuffle = False
+            for row in rows.tolist():
+                k, j = self.row_sources[row]
+                source_epoch, at = divmod(
+                    epoch * self.batches_per_epoch + index, self.row_batches[k]
+                )
+                wanted.append((k, source_epoch, j * self.row_batches[k] + at))
+        else:
+            # Nominal epoch e covers mixture positions [e * n_units, (e + 1) * n_units), of
+            # which its batches take the first batches_per_epoch * W * B: the cursor
+            # (epoch, samples) names the same positions whatever W and B are.
+            shuffle = True
+            first = epoch * self.n_units + index * self.W * self.B + int(rows[0])
+            for k, j in self.mix.take(first, self.B):
+                wanted.append((k, *divmod(j, self.sources[k].n_units)))
+        out: list[tuple[int, int, Unit, int]] = [None] * len(wanted)  # type: ignore[list-item]
+        for k, source_epoch in sorted({(k, e) for k, e, _ in wanted}):
+            at = [i for i, (kk, e, _) in enumerate(wanted) if (kk, e) == (k, source_epoch)]
+            positions = np.array([wanted[i][2] for i in at], dtype=np.int64)
+            plan = self.sources[k].plan(source_epoch)
+            units, groups = plan.locate(positions, shuffle)
+            for i, unit, group in zip(at, units, groups.tolist(), strict=True):
+                out[i] = (k, source_epoch, unit, group)
+        return out
+
+    def batch(self, epoch: int, index: int) -> dict[str, torch.Tensor]:
+        objective = self.objective
+        rows = self.units(epoch, index)
+        # An example's randomness: (seed, split, epoch of its source unless static, source
+        # in a mixture, unit); the same unit met again in a later epoch draws anew.
+        key = [self.seed, _EXAMPLE, self.split_salt]
+        mixed = self.mix is not None
+        rngs = self._rngs.get(
+            [
+                key + [0 if objective.static else e + 1] + [k] * mixed + list(unit.key)
+                for k, e, unit, _ in rows
+            ]
+        )
+        docs = []
+        for (k, source_epoch, unit, group), rng in zip(rows, rngs, strict=True):
+            source = self.sources[k]
+            pool = source.all_docs if objective.static else source.plan(source_epoch).pool(group)
+            docs.append([source.read(d) for d in objective.needs(unit, rng, pool)])
+        units = [unit for _, _, unit, _ in rows]
+        if objective.staged:  # ERNIE: masking stages by training progress (None: eval pass)
+            position = epoch * self.batches_per_epoch + index if self.cycle else None
+            batch = objective.make_batch(units, docs, rngs, position=position)
+        else:
+            batch = objective.make_batch(units, docs, rngs)
+        if mixed:
+            batch["source_ids"] = torch.tensor([row[0] for row in rows], dtype=torch.int64)
+        return batch
+
+
 class _WorkerBatches(IterableDataset):
     """Batches at global positions first + k, first + k + n, ... for worker k of n."""
 
@@ -352,9 +492,21 @@ class _WorkerBatches(IterableDataset):
             position += n
 
 
+@dataclass(frozen=True)
+class MixSource:
+    """One data dir of a mixture (``data.sources``): its weight and the name its metrics
+    carry (``eval_loss/<name>``)."""
+
+    path: str | Path | DataDir
+    weight: float = 1.0
+    name: str = ""
+
+
 class PretrainStream:
     """Iterable of batch dicts (torch tensors) for one rank; see the module docstring.
 
+    ``data``: one data dir, or a list of ``MixSource`` to read a weighted mixture (each
+    batch then also holds ``source_ids``, the source of every row).
     ``chunk_docs``/``group_chunks``: locality of the shuffle (documents per chunk, chunks
     per group); ``cache_docs``: decoded documents kept per process (default: two groups).
     ``cycle``: cycle epochs forever (default for "train") or one fixed pass (other splits).
@@ -362,7 +514,7 @@ class PretrainStream:
 
     def __init__(
         self,
-        data_dir: str | Path | DataDir,
+        data: str | Path | DataDir | list[MixSource],
         split: str,
         objective: Objective,
         micro_batch_size: int,
@@ -390,65 +542,95 @@ class PretrainStream:
             raise ConfigError(f"train.seed must be >= 0 for the data stream, got {seed}")
         if chunk_docs < 1 or group_chunks < 1:
             raise ValueError("chunk_docs and group_chunks must be >= 1")
-        self.data = data_dir if isinstance(data_dir, DataDir) else DataDir(data_dir)
+        mixture = data if isinstance(data, list) else [MixSource(data)]
+        if not mixture or any(not m.weight > 0 for m in mixture):
+            raise ConfigError("data.sources: give at least one source, every weight > 0")
+        dirs = [m.path if isinstance(m.path, DataDir) else DataDir(m.path) for m in mixture]
+        self.data = dirs[0]
+        self.mixture = [
+            MixSource(d, m.weight, m.name or d.root.name)
+            for d, m in zip(dirs, mixture, strict=True)
+        ]
         self.split, self.objective, self.num_workers = split, objective, num_workers
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.micro_batch_size = micro_batch_size
         self.cycle = split == "train" if cycle is None else cycle
         self.skipped_shards: list[str] = []
         self._skip_bad = on_bad_shard == "skip"
-        good = self._check_shards(verify_checksums, on_bad_shard)
-        if not good:
-            raise ShardError(f"{self.data.root}: no usable shard left in split {split!r}")
-        cache = cache_docs if cache_docs is not None else 2 * chunk_docs * group_chunks
+        cache = max(cache_docs if cache_docs is not None else 2 * chunk_docs * group_chunks, 1)
+        sources = []
+        for d in dirs:
+            good = self._check_shards(d, verify_checksums, on_bad_shard)
+            if not good:
+                raise ShardError(f"{d.root}: no usable shard left in split {split!r}")
+            sources.append(
+                _Source(
+                    d,
+                    split,
+                    good,
+                    objective,
+                    seed,
+                    chunk_docs,
+                    group_chunks,
+                    cache,
+                    2 * micro_batch_size + 8,
+                    self.cycle,
+                )  # fmt: skip
+            )
+        weights = [m.weight for m in self.mixture]
         self._core = _Core(
-            self.data, split, good, objective, micro_batch_size, seed, rank, world_size,
-            chunk_docs, group_chunks, max(cache, 1), self.cycle,
-        )  # fmt: skip
-        if self._core.batches_per_epoch == 0:
+            sources, weights, objective, micro_batch_size, seed, rank, world_size, self.cycle
+        )
+        short = [(d, s.n_units) for d, s in zip(dirs, sources, strict=True) if s.n_units == 0] or [
+            (self.data, self._core.n_units)
+        ] * (self._core.batches_per_epoch == 0)
+        if self._core.row_batches and 0 in self._core.row_batches:
+            short = [(dirs[self._core.row_batches.index(0)], 0)]
+        if short:
+            where, n = short[0]
             raise ConfigError(
-                f"split {split!r} of {self.data.root} yields {self._core.n_units} "
-                f"{objective.kind} examples, fewer than one global batch of "
-                f"world_size * train.micro_batch_size = {world_size * micro_batch_size}; "
-                "lower train.micro_batch_size or data.seq_len, or add data"
+                f"split {split!r} of {where.root} yields {n} {objective.kind} examples, too "
+                f"few for a global batch of world_size * train.micro_batch_size = "
+                f"{world_size * micro_batch_size}; lower train.micro_batch_size or "
+                "data.seq_len, or add data"
             )
         self.epoch, self.batch = 0, 0  # the next batch to hand out
         self._loader: DataLoader | None = None
         self._loader_key: tuple[int, int | None] | None = None
 
     # --- shards --------------------------------------------------------------------------
-    def _check_shards(self, verify: bool, on_bad: str) -> list[str]:
+    def _check_shards(self, data: DataDir, verify: bool, on_bad: str) -> list[str]:
         """The split's usable shards; bad ones raise or are skipped and counted."""
         good = []
-        for entry in self.data.shards(self.split):
+        for entry in data.shards(self.split):
             name = entry["name"]
-            problem = self._shard_problem(entry, verify)
+            problem = self._shard_problem(data, entry, verify)
             if problem is None:
                 good.append(name)
                 continue
-            message = f"{self.data.root / name}: {problem}"
+            message = f"{data.root / name}: {problem}"
             if on_bad == "error":
                 raise ShardError(
                     f"{message}; re-run `plm data prepare --force`, or set "
                     "data.on_bad_shard=skip to train without this shard"
                 )
             warnings.warn(f"skipping bad shard {message}", stacklevel=3)
-            self.skipped_shards.append(name)
+            self.skipped_shards.append(name if data is self.data else str(data.root / name))
         return good
 
-    def _shard_problem(self, entry: dict[str, Any], verify: bool) -> str | None:
-        path = self.data.root / entry["name"]
+    def _shard_problem(self, data: DataDir, entry: dict[str, Any], verify: bool) -> str | None:
+        path = data.root / entry["name"]
         if not path.is_file():
             return "missing"
         if "bytes" in entry and path.stat().st_size != entry["bytes"]:
             return f"{path.stat().st_size} bytes, the manifest says {entry['bytes']}"
         if verify and self._skip_bad and sha256_file(path) != entry["sha256"]:
             return "sha256 does not match the manifest (corrupted or changed)"
-        index = self.data.root / entry.get("index", "")
+        index = data.root / entry.get("index", "")
         if verify and "index_sha256" in entry and sha256_file(index) != entry["index_sha256"]:
             return f"its index {index.name} does not match the manifest's sha256"
         try:
-            n_docs = self.data.n_docs(entry["name"])
+            n_docs = data.n_docs(entry["name"])
         except ShardError as err:
             return str(err)
         if n_docs != entry["n_docs"]:
@@ -477,12 +659,20 @@ class PretrainStream:
         """Batch ``index`` of ``epoch`` for this rank, built directly (no iteration state)."""
         return self._core.batch(epoch, index)
 
-    def document(self, doc_id: int) -> Document:
+    def document(self, doc_id: int, source: int = 0) -> Document:
         """A document by its global id (the ids in ``Unit.pieces``), through the cache."""
-        return self._core.read(doc_id)
+        return self._core.sources[source].read(doc_id)
 
     def units_at(self, epoch: int, index: int) -> list[Unit]:
-        return self._core.units(epoch, index)[0]
+        return [unit for _, _, unit, _ in self._core.units(epoch, index)]
+
+    def sources_at(self, epoch: int, index: int) -> list[int]:
+        """The mixture source (index into ``mixture``) of each row of a batch."""
+        return [k for k, _, _, _ in self._core.units(epoch, index)]
+
+    def source_units(self) -> list[int]:
+        """Units of one epoch of each source (its own epoch, not the mixture's)."""
+        return [source.n_units for source in self._core.sources]
 
     # --- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
@@ -536,6 +726,9 @@ class PretrainStream:
             "seed": self.seed,
             "objective": self.objective.kind,
             "units_per_epoch": self.units_per_epoch,
+            "sources": [
+                [m.weight, n] for m, n in zip(self.mixture, self.source_units(), strict=True)
+            ],
             "epoch": self.epoch,
             "batch": self.batch,
             # The global sample cursor within the epoch: lets a run resume on another
@@ -555,12 +748,13 @@ class PretrainStream:
             ("seed", self.seed),
             ("objective", self.objective.kind),
             ("units_per_epoch", self.units_per_epoch),
+            ("sources", self.state_dict()["sources"]),
         ):
             if state[key] != mine:
                 raise ValueError(
                     f"loader state was saved with {key}={state[key]!r}, this stream has "
                     f"{mine!r}: resuming would not continue the same stream (same data, "
-                    "train.seed, objective and data.seq_len are needed)"
+                    "train.seed, objective, data.seq_len and data.sources are needed)"
                 )
         per_batch = self.world_size * self.micro_batch_size
         if state["samples"] % per_batch:
@@ -570,3 +764,10 @@ class PretrainStream:
             )
         self.epoch, self.batch = int(state["epoch"]), state["samples"] // per_batch
         self.close()
+
+
+def units_per_epoch(data: DataDir, split: str, objective: Objective) -> int:
+    """Examples (units) in one epoch of a data dir's split for this objective: what the
+    stream computes at start, without checks or a batch size."""
+    shards = [entry["name"] for entry in data.shards(split)]
+    return _Source(data, split, shards, objective, 0, 64, 32, 1, 1, True).n_units

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import ConfigError, ExperimentConfig
-from pipeline.data.shards import DataDir, ShardError
 from pipeline.train import engine as ds_engine
 
 GiB = 1024**3
@@ -76,20 +75,21 @@ def activation_bytes(cfg: ExperimentConfig, model_cfg) -> float:
 
 
 def print_plan(cfg: ExperimentConfig) -> int:
+    from pipeline.data.mixture import describe, open_sources, shares
     from pipeline.models.registry import build_model, resolve_model_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    try:
-        data = DataDir(cfg.data.path)
-    except ShardError as err:
-        raise ConfigError(f"data.path: {err}") from None
+    key = "data.path" if cfg.data.sources is None else "data.sources"
+    sources = open_sources(cfg.data)  # tokenizers checked
+    data = sources[0].path
     meta_path = data.tokenizer_path.parent / "tokenizer_meta.json"
     if not meta_path.is_file():
-        raise ConfigError(f"data.path: {meta_path} is missing (re-run `plm data prepare`)")
+        raise ConfigError(f"{key}: {meta_path} is missing (re-run `plm data prepare`)")
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
-    for split in ("train", "valid"):
-        if not data.manifest["splits"].get(split, {}).get("shards"):
-            raise ConfigError(f"data.path: {cfg.data.path} has no {split} shards")
+    for source in sources:
+        for split in ("train", "valid"):
+            if not source.path.manifest["splits"].get(split, {}).get("shards"):
+                raise ConfigError(f"{key}: {source.path.root} has no {split} shards")
     model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
     with torch.device("meta"):  # counts parameters without allocating them
         model = build_model(cfg.model.arch, model_cfg)
@@ -97,19 +97,24 @@ def print_plan(cfg: ExperimentConfig) -> int:
     flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
     from pipeline.objectives import build_objective
 
-    build_objective(cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len)
+    objective = build_objective(cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len)
     ds = ds_engine.build_ds_config(cfg, world)
     stage, offload = ds_engine.zero_stage(ds), ds_engine.offloads_optimizer(ds)
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum * world
     tokens = global_batch * cfg.data.seq_len * t.max_steps
-    data_tokens = int(data.manifest["splits"]["train"]["n_tokens"])
+    data_tokens = sum(int(x.path.manifest["splits"]["train"]["n_tokens"]) for x in sources)
+    if len(sources) == 1:
+        data_line = f"{cfg.data.path}: {data_tokens:,} train tokens"
+    else:
+        mix = describe(shares(sources, objective, global_batch * t.max_steps))
+        data_line = "\n".join([f"mixture of {len(sources)} sources:", *mix])
     p, g, o = model_state_bytes(n_params, stage, world, t.precision, offload)
     mem = MemoryEstimate(p, g, o, activation_bytes(cfg, model_cfg))
     lines = [
         f"experiment      {cfg.name}  ({cfg.model.arch}, objective {cfg.objective.kind})",
-        f"data            {cfg.data.path}: {data_tokens:,} train tokens, tokenizer "
-        f"{meta['kind']} vocab {meta['vocab_size']:,}",
+        f"tokenizer       {meta['kind']} vocab {meta['vocab_size']:,}",
+        f"data            {data_line}",
         f"world size      {world} (WORLD_SIZE; the launcher sets it)",
         f"global batch    {global_batch} = micro {t.micro_batch_size} x accum {t.grad_accum} "
         f"x ranks {world}  ({global_batch * cfg.data.seq_len:,} tokens at seq_len {cfg.data.seq_len})",

@@ -46,6 +46,7 @@ class RunResult:
     bundle_dir: Path | None
     model_version: str | None
     losses: dict[int, float] = field(default_factory=dict)
+    tokens_by_source: dict[str, int] = field(default_factory=dict)
 
 
 def seed_everything(seed: int) -> None:
@@ -73,6 +74,13 @@ def data_fingerprint(manifest: dict[str, Any]) -> str:
     return f"tok:{tok}/data:{manifest.get('data_config_hash', '?')}"
 
 
+def mixture_fingerprint(sources) -> str:
+    """One source: its data fingerprint; a mixture: name:weight:fingerprint of each."""
+    if len(sources) == 1:
+        return data_fingerprint(sources[0].path.manifest)
+    return ",".join(f"{s.name}:{s.weight:g}:{data_fingerprint(s.path.manifest)}" for s in sources)
+
+
 def device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -81,11 +89,13 @@ def device() -> torch.device:
 
 def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
     """Model (on the config's seed), objective and the train stream: no DeepSpeed yet."""
+    from pipeline.data.mixture import open_sources
     from pipeline.data.stream import PretrainStream
     from pipeline.models.registry import build_model, resolve_model_config
     from pipeline.objectives import build_objective
 
-    data = DataDir(cfg.data.path)
+    sources = open_sources(cfg.data)  # one for data.path; tokenizers checked
+    data = sources[0].path  # the tokenizer's (shared) and, for word2vec, the counts' source
     meta = tokenizer_meta(data)
     model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
     seed_everything(cfg.train.seed)  # same initial weights on every rank
@@ -100,9 +110,10 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
     if hasattr(objective, "bind_data"):  # corpus/tokenizer-derived state (ELMo, word2vec)
         objective.bind_data(data, model)
 
-    def stream(split: str, workers: int):
+    def stream(split: str, workers: int, source: int | None = None):
+        """The split of the whole mixture, or of one source (``source``: its index)."""
         return PretrainStream(
-            cfg.data.path,
+            sources if source is None else [sources[source]],
             split,
             objective,
             micro_batch_size=cfg.train.micro_batch_size,
@@ -114,7 +125,7 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
             on_bad_shard=cfg.data.on_bad_shard,
         )
 
-    return data, meta, model_cfg, model, objective, stream
+    return sources, meta, model_cfg, model, objective, stream
 
 
 def _to_device(batch: dict[str, Any], dev: torch.device) -> dict[str, Any]:
@@ -138,6 +149,22 @@ def _n_tokens(batch: dict[str, Any]) -> int:
     if "attention_mask" in batch:
         return int(batch["attention_mask"].sum())
     return int(batch["input_ids"].numel())
+
+
+def _tokens_by_source(batch: dict[str, Any], n_sources: int) -> list[float]:
+    """Real tokens of the batch per mixture source (``source_ids``: each row's source)."""
+    if n_sources == 1:
+        return [float(_n_tokens(batch))]
+    rows = batch["source_ids"]
+    if "attention_mask" in batch:
+        per_row = batch["attention_mask"].sum(dim=1).to(torch.float64)
+    else:
+        per_row = torch.full(rows.shape, float(batch["input_ids"].shape[1]), dtype=torch.float64)
+    return (
+        torch.zeros(n_sources, dtype=torch.float64)
+        .index_add_(0, rows.cpu(), per_row.cpu())
+        .tolist()
+    )
 
 
 def _all_reduce_sum(values: list[float], dev: torch.device) -> list[float]:
@@ -239,9 +266,10 @@ class Trainer:
         # anything is built from the config.
         cfg, self.elastic = self.plan_elastic_resume(cfg)
         self.cfg = cfg
-        self.data, self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(
-            cfg, self.rank, self.world
+        self.sources, self.meta, self.model_cfg, model, self.objective, self.make_stream = (
+            build_parts(cfg, self.rank, self.world)
         )
+        self.data = self.sources[0].path  # the tokenizer every source shares
         self.flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
         self.input_keys = forward_keys(model)
         # Models with segment-level recurrence (Transformer-XL, XLNet) take ``mems`` and
@@ -261,7 +289,8 @@ class Trainer:
             if not self.ds_config["checkpoint"]:
                 self.ds_config.pop("checkpoint")
         self.stream = self.make_stream("train", cfg.data.workers)
-        self.valid_stream = None
+        self.valid_streams: dict[int, Any] = {}  # per source: evaluation reads each alone
+        self.tokens_by_source = [0] * len(self.sources)
         self.tracker = Tracker(self.run_dir, enabled=self.rank == 0)
         self.step = 0
         self.tokens_seen = 0
@@ -343,6 +372,7 @@ class Trainer:
         self.stream.load_state_dict(state["loader"])
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
+        self.tokens_by_source = state.get("tokens_by_source", [self.tokens_seen])
         self.memory = state.get("memory")
         self.skipped = state["skipped"]
         self.n_checkpoints = state["n_checkpoints"]
@@ -355,10 +385,10 @@ class Trainer:
     def start_tracking(self) -> None:
         cfg = self.cfg
         m = self.data.manifest
-        tags = {
+        tags: dict[str, str] = {
             "arch": cfg.model.arch,
             "objective": cfg.objective.kind,
-            "data_fingerprint": data_fingerprint(m),
+            "data_fingerprint": mixture_fingerprint(self.sources),
             "tokenizer_fingerprint": str(m.get("tokenizer", {}).get("fingerprint", "")),
             "code_version": code_version(),
             "world_size": str(self.world),
@@ -371,11 +401,19 @@ class Trainer:
                 f"{e['tag']}: {e['saved_world']} -> {self.world} ranks, grad_accum "
                 f"{e['grad_accum'][0]} -> {e['grad_accum'][1]}, universal conversion {conversion}"
             )
+        params = {**cfg.model_dump(mode="json"), "model_resolved": self.model_cfg.model_dump()}
+        if len(self.sources) > 1:  # the mixture at a glance: data.mixture = en:0.7, zh:0.3
+            total = sum(x.weight for x in self.sources)
+            params["data_mixture"] = ", ".join(
+                f"{x.name}:{x.weight / total:.3f}" for x in self.sources
+            )
+            for x in self.sources:
+                tags[f"data_fingerprint/{x.name}"] = data_fingerprint(x.path.manifest)
         self.tracker.start(
             tracking_uri=cfg.mlflow.tracking_uri,
             experiment=cfg.name,
             run_name=self.run_dir.name,
-            params={**cfg.model_dump(mode="json"), "model_resolved": self.model_cfg.model_dump()},
+            params=params,
             tags=tags,
             resume=self.resumed_from is not None,
         )
@@ -412,13 +450,17 @@ class Trainer:
             names = sorted(metrics)
             local = [float(not torch.isfinite(loss)), _n_tokens(batch), len(batch["input_ids"])]
             local += [float(loss.detach())] + [float(metrics[k].detach()) for k in names]
+            local += _tokens_by_source(batch, len(self.sources))
             red = _all_reduce_sum(local, self.dev)  # every rank agrees on skipping
             if red[0] > 0:
                 bad = True
                 continue
             tokens += int(red[1])
             samples += int(red[2])
-            for k, v in zip(["loss", *names], red[3:], strict=True):
+            by_source = red[len(red) - len(self.sources) :]
+            for k, v in enumerate(by_source):
+                sums[f"_tokens/{k}"] = sums.get(f"_tokens/{k}", 0.0) + v
+            for k, v in zip(["loss", *names], red[3 : 4 + len(names)], strict=True):
                 sums[k] = sums.get(k, 0.0) + v / self.world / ga
             self.engine.set_gradient_accumulation_boundary(micro == ga - 1)
             self.engine.backward(loss)
@@ -445,13 +487,27 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Eval metrics on the valid split; with a mixture, each source's valid split is
+        evaluated alone (``eval_loss/<name>``, ...) and the unsuffixed metrics are their
+        means weighted by the mixture's weights."""
+        if len(self.sources) == 1:
+            return self._evaluate_source(0)
+        total = sum(s.weight for s in self.sources)
+        out: dict[str, float] = {}
+        for k, source in enumerate(self.sources):
+            for name, value in self._evaluate_source(k).items():
+                out[f"{name}/{source.name}"] = value
+                out[name] = out.get(name, 0.0) + value * source.weight / total
+        return out
+
+    def _evaluate_source(self, k: int) -> dict[str, float]:
         self.engine.eval()
         self.eval_memory = None  # every evaluation reads the same fixed pass from the start
         sums: dict[str, float] = {}
         n = 0
-        if self.valid_stream is None:  # one fixed pass: the same batches at every evaluation
-            self.valid_stream = self.make_stream("valid", 0)
-        for i, batch in enumerate(self.valid_stream):
+        if k not in self.valid_streams:  # one fixed pass: the same batches at every evaluation
+            self.valid_streams[k] = self.make_stream("valid", 0, k)
+        for i, batch in enumerate(self.valid_streams[k]):
             if i >= self.cfg.train.eval_batches:
                 break
             batch = _to_device(batch, self.dev)
@@ -473,6 +529,7 @@ class Trainer:
         state = {
             "loader": self.stream.state_dict(),
             "tokens_seen": self.tokens_seen,
+            "tokens_by_source": self.tokens_by_source,
             "skipped": self.skipped,
             "n_checkpoints": self.n_checkpoints + 1,
             "memory": self.memory,  # this rank's recurrent memory (None for most models)
@@ -504,7 +561,7 @@ class Trainer:
                 "objective": self.cfg.objective.kind,
                 "step": self.step,
                 "tokens_seen": self.tokens_seen,
-                "data_fingerprint": data_fingerprint(self.data.manifest),
+                "data_fingerprint": mixture_fingerprint(self.sources),
                 "experiment": self.cfg.name,
             }
             save_bundle(
@@ -565,6 +622,8 @@ class Trainer:
                     continue
                 bad_in_row = 0
                 self.tokens_seen += int(out["_tokens"])
+                for k in range(len(self.sources)):
+                    self.tokens_by_source[k] += int(out[f"_tokens/{k}"])
                 losses[self.step] = out["loss"]
                 first_loss = out["loss"] if first_loss is None else first_loss
                 window.append(out)
@@ -604,7 +663,7 @@ class Trainer:
                             "arch": cfg.model.arch,
                             "objective": cfg.objective.kind,
                             "tokens_seen": str(self.tokens_seen),
-                            "data_fingerprint": data_fingerprint(self.data.manifest),
+                            "data_fingerprint": mixture_fingerprint(self.sources),
                         },
                     )
             status = "FINISHED"
@@ -636,6 +695,9 @@ class Trainer:
             bundle_dir=bundle_dir,
             model_version=version,
             losses=losses,
+            tokens_by_source={
+                x.name: n for x, n in zip(self.sources, self.tokens_by_source, strict=True)
+            },
         )
 
     def _log_window(self, window: list[dict[str, float]], seconds: float, peak) -> None:
@@ -654,6 +716,9 @@ class Trainer:
         )
         m["skipped_steps"] = self.skipped
         m["tokens_seen"] = self.tokens_seen
+        if len(self.sources) > 1:
+            for source, n in zip(self.sources, self.tokens_by_source, strict=True):
+                m[f"tokens_seen/{source.name}"] = n
         # Per-step loss too, so a resumed run can be compared step by step.
         m["step_loss"] = window[-1]["loss"]
         self.tracker.log_metrics(m, self.step)

@@ -270,17 +270,17 @@ def test_groups_laid_out_lazily_give_the_units_of_the_whole_epoch(gappy_dir, kin
     data = DataDir(gappy_dir)
     lengths = np.concatenate([data.doc_lengths(e["name"]) for e in data.shards("train")])
     for epoch in (0, 1):
-        plan = s._core.plan(epoch)
+        plan = s._core.sources[0].plan(epoch)
         groups = [plan.group(g) for g in range(plan.offsets.shape[0] - 1)]
         order = np.concatenate([g[0] for g in groups])
         assert sorted(order.tolist()) == np.flatnonzero(lengths > 0).tolist()
         assert np.array_equal(np.concatenate([g[1] for g in groups]), lengths[order])
         whole = obj.layout(order, lengths[order])
         assert whole.n_units == plan.n_units == s.units_per_epoch
-        lazy = s._core.plan(epoch)._units(np.arange(whole.n_units))
+        lazy = s._core.sources[0].plan(epoch)._units(np.arange(whole.n_units))
         assert lazy == whole.units(np.arange(whole.n_units))
     # the shuffle is per epoch: the second epoch puts the documents in another order
-    assert not np.array_equal(s._core.plan(0).group(0)[0], s._core.plan(1).group(0)[0])
+    assert not np.array_equal(s._core.sources[0].plan(0).group(0)[0], s._core.sources[0].plan(1).group(0)[0])
 
 
 def test_start_reads_only_document_counts(data_dir, monkeypatch):
@@ -290,4 +290,4 @@ def test_start_reads_only_document_counts(data_dir, monkeypatch):
     monkeypatch.setattr(DataDir, "read", lambda self, *a: calls.append(a) or real(self, *a))
     s = stream(data_dir, kind="mlm")
     assert calls == [] and s.docs_read == 0
-    assert len(s._core.chunk_extent) < 240 / 8  # per-chunk sums, not per-document tables
+    assert len(s._core.sources[0].chunk_extent) < 240 / 8  # per-chunk sums, not per-document tables
