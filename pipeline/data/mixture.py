@@ -61,27 +61,36 @@ class SourceShare:
     tokens: int  # train tokens the source holds
     units: int  # examples in one epoch of the source
     units_taken: float  # examples the run reads from it
-    epochs: float  # units_taken / units: > 1 upsampled (repeats), < 1 downsampled
+    epochs: float  # units_taken / units: > 1 means the source repeats (reshuffled)
+    natural: float  # its share of all the sources' examples (weights above it upsample)
 
 
 def shares(sources: list[MixSource], objective: Objective, total_units: int) -> list[SourceShare]:
     """Each source's share of ``total_units`` examples (the run's global batch x steps)."""
     total_weight = sum(s.weight for s in sources)
+    units = [units_per_epoch(s.path, "train", objective) for s in sources]
     out = []
-    for s in sources:
-        units = units_per_epoch(s.path, "train", objective)
+    for s, n in zip(sources, units, strict=True):
         w = s.weight / total_weight
         taken = w * total_units
         tokens = sum(int(e["n_tokens"]) for e in s.path.shards("train"))
-        out.append(SourceShare(s.name, w, tokens, units, taken, taken / max(units, 1)))
+        natural = n / max(sum(units), 1)
+        out.append(SourceShare(s.name, w, tokens, n, taken, taken / max(n, 1), natural))
     return out
+
+
+def _sampling(share: SourceShare) -> str:
+    if abs(share.weight - share.natural) <= 1e-3 * share.natural:
+        return "its natural share"
+    how = "upsampled" if share.weight > share.natural else "downsampled"
+    return f"{how} {share.weight / max(share.natural, 1e-12):.2f}x its natural share"
 
 
 def describe(shares_: list[SourceShare]) -> list[str]:
     """One line per source, for the dry-run plan."""
     return [
-        f"  {s.name:<14}weight {s.weight:.3f}, {s.tokens:,} tokens, {s.units:,} examples per "
-        f"epoch; the run takes {s.units_taken:,.0f} ({s.epochs:.2f} epochs: "
-        f"{'upsampled, repeats with reshuffles' if s.epochs > 1 else 'downsampled'})"
+        f"  {s.name:<14}weight {s.weight:.3f} ({_sampling(s)}), {s.tokens:,} tokens, "
+        f"{s.units:,} examples per epoch; the run takes {s.units_taken:,.0f} = {s.epochs:.2f} "
+        f"epochs{' (repeats, each reshuffled)' if s.epochs > 1 else ''}"
         for s in shares_
     ]

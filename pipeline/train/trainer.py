@@ -497,7 +497,10 @@ class Trainer:
         for k, source in enumerate(self.sources):
             for name, value in self._evaluate_source(k).items():
                 out[f"{name}/{source.name}"] = value
-                out[name] = out.get(name, 0.0) + value * source.weight / total
+                if not name.endswith("_ppl"):
+                    out[name] = out.get(name, 0.0) + value * source.weight / total
+        for name in [n for n in out if "/" not in n and n.endswith("_loss") and "nsp" not in n]:
+            out[name.replace("loss", "ppl")] = math.exp(min(out[name], 50.0))
         return out
 
     def _evaluate_source(self, k: int) -> dict[str, float]:

@@ -45,7 +45,8 @@ def test_dry_run_shows_the_mixture(tiny_data, second_data, tmp_path):
     en = next(line for line in out.stdout.splitlines() if line.strip().startswith("en "))
     other = next(line for line in out.stdout.splitlines() if line.strip().startswith("other "))
     assert "weight 0.750" in en and "weight 0.250" in other
-    assert "epochs" in en and "upsampled" in en  # 400 steps x 16 is many epochs of tiny data
+    assert "epochs (repeats, each reshuffled)" in en  # 400 steps x 16: many epochs of tiny data
+    assert "sampled" in en and "natural share" in other
     out = plm("train", BERT, f"data.path={tiny_data}", *mixture(tiny_data, second_data)[1:],
               "--dry-run", cwd=tmp_path, check=False)  # fmt: skip
     assert out.returncode == 2 and "not both" in out.stderr

@@ -280,7 +280,9 @@ def test_groups_laid_out_lazily_give_the_units_of_the_whole_epoch(gappy_dir, kin
         lazy = s._core.sources[0].plan(epoch)._units(np.arange(whole.n_units))
         assert lazy == whole.units(np.arange(whole.n_units))
     # the shuffle is per epoch: the second epoch puts the documents in another order
-    assert not np.array_equal(s._core.sources[0].plan(0).group(0)[0], s._core.sources[0].plan(1).group(0)[0])
+    assert not np.array_equal(
+        s._core.sources[0].plan(0).group(0)[0], s._core.sources[0].plan(1).group(0)[0]
+    )
 
 
 def test_start_reads_only_document_counts(data_dir, monkeypatch):
