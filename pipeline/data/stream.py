@@ -54,6 +54,16 @@ re-hashes every shard of the split at start (its cost: reading all the data once
 
 The train split cycles epochs forever; any other split is one fixed pass (epoch 0's
 order, the same batches at every evaluation).
+
+Mixtures (``data.sources``, a list of ``MixSource``): each source is laid out as above on
+its own and cycles its own epochs. Mixture position p reads source k's unit j as
+``_Interleave`` puts them (deterministic, by weight: any window of n positions holds
+n * w_k units of source k, give or take one), and source unit j is unit j mod n_k of
+that source's epoch j // n_k. A nominal epoch e covers positions [e * N, (e + 1) * N)
+(N: all sources' units together), so the cursor (epoch, samples) names the same
+positions on any world size; batch rows carry ``source_ids``. Recurrent objectives give
+each row of the global batch to one source (rows shared by weight) and read that source's
+stream row-wise as above, so a row's memory never crosses sources.
 """
 
 from __future__ import annotations
