@@ -98,9 +98,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from pipeline.export.hf import export_to_hf
+    from pipeline.export.hf import ExportError, export_to_hf
 
-    out = export_to_hf(args.bundle, args.out)
+    try:
+        out = export_to_hf(args.bundle, args.out)
+    except ExportError as err:  # names the bundle, the model key and why
+        print(f"plm: export: {err}", file=sys.stderr)
+        return 2
     print(f"transformers folder written to {out}")
     return 0
 

@@ -497,6 +497,15 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         f"CPU: driver {driver_cpu:.1f} s, workers {worker_cpu:.1f} s "
         f"({len(units)} units, {partitions} dedup partition(s))"
     )
+    if rejected.get("truncated"):
+        cut = sorted({e["source"] for e in examples.get("truncated", [])})
+        more = rejected["truncated"] - len(cut)
+        print(
+            f"warning: {rejected['truncated']} compressed input(s) break off before their end: "
+            f"{', '.join(cut)}{f' and {more} more' if more > 0 else ''}; the documents before "
+            "the break were kept (manifest.json reject_examples.truncated says where)",
+            file=sys.stderr,
+        )
     if splits["valid"]["n_docs"] == 0 and cfg.valid_fraction > 0:
         print(
             f"warning: no document fell into the valid split (valid_fraction={cfg.valid_fraction})",

@@ -198,6 +198,17 @@ def _continuation_tokens(tok: Tokenizer, texts: Iterable[str]) -> list[str]:
     return sorted("##" + c for c in chars)
 
 
+def _alphabet(tok: Tokenizer, texts: Iterable[str]) -> set[str]:
+    """The distinct characters of the pre-tokenized words (what a Unigram vocab must hold)."""
+    chars: set[str] = set()
+    for text in texts:
+        if tok.normalizer is not None:
+            text = tok.normalizer.normalize_str(text)
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(text):
+            chars.update(word)
+    return chars
+
+
 def _drop_added(tok: Tokenizer, contents: set[str]) -> Tokenizer:
     """The tokenizer without the added tokens ``contents`` (they stay in the model vocab)."""
     data = json.loads(tok.to_str())
@@ -275,7 +286,18 @@ def train_tokenizer(inputs: list[str], spec: TokenizerSpec, output: str | Path) 
         seeded = []
         if spec.kind == "wordpiece":
             seeded = _continuation_tokens(tok, _read_sample(sample))
-        tok.train_from_iterator(_read_sample(sample), trainer=_trainer(spec, seeded))
+        try:
+            tok.train_from_iterator(_read_sample(sample), trainer=_trainer(spec, seeded))
+        except Exception as err:  # tokenizers raises a bare Exception
+            if "not large enough to contain all chars" not in str(err):
+                raise
+            need = len(_alphabet(tok, _read_sample(sample))) + len(specials)
+            raise InputError(
+                f"--vocab-size {spec.vocab_size} is too small for a {spec.kind} tokenizer of "
+                f"these inputs: every one of the sample's {need - len(specials)} distinct "
+                f"characters must be a piece, plus {len(specials)} special tokens; pass "
+                f"--vocab-size {need} or more"
+            ) from None
         if seeded:
             tok = _drop_added(tok, set(seeded))
         if spec.kind == "unigram":
