@@ -279,6 +279,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback
         print(f"plm: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside training's own stop (which checkpoints first)
+        print(
+            f"plm: {args.command}: interrupted (Ctrl-C); nothing half-written is ever read as "
+            "complete, so the same command starts again cleanly",
+            file=sys.stderr,
+        )
+        return 130
 
 
 if __name__ == "__main__":

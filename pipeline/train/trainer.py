@@ -282,6 +282,7 @@ class Trainer:
         if tag is None:
             return cfg, None
         meta = self.ckpt.meta(tag)
+        self.check_resumable(cfg, tag, meta)
         saved_world = int(meta["world_size"])
         if saved_world == self.world:
             return cfg, None
@@ -331,6 +332,32 @@ class Trainer:
                 f"checkpoint {done}"
             )
         return cfg, plan
+
+    def check_resumable(self, cfg: ExperimentConfig, tag: str, meta: dict[str, Any]) -> None:
+        """What no conversion can bridge, refused before anything is built: a checkpoint
+        of another tokenizer (its embeddings have another shape or meaning) or of another
+        ZeRO stage. ConfigError naming the checkpoint and the override that resumes it."""
+        where = self.ckpt.root / tag
+        fresh = "or pass a new train.out_dir to start a new run"
+        saved_tok = meta.get("tokenizer_fingerprint")
+        tok = DataDir(cfg.data.path).manifest.get("tokenizer", {})
+        if saved_tok and tok.get("fingerprint") and saved_tok != tok["fingerprint"]:
+            raise ConfigError(
+                f"train.resume=auto: checkpoint {where} was trained on data of another "
+                f"tokenizer (vocab {meta.get('vocab_size', '?')}, sha256 {saved_tok[:12]}) than "
+                f"data.path={cfg.data.path} (vocab {tok.get('vocab_size', '?')}, sha256 "
+                f"{tok['fingerprint'][:12]}): point data.path at data prepared with the "
+                f"checkpoint's tokenizer, {fresh}"
+            )
+        saved_stage = meta.get("zero_stage")
+        stage = ds_engine.zero_stage(ds_engine.load_base_config(cfg.deepspeed)[0])
+        if saved_stage is not None and int(saved_stage) != stage:
+            raise ConfigError(
+                f"train.resume=auto: checkpoint {where} was written under ZeRO-{saved_stage} "
+                f"and this run's deepspeed config is ZeRO-{stage}; a checkpoint resumes under "
+                f"its own stage (on any number of ranks): pass "
+                f"deepspeed=configs/deepspeed/zero{saved_stage}.json, {fresh}"
+            )
 
     def resume_if_asked(self) -> None:
         if self.cfg.train.resume != "auto" or self.resumed_from is not None:
@@ -482,6 +509,8 @@ class Trainer:
             "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
             "global_batch": t.micro_batch_size * t.grad_accum * self.world,
             "zero_stage": ds_engine.zero_stage(self.ds_config),
+            "tokenizer_fingerprint": self.data.manifest.get("tokenizer", {}).get("fingerprint"),
+            "vocab_size": self.meta["vocab_size"],
         }  # fmt: skip
         tag = self.ckpt.save(
             self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config,

@@ -5,15 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from conftest import plm
-
-
-def one_plm_line(proc, code: int = 2) -> str:
-    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-4000:]
-    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("plm:")]
-    assert len(lines) == 1, proc.stderr[-4000:]
-    return lines[0]
+from conftest import one_plm_line, plm
 
 
 def test_unigram_vocab_smaller_than_the_alphabet_names_the_size_that_works(tmp_path):
