@@ -26,6 +26,7 @@ from pipeline.data.shards import DataDir
 from pipeline.train import engine as ds_engine
 from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
+from pipeline.train.plan import check_checkpoint, check_positions
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.tracking import Tracker, code_version
 
@@ -88,6 +89,7 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
     data = DataDir(cfg.data.path)
     meta = tokenizer_meta(data)
     model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
+    check_positions(cfg, model_cfg)
     seed_everything(cfg.train.seed)  # same initial weights on every rank
     model = build_model(cfg.model.arch, model_cfg)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing)
@@ -282,7 +284,7 @@ class Trainer:
         if tag is None:
             return cfg, None
         meta = self.ckpt.meta(tag)
-        self.check_resumable(cfg, tag, meta)
+        check_checkpoint(cfg, self.ckpt, tag, meta)
         saved_world = int(meta["world_size"])
         if saved_world == self.world:
             return cfg, None
@@ -332,32 +334,6 @@ class Trainer:
                 f"checkpoint {done}"
             )
         return cfg, plan
-
-    def check_resumable(self, cfg: ExperimentConfig, tag: str, meta: dict[str, Any]) -> None:
-        """What no conversion can bridge, refused before anything is built: a checkpoint
-        of another tokenizer (its embeddings have another shape or meaning) or of another
-        ZeRO stage. ConfigError naming the checkpoint and the override that resumes it."""
-        where = self.ckpt.root / tag
-        fresh = "or pass a new train.out_dir to start a new run"
-        saved_tok = meta.get("tokenizer_fingerprint")
-        tok = DataDir(cfg.data.path).manifest.get("tokenizer", {})
-        if saved_tok and tok.get("fingerprint") and saved_tok != tok["fingerprint"]:
-            raise ConfigError(
-                f"train.resume=auto: checkpoint {where} was trained on data of another "
-                f"tokenizer (vocab {meta.get('vocab_size', '?')}, sha256 {saved_tok[:12]}) than "
-                f"data.path={cfg.data.path} (vocab {tok.get('vocab_size', '?')}, sha256 "
-                f"{tok['fingerprint'][:12]}): point data.path at data prepared with the "
-                f"checkpoint's tokenizer, {fresh}"
-            )
-        saved_stage = meta.get("zero_stage")
-        stage = ds_engine.zero_stage(ds_engine.load_base_config(cfg.deepspeed)[0])
-        if saved_stage is not None and int(saved_stage) != stage:
-            raise ConfigError(
-                f"train.resume=auto: checkpoint {where} was written under ZeRO-{saved_stage} "
-                f"and this run's deepspeed config is ZeRO-{stage}; a checkpoint resumes under "
-                f"its own stage (on any number of ranks): pass "
-                f"deepspeed=configs/deepspeed/zero{saved_stage}.json, {fresh}"
-            )
 
     def resume_if_asked(self) -> None:
         if self.cfg.train.resume != "auto" or self.resumed_from is not None:
