@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -84,10 +85,15 @@ def _train(args: argparse.Namespace) -> int:
 
         return print_plan(cfg)
     from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.stop import TrainingStopped
     from pipeline.train.trainer import TrainingDiverged, train
 
     try:
         train(cfg)
+    except TrainingStopped as err:  # SIGTERM / SIGINT: checkpointed, MLflow run KILLED
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"plm: {err}", file=sys.stderr)
+        return err.exit_code
     except TrainingDiverged as err:  # the message says what was saved and what to change
         print(f"plm: {err}", file=sys.stderr)
         return 1

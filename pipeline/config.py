@@ -164,6 +164,10 @@ class TrainSection(Strict):
     keep_last: int = Field(3, gt=0)
     max_nonfinite_in_row: int = Field(5, gt=0)
     resume: Literal["auto", "never"] = "auto"
+    # SIGTERM / SIGINT: checkpoint at the next step boundary within this many seconds, else
+    # stop without one (keep it below the platform's kill delay: Kubernetes' default 30 s,
+    # the `deepspeed` launcher's 30 s)
+    stop_grace_s: float = Field(25.0, gt=0)
     out_dir: str = "runs/default"
 
 

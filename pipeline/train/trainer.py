@@ -12,6 +12,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +29,7 @@ from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
 from pipeline.train.plan import check_checkpoint, check_positions
 from pipeline.train.schedule import scheduler_factory
+from pipeline.train.stop import GracefulStop, TrainingStopped
 from pipeline.train.tracking import Tracker, code_version
 
 
@@ -270,6 +272,8 @@ class Trainer:
         self.skipped = 0
         self.n_checkpoints = 0
         self.resumed_from: str | None = None
+        self.stopper = GracefulStop(cfg.train.stop_grace_s, self._killed_by_timer)
+        self.stop_agreed = False  # every rank saw a stop signal's flag in the same all-reduce
 
     # --- setup ---------------------------------------------------------------------------
     def plan_elastic_resume(self, cfg: ExperimentConfig) -> tuple[ExperimentConfig, dict | None]:
@@ -413,15 +417,19 @@ class Trainer:
             outputs = self.forward(batch, train=True)
             loss, metrics = self.objective.loss(outputs, batch)
             names = sorted(metrics)
-            local = [float(not torch.isfinite(loss)), _n_tokens(batch), len(batch["input_ids"])]
+            # A stop signal rides on the all-reduce every micro-batch makes anyway: every
+            # rank learns of a signal any rank got, at the same micro-batch.
+            local = [float(self.stopper.requested), float(not torch.isfinite(loss))]
+            local += [_n_tokens(batch), len(batch["input_ids"])]
             local += [float(loss.detach())] + [float(metrics[k].detach()) for k in names]
             red = _all_reduce_sum(local, self.dev)  # every rank agrees on skipping
-            if red[0] > 0:
+            self.stop_agreed = self.stop_agreed or red[0] > 0
+            if red[1] > 0:
                 bad = True
                 continue
-            tokens += int(red[1])
-            samples += int(red[2])
-            for k, v in zip(["loss", *names], red[3:], strict=True):
+            tokens += int(red[2])
+            samples += int(red[3])
+            for k, v in zip(["loss", *names], red[4:], strict=True):
                 sums[k] = sums.get(k, 0.0) + v / self.world / ga
             self.engine.set_gradient_accumulation_boundary(micro == ga - 1)
             self.engine.backward(loss)
@@ -523,6 +531,7 @@ class Trainer:
         """Train to train.max_steps; ``stop_after``: checkpoint and return at that step
         instead (an interruption on purpose, used to test resuming)."""
         cfg, t = self.cfg, self.cfg.train
+        self.stopper.install()  # before the loader forks its workers: they inherit it
         self.resume_if_asked()
         self.start_tracking()
         peak = device_peak_flops(t.precision)
@@ -548,6 +557,10 @@ class Trainer:
             while self.step < t.max_steps:
                 if stop_after is not None and self.step >= stop_after:
                     break
+                if self.stop_agreed:  # a step boundary after SIGTERM / SIGINT
+                    if window:
+                        self._log_window(window, time.perf_counter() - t0, peak)
+                    self.stop_on_signal()
                 out = self.train_step(it)
                 self.step += 1
                 if out is None:
@@ -618,15 +631,38 @@ class Trainer:
             reason = "diverged" if isinstance(err, TrainingDiverged) else type(err).__name__
             if isinstance(err, KeyboardInterrupt):
                 status, reason = "KILLED", "interrupted"
+            if isinstance(err, TrainingStopped):
+                status, reason = "KILLED", signal.Signals(err.signum).name
             self.tracker.set_tags(
                 {"failure_reason": reason, "failure_step": self.step,
                  "failure_message": f"{type(err).__name__}: {err}"}
             )  # fmt: skip
             raise
         finally:
+            self.stopper.restore()
             self.tracker.end(status)
             self.stream.close()
         return self._result(first_loss, losses, bundle_dir, version)
+
+    def stop_on_signal(self) -> None:
+        """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""
+        tag = self.ckpt.latest()
+        if tag != tag_for(self.step):
+            tag = self.save()
+        name = signal.Signals(self.stopper.signum or signal.SIGTERM).name
+        where = self.ckpt.root / tag if tag else "none yet"
+        raise TrainingStopped(
+            self.stopper.signum or signal.SIGTERM,
+            f"stopped by {name} at step {self.step} of {self.cfg.train.max_steps}; checkpoint "
+            f"{where}; the same command resumes from it",
+        )
+
+    def _killed_by_timer(self, signum: int) -> None:
+        """The grace time ran out (a timer thread): the MLflow run ends KILLED anyway."""
+        self.tracker.terminate(
+            "KILLED", {"failure_reason": signal.Signals(signum).name,
+                       "failure_message": "no step boundary within train.stop_grace_s"}
+        )  # fmt: skip
 
     def _result(self, first_loss, losses, bundle_dir, version) -> RunResult:
         final_loss = losses[max(losses)] if losses else None
