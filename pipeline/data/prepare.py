@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, config_file
 from pipeline.data.clean import CleanConfig, clean
 from pipeline.data.readers import (
     DEFAULT_MAX_DOC_BYTES,
@@ -141,7 +141,7 @@ def load_prepare_config(path: str | Path | None, overrides: dict[str, Any]) -> P
     data: dict[str, Any] = {}
     origin = "command line"
     if path:
-        p = Path(path)
+        p = config_file(path)
         if not p.is_file():
             raise ConfigError(f"data config {p} does not exist (see configs/data/)")
         try:

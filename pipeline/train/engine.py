@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import REPO_ROOT, ConfigError, ExperimentConfig
+from pipeline.config import ConfigError, ExperimentConfig, config_file
 
 # Keys the experiment config owns. A base JSON may leave them out or set them to "auto";
 # a concrete value that disagrees with the experiment config is an error, not a silent pick.
@@ -81,9 +81,7 @@ def load_base_config(spec: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The experiment's ``deepspeed:`` entry: a JSON path (relative to cwd or repo) or a mapping."""
     if isinstance(spec, dict):
         return copy.deepcopy(spec), "deepspeed (inline)"
-    path = Path(spec)
-    if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
-        path = REPO_ROOT / path
+    path = config_file(spec)
     if not path.is_file():
         raise ConfigError(f"key 'deepspeed': file {spec} does not exist (see configs/deepspeed/)")
     try:
