@@ -151,6 +151,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plm", description=__doc__)
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="show the libraries' INFO lines and warnings too (quiet by default)",
+    )
     # The deepspeed launcher puts --local_rank=N before the subcommand (LOCAL_RANK has it too).
     parser.add_argument(
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
@@ -272,7 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=6000)
     demo.add_argument("--seed", type=int, default=1234, help="pretraining seed")
     demo.set_defaults(func=_demo)
+    _verbose_everywhere(parser)
     return parser
+
+
+def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after any subcommand too (``plm train -v CONFIG``), adding to ``plm -v``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if not any("-v" in a.option_strings for a in sub._actions):
+                    sub.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                                     help=argparse.SUPPRESS)  # fmt: skip
+                _verbose_everywhere(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.data.shards import ShardError
 
     args = build_parser().parse_args(argv)
+    from pipeline.output import configure
+
+    configure(args.verbose)
     try:
         return args.func(args)
     except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback
