@@ -26,10 +26,11 @@ WORKDIR /opt/plm
 # Dependencies first (cached while only the code changes); torch==2.13.0 is pinned in
 # pyproject.toml: on Linux, PyPI's wheel is the CUDA build.
 COPY pyproject.toml README.md ./
+# configs/ before the install: the wheel ships it as package data (pipeline/configs links
+# to it), so presets and DeepSpeed JSONs are found from any directory.
+COPY configs ./configs
 COPY pipeline ./pipeline
 RUN pip install ".[tracking]"
-# Experiment configs and DeepSpeed JSONs: relative paths in configs resolve from here.
-COPY configs ./configs
 COPY launch ./launch
 
 # A non-root user with a fixed uid (the manifests' runAsUser); Ubuntu's own uid 1000 goes.

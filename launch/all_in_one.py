@@ -129,15 +129,21 @@ class RayHead:
         self.num_cpus = num_cpus
         self.logs = logs
         self.address = ""
+        self.gcs_port = 0
 
     def auth_env(self) -> dict[str, str]:
-        """What every client of this cluster needs: token mode and where the token is."""
-        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path)}
+        """What every client of this cluster needs: token mode and where the token is, and
+        loopback only: Ray's switch for a one-machine cluster makes the node IP 127.0.0.1
+        (``--node-ip-address 127.0.0.1`` alone is turned back into the machine's address),
+        so the GCS, raylet, agents and Ray client server listen on loopback only."""
+        return {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(self.token_path),
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # fmt: skip
 
     def start(self) -> None:
         self.token_path.write_text(secrets.token_hex(32))
         self.token_path.chmod(0o600)
         gcs, dash, client, nm, om, agent, agent_grpc, rt, metrics = free_ports(9)
+        self.gcs_port = gcs
         cmd = [
             "ray", "start", "--head", "--num-cpus", str(self.num_cpus),
             "--temp-dir", self.temp_dir, "--port", str(gcs),
@@ -148,6 +154,7 @@ class RayHead:
             "--dashboard-agent-grpc-port", str(agent_grpc),
             "--runtime-env-agent-port", str(rt), "--metrics-export-port", str(metrics),
             "--min-worker-port", "0", "--max-worker-port", "0", "--disable-usage-stats",
+            "--node-ip-address", "127.0.0.1",
         ]  # fmt: skip
         env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
         env.update(self.auth_env())
@@ -160,19 +167,20 @@ class RayHead:
 
     def stop(self) -> list[int]:
         """Stop every process of this head; returns those that needed SIGKILL."""
-        killed = stop_ray_head(self.temp_dir)
+        # The Ray client server's command line does not name the temp dir, only the GCS.
+        killed = stop_ray_head(self.temp_dir, f"--address=127.0.0.1:{self.gcs_port} ")
         shutil.rmtree(self.temp_dir, ignore_errors=True)  # session logs and the token
         return killed
 
 
-def stop_ray_head(temp_dir: str) -> list[int]:
-    """Stop the Ray processes whose command line names ``temp_dir``; returns the pids that
-    needed SIGKILL.
+def stop_ray_head(temp_dir: str, *also: str) -> list[int]:
+    """Stop the Ray processes whose command line names ``temp_dir`` (or any of ``also``);
+    returns the pids that needed SIGKILL.
 
     In `ray stop`'s order: the raylet first, then its agents and workers, the GCS last.
     Sent SIGTERM all at once, the raylet, the GCS and the autoscaler's monitor were still
     running 15-20 s later here, and had to be killed; in this order all exit within ~1 s."""
-    ours = lambda: processes_with(temp_dir)  # noqa: E731
+    ours = lambda: sorted({p for m in (temp_dir, *also) for p in processes_with(m)})  # noqa: E731
     killed = stop_pids(lambda: [p for p in ours() if program(p) == "raylet"])
     killed += stop_pids(lambda: [p for p in ours() if program(p) not in ("raylet", "gcs_server")])
     killed += stop_pids(lambda: [p for p in ours() if program(p) == "gcs_server"])
@@ -393,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
         say(f"data ready: {data}")
         run_dir = train_step(args, data, server.url, work, logs)
         result = check_tracking(server, name, run_dir)
-        result.update(mlflow_url=server.url, ray_address=head.address, ray_temp_dir=head.temp_dir)
+        result.update(mlflow_url=server.url, ray_address=head.address, ray_temp_dir=head.temp_dir,
+                      ray_gcs_port=head.gcs_port)  # fmt: skip
         (work / "result.json").write_text(json.dumps(result, indent=2))
         say(
             f"run {result['run_id']} {result['status']}: step_loss {result['step_loss']}; "

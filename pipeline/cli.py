@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 
@@ -84,10 +85,15 @@ def _train(args: argparse.Namespace) -> int:
 
         return print_plan(cfg)
     from pipeline.train.checkpoint import CheckpointError
+    from pipeline.train.stop import TrainingStopped
     from pipeline.train.trainer import TrainingDiverged, train
 
     try:
         train(cfg)
+    except TrainingStopped as err:  # SIGTERM / SIGINT: checkpointed, MLflow run KILLED
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"plm: {err}", file=sys.stderr)
+        return err.exit_code
     except TrainingDiverged as err:  # the message says what was saved and what to change
         print(f"plm: {err}", file=sys.stderr)
         return 1
@@ -98,9 +104,13 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from pipeline.export.hf import export_to_hf
+    from pipeline.export.hf import ExportError, export_to_hf
 
-    out = export_to_hf(args.bundle, args.out)
+    try:
+        out = export_to_hf(args.bundle, args.out)
+    except ExportError as err:  # names the bundle, the model key and why
+        print(f"plm: export: {err}", file=sys.stderr)
+        return 2
     print(f"transformers folder written to {out}")
     return 0
 
@@ -141,6 +151,13 @@ def _demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plm", description=__doc__)
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="show the libraries' INFO lines and warnings too (quiet by default)",
+    )
     # The deepspeed launcher puts --local_rank=N before the subcommand (LOCAL_RANK has it too).
     parser.add_argument(
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
@@ -262,7 +279,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=6000)
     demo.add_argument("--seed", type=int, default=1234, help="pretraining seed")
     demo.set_defaults(func=_demo)
+    _verbose_everywhere(parser)
     return parser
+
+
+def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
+    """``-v`` after any subcommand too (``plm train -v CONFIG``), adding to ``plm -v``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                if not any("-v" in a.option_strings for a in sub._actions):
+                    sub.add_argument("-v", "--verbose", action="count", default=argparse.SUPPRESS,
+                                     help=argparse.SUPPRESS)  # fmt: skip
+                _verbose_everywhere(sub)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,11 +299,21 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.data.shards import ShardError
 
     args = build_parser().parse_args(argv)
+    from pipeline.output import configure
+
+    configure(args.verbose)
     try:
         return args.func(args)
     except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback
         print(f"plm: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside training's own stop (which checkpoints first)
+        print(
+            f"plm: {args.command}: interrupted (Ctrl-C); nothing half-written is ever read as "
+            "complete, so the same command starts again cleanly",
+            file=sys.stderr,
+        )
+        return 130
 
 
 if __name__ == "__main__":

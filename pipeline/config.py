@@ -12,8 +12,22 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
-CONFIGS_DIR = REPO_ROOT / "configs"
+REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout, when there is one
+# The presets, DeepSpeed JSONs and example configs, shipped in the wheel as package data
+# (pipeline/configs; in a checkout a link to the top-level configs/).
+PACKAGE_DIR = Path(__file__).resolve().parent
+CONFIGS_DIR = PACKAGE_DIR / "configs"
+
+
+def config_file(path: str | Path) -> Path:
+    """``path`` as given (relative to the cwd) when it exists there; else a path that starts
+    with ``configs/`` found among the shipped configs, so ``configs/test/bert-tiny.yaml``
+    and ``configs/deepspeed/zero2.json`` work from any directory, installed or not."""
+    p = Path(path)
+    if p.exists() or p.is_absolute():
+        return p
+    shipped = PACKAGE_DIR / p
+    return shipped if p.parts[:1] == ("configs",) and shipped.is_file() else p
 
 
 class ConfigError(ValueError):
@@ -196,6 +210,10 @@ class TrainSection(Strict):
     keep_last: int = Field(3, gt=0)
     max_nonfinite_in_row: int = Field(5, gt=0)
     resume: Literal["auto", "never"] = "auto"
+    # SIGTERM / SIGINT: checkpoint at the next step boundary within this many seconds, else
+    # stop without one (keep it below the platform's kill delay: Kubernetes' default 30 s,
+    # the `deepspeed` launcher's 30 s)
+    stop_grace_s: float = Field(25.0, gt=0)
     out_dir: str = "runs/default"
 
 
@@ -261,7 +279,7 @@ def validate_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConf
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+    path = config_file(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:

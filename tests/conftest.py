@@ -231,3 +231,12 @@ def random_ids(B: int = 2, T: int = 16, seed: int = 1, vocab_size: int = 100):
     import torch
 
     return torch.randint(0, vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def one_plm_line(proc, code: int = 2) -> str:
+    """The one `plm:` line a refused command printed (exit ``code``, no traceback)."""
+    assert proc.returncode == code, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-4000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("plm:")]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    return lines[0]

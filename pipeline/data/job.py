@@ -170,6 +170,9 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
     if address:
         ray.init(address=address, logging_level=logging.WARNING, log_to_driver=True)
     else:
+        from pipeline.output import quiet_ray_auth_notice
+
+        quiet_ray_auth_notice()
         ray.init(
             num_cpus=num_cpus,
             include_dashboard=False,

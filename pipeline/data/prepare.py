@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, config_file
 from pipeline.data.clean import CleanConfig, clean
 from pipeline.data.readers import (
     DEFAULT_MAX_DOC_BYTES,
@@ -141,7 +141,7 @@ def load_prepare_config(path: str | Path | None, overrides: dict[str, Any]) -> P
     data: dict[str, Any] = {}
     origin = "command line"
     if path:
-        p = Path(path)
+        p = config_file(path)
         if not p.is_file():
             raise ConfigError(f"data config {p} does not exist (see configs/data/)")
         try:
@@ -497,6 +497,15 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         f"CPU: driver {driver_cpu:.1f} s, workers {worker_cpu:.1f} s "
         f"({len(units)} units, {partitions} dedup partition(s))"
     )
+    if rejected.get("truncated"):
+        cut = sorted({e["source"] for e in examples.get("truncated", [])})
+        more = rejected["truncated"] - len(cut)
+        print(
+            f"warning: {rejected['truncated']} compressed input(s) break off before their end: "
+            f"{', '.join(cut)}{f' and {more} more' if more > 0 else ''}; the documents before "
+            "the break were kept (manifest.json reject_examples.truncated says where)",
+            file=sys.stderr,
+        )
     if splits["valid"]["n_docs"] == 0 and cfg.valid_fraction > 0:
         print(
             f"warning: no document fell into the valid split (valid_fraction={cfg.valid_fraction})",

@@ -32,6 +32,7 @@ import json
 import os
 import re
 import sysconfig
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
@@ -47,6 +48,7 @@ from pipeline.config import ConfigError
 DEFAULT_MAX_DOC_BYTES = 16 << 20  # a document larger than this is a "too_long" reject
 _CHUNK = 1 << 20  # bytes per read (txt chunks, the rest of an oversized line) and buffer size
 _PARQUET_BATCH_ROWS = 1024
+_ZSTD_IN = 64 << 10  # compressed bytes per zstd decompression call
 CORPORA_DIR = Path(__file__).resolve().parent / "corpora"
 BUILTINS = ("builtin:python-docs", "builtin:zh-sample")
 
@@ -98,7 +100,7 @@ class RawDocument:
     source: str  # Source.uri
     ordinal: int  # position of the document in its source, rejects included
     text: str | None  # None when rejected
-    reject: str | None = None  # invalid_utf8, nul_bytes, too_long, bad_json, no_text
+    reject: str | None = None  # invalid_utf8, nul_bytes, too_long, bad_json, no_text, truncated
     line: int | None = None  # 1-based line where the document starts (txt, jsonl)
     detail: str | None = None  # why, for the message (e.g. the JSON error)
 
@@ -317,6 +319,82 @@ class _Window(io.RawIOBase):
         super().close()
 
 
+class _Decompressed(io.RawIOBase):
+    """A gzip/zstd stream that ends where the compressed data stops being readable (a
+    truncated or corrupt file) instead of raising: every byte decompressed before the
+    break is delivered, and ``error`` says what broke. The readers turn the break into
+    one ``truncated`` reject, so the complete documents before it are kept."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.error: str | None = None
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        if self.error is not None:
+            return 0
+        try:
+            data = self._inner.read1(len(b))
+        except (EOFError, OSError, zlib.error) as err:  # BadGzipFile is an OSError
+            self.error = f"{type(err).__name__}: {err}"
+            return 0
+        b[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self._inner.close()
+        super().close()
+
+
+class _ZstdFrames:
+    """The zstd frames of a raw stream, one after another, decompressed ``_ZSTD_IN`` bytes
+    of input at a time (bounded memory); EOFError when the input ends inside a frame
+    (zstandard's own stream reader ends silently there, so a cut file would look whole)."""
+
+    def __init__(self, raw: BinaryIO):
+        import zstandard
+
+        self._raw = raw
+        self._new = zstandard.ZstdDecompressor().decompressobj
+        self._error = zstandard.ZstdError
+        self._frame = None  # the frame being decompressed
+        self._out = b""
+
+    def read1(self, n: int) -> bytes:
+        while not self._out:
+            data = self._raw.read(_ZSTD_IN)
+            if not data:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("the zstd input ends inside a frame")
+                return b""
+            while data:
+                if self._frame is None or self._frame.eof:
+                    self._frame = self._new()
+                try:
+                    self._out += self._frame.decompress(data)
+                except self._error as err:  # a corrupt frame
+                    raise OSError(f"zstd: {err}") from None
+                data = self._frame.unused_data if self._frame.eof else b""
+        out, self._out = self._out[:n], self._out[n:]
+        return out
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+def _read_error(stream) -> str | None:
+    """Why a compressed stream ended early (None: it did not, or is not compressed)."""
+    return getattr(getattr(stream, "raw", None), "error", None)
+
+
+def _truncated(source: Source, ordinal: int, line: int | None, error: str) -> RawDocument:
+    return RawDocument(
+        source.uri, ordinal, None, "truncated", line, f"the compressed data breaks off: {error}"
+    )
+
+
 SPLITTABLE = ("txt", "jsonl")  # formats a task can read from a byte offset
 
 
@@ -330,15 +408,12 @@ def _open_text_stream(source: Source, start: int = 0, end: int | None = None) ->
         return io.BufferedReader(_Window(f, start, end), _CHUNK)  # type: ignore[arg-type]
     raw = _open_raw(source)
     if source.format.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
-    if source.format.endswith(".zst"):
-        import zstandard
-
-        reader = zstandard.ZstdDecompressor().stream_reader(
-            raw, read_across_frames=True, closefd=True
-        )
-        return io.BufferedReader(reader, _CHUNK)  # type: ignore[arg-type]
-    return raw
+        inner = gzip.GzipFile(fileobj=raw, mode="rb")
+    elif source.format.endswith(".zst"):
+        inner = _ZstdFrames(raw)
+    else:
+        return raw
+    return io.BufferedReader(_Decompressed(inner), _CHUNK)  # type: ignore[return-value]
 
 
 # ---------------------------------------------------------------------------
@@ -439,7 +514,9 @@ def _iter_txt(
                 line += buf.count(b"\n", cursor, blank_end)
                 cursor = blank_end
             if at_end:
-                if cursor < len(buf) and not skipping:  # a last line without a newline
+                if error := _read_error(stream):  # the rest, if any, is a cut document
+                    yield _truncated(source, ordinal, line, error)
+                elif cursor < len(buf) and not skipping:  # a last line without a newline
                     yield _txt_document(source, ordinal, buf[cursor:], line, max_doc_bytes)
                 return
             # The unfinished document: complete lines buf[cursor:end], then a partial line.
@@ -475,8 +552,11 @@ def _iter_jsonl(
     ordinal = 0
     field = source.text_field
     start, end = (part.start, part.end) if part else (0, None)
+    number = 0
     with _open_text_stream(source, start, end) as stream:
         for number, line in enumerate(_bounded_lines(stream, max_doc_bytes), start=1):
+            if line is not None and not line.endswith(b"\n") and _read_error(stream):
+                break  # the last line was cut by the break: the truncated reject below
             if line is None:
                 yield RawDocument(
                     source.uri, ordinal, None, "too_long", number, f"over {max_doc_bytes} bytes"
@@ -503,6 +583,8 @@ def _iter_jsonl(
                         detail = f"line {number}: no string field {field!r}"
             yield RawDocument(source.uri, ordinal, text, reject, number, detail)
             ordinal += 1
+        if error := _read_error(stream):
+            yield _truncated(source, ordinal, number, error)
 
 
 def _iter_parquet(

@@ -19,7 +19,9 @@ import hashlib
 import heapq
 import json
 import math
+import sys
 import tempfile
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Literal
@@ -77,9 +79,34 @@ def _priority(seed: int, text: str) -> int:
     return int.from_bytes(digest, "big")
 
 
-def _clean_documents(sources: list[Source], cfg: CleanConfig) -> Iterator[tuple[int, int, str]]:
+def _counted(items: Iterable, desc: str | None, unit: str = " docs") -> Iterable:
+    """``items`` with a tqdm bar on stderr when ``desc`` is given and stderr is a terminal
+    (elsewhere the stage lines of ``_Stages`` say what runs)."""
+    if desc is None:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=f"tokenizer: {desc}", unit=unit, disable=None, mininterval=1.0,
+                file=sys.stderr)  # fmt: skip
+
+
+class _Stages:
+    """One line per stage of a tokenizer training on stderr, with the time since the start:
+    a long training (Unigram on a big sample) is never silent."""
+
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        elapsed = time.perf_counter() - self.started
+        print(f"tokenizer: {what} ({elapsed:.0f} s)", file=sys.stderr, flush=True)
+
+
+def _clean_documents(
+    sources: list[Source], cfg: CleanConfig, progress: str | None = None
+) -> Iterator[tuple[int, int, str]]:
     """(source index, ordinal, cleaned text) of every kept document, in corpus order."""
-    for index, source in enumerate(sources):
+    for index, source in enumerate(_counted(sources, progress, " inputs")):
         for doc in iter_raw_documents(source):
             if doc.text is None:
                 continue
@@ -89,7 +116,11 @@ def _clean_documents(sources: list[Source], cfg: CleanConfig) -> Iterator[tuple[
 
 
 def sample_documents(
-    sources: list[Source], n: int, seed: int, cfg: CleanConfig | None = None
+    sources: list[Source],
+    n: int,
+    seed: int,
+    cfg: CleanConfig | None = None,
+    progress: bool = False,
 ) -> Iterator[str]:
     """The ``n`` cleaned documents with the lowest seeded hash, yielded in corpus order.
 
@@ -98,14 +129,16 @@ def sample_documents(
     """
     cfg = cfg or CleanConfig()
     heap: list[tuple[int, int, int]] = []  # max-heap via negation: (-priority, -src, -ord)
-    for index, ordinal, text in _clean_documents(sources, cfg):
+    first = _clean_documents(sources, cfg, "sampling, pass 1 of 2" if progress else None)
+    for index, ordinal, text in first:
         item = (-_priority(seed, text), -index, -ordinal)
         if len(heap) < n:
             heapq.heappush(heap, item)
         elif item > heap[0]:
             heapq.heapreplace(heap, item)
     chosen = {(-i, -o) for _, i, o in heap}
-    for index, ordinal, text in _clean_documents(sources, cfg):
+    second = _clean_documents(sources, cfg, "sampling, pass 2 of 2" if progress else None)
+    for index, ordinal, text in second:
         if (index, ordinal) in chosen:
             yield text
 
@@ -114,7 +147,7 @@ def _write_sample(sources: list[Source], spec: TokenizerSpec, path: Path) -> int
     """Write the sample to a jsonl file (each trainer pass re-reads it); returns its size."""
     n = 0
     with open(path, "w", encoding="utf-8") as f:
-        for text in sample_documents(sources, spec.sample_docs, spec.seed):
+        for text in sample_documents(sources, spec.sample_docs, spec.seed, progress=True):
             f.write(json.dumps(text, ensure_ascii=False) + "\n")
             n += 1
     return n
@@ -164,7 +197,7 @@ def _trainer(spec: TokenizerSpec, seeded: list[str]) -> trainers.Trainer:
             min_frequency=2,
             special_tokens=specials,
             continuing_subword_prefix="##",
-            show_progress=False,
+            show_progress=sys.stderr.isatty(),
         )
     if spec.kind == "bpe":
         return trainers.BpeTrainer(
@@ -172,14 +205,14 @@ def _trainer(spec: TokenizerSpec, seeded: list[str]) -> trainers.Trainer:
             min_frequency=2,
             special_tokens=specials,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
+            show_progress=sys.stderr.isatty(),
         )
     return trainers.UnigramTrainer(
         vocab_size=spec.vocab_size,
         special_tokens=specials,
         unk_token="<unk>",
         max_piece_length=16,
-        show_progress=False,
+        show_progress=sys.stderr.isatty(),
     )
 
 
@@ -196,6 +229,17 @@ def _continuation_tokens(tok: Tokenizer, texts: Iterable[str]) -> list[str]:
         for word, _ in tok.pre_tokenizer.pre_tokenize_str(tok.normalizer.normalize_str(text)):
             chars.update(word[1:])
     return sorted("##" + c for c in chars)
+
+
+def _alphabet(tok: Tokenizer, texts: Iterable[str]) -> set[str]:
+    """The distinct characters of the pre-tokenized words (what a Unigram vocab must hold)."""
+    chars: set[str] = set()
+    for text in texts:
+        if tok.normalizer is not None:
+            text = tok.normalizer.normalize_str(text)
+        for word, _ in tok.pre_tokenizer.pre_tokenize_str(text):
+            chars.update(word)
+    return chars
 
 
 def _drop_added(tok: Tokenizer, contents: set[str]) -> Tokenizer:
@@ -265,20 +309,39 @@ def train_tokenizer(inputs: list[str], spec: TokenizerSpec, output: str | Path) 
     """Train on a seeded sample of ``inputs``; writes OUTPUT/tokenizer.json + meta; returns OUTPUT."""
     sources = resolve_inputs(list(inputs), text_field=spec.text_field)
     specials = SPECIALS[spec.kind][0]
+    stage = _Stages()
+    stage(f"sampling up to {spec.sample_docs:,} documents of {len(sources)} input(s)")
     with tempfile.TemporaryDirectory(prefix="plm-tokenizer-") as tmp:
         sample = Path(tmp) / "sample.jsonl"
-        if _write_sample(sources, spec, sample) == 0:
+        n_sample = _write_sample(sources, spec, sample)
+        if n_sample == 0:
             raise InputError(
                 f"inputs {list(inputs)} hold no usable document (all empty, too short or rejected)"
             )
+        stage(
+            f"training a {spec.kind} vocabulary of {spec.vocab_size:,} on {n_sample:,} "
+            f"documents{' (minutes on a big sample)' if spec.kind == 'unigram' else ''}"
+        )
         tok = _pipeline(spec)
         seeded = []
         if spec.kind == "wordpiece":
             seeded = _continuation_tokens(tok, _read_sample(sample))
-        tok.train_from_iterator(_read_sample(sample), trainer=_trainer(spec, seeded))
+        try:
+            tok.train_from_iterator(_read_sample(sample), trainer=_trainer(spec, seeded))
+        except Exception as err:  # tokenizers raises a bare Exception
+            if "not large enough to contain all chars" not in str(err):
+                raise
+            need = len(_alphabet(tok, _read_sample(sample))) + len(specials)
+            raise InputError(
+                f"--vocab-size {spec.vocab_size} is too small for a {spec.kind} tokenizer of "
+                f"these inputs: every one of the sample's {need - len(specials)} distinct "
+                f"characters must be a piece, plus {len(specials)} special tokens; pass "
+                f"--vocab-size {need} or more"
+            ) from None
         if seeded:
             tok = _drop_added(tok, set(seeded))
         if spec.kind == "unigram":
+            stage("rescoring the unigram pieces on the sample (deterministic scores)")
             tok = _rescore_unigram(tok, specials, _read_sample(sample))
     json_bytes = tok.to_str(pretty=True).encode("utf-8")
     meta = _meta(tok, spec, json_bytes)

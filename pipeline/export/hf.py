@@ -27,6 +27,7 @@ from torch import Tensor
 from pipeline.export.hf_albert import albert_to_hf_state, hf_albert_model
 from pipeline.export.hf_common import (
     ACTIVATIONS,
+    ExportError,
     decoder_config_fields,
     decoder_layer_state,
     embeddings_state,
@@ -171,19 +172,27 @@ def max_input_tokens(arch: str, cfg: Any) -> int:
 def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
     """Write OUT/config.json, OUT/model.safetensors and the tokenizer files (atomically)."""
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
-    config = read_bundle_config(bundle_dir)
+    try:
+        config = read_bundle_config(bundle_dir)
+    except (OSError, ValueError) as err:
+        raise ExportError(f"{err} (a bundle is a folder like RUN_DIR/bundles/final)") from None
     arch = config["arch"]
     if arch not in _ADAPTERS:
-        raise ValueError(
-            f"no transformers export for arch {arch!r}; exportable: {', '.join(sorted(_ADAPTERS))}"
+        raise ExportError(
+            f"{bundle_dir}: no transformers export for arch {arch!r} (the bundle is its "
+            f"interface: pipeline.models.bundle.load_bundle); exportable: "
+            f"{', '.join(sorted(_ADAPTERS))}"
         )
     to_state, make_model = _ADAPTERS[arch]
     cfg = ARCHITECTURES[arch][0].model_validate(config["model"])
     roles = config["vocab"].get("roles", {})
 
     state = load_file(str(bundle_dir / WEIGHTS_FILE))
-    hf_state = to_state(state, cfg)
-    model = make_model(cfg, roles)
+    try:
+        hf_state = to_state(state, cfg)
+        model = make_model(cfg, roles)
+    except ExportError as err:
+        raise ExportError(f"{bundle_dir} ({arch}): {err}") from None
     result = model.load_state_dict(hf_state, strict=False)
     # Only the tied output weights may be absent from our state (they alias the embeddings).
     untied = [k for k in result.missing_keys if not _is_tied_output(k)]

@@ -12,7 +12,12 @@ from typing import Any
 
 from torch import Tensor
 
-from pipeline.export.hf_common import embeddings_state, encoder_config_fields, split_qkv
+from pipeline.export.hf_common import (
+    ExportError,
+    embeddings_state,
+    encoder_config_fields,
+    split_qkv,
+)
 
 
 def _groups(cfg: Any) -> int:
@@ -20,7 +25,7 @@ def _groups(cfg: Any) -> int:
         return 1
     if cfg.share == "none":
         return cfg.num_layers
-    raise ValueError(
+    raise ExportError(
         f"model.share={cfg.share!r}: transformers' ALBERT shares whole layers only; "
         "models with share 'all' or 'none' can be exported"
     )

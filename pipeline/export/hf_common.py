@@ -11,6 +11,11 @@ from torch import Tensor
 ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
+class ExportError(ValueError):
+    """A bundle that the transformers class cannot represent exactly (or no bundle at all);
+    the message names the model key and why. ``plm export`` prints it as one line, exit 2."""
+
+
 def encoder_config_fields(cfg: Any, roles: dict[str, int]) -> dict[str, Any]:
     """The keyword arguments BertConfig, RobertaConfig, ElectraConfig, ErnieConfig and
     AlbertConfig all take, from our TransformerConfig."""

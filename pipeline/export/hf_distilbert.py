@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import Tensor
 
-from pipeline.export.hf_common import ACTIVATIONS
+from pipeline.export.hf_common import ACTIVATIONS, ExportError
 
 
 def distilbert_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
@@ -51,7 +51,7 @@ def hf_distilbert_model(cfg: Any, roles: dict[str, int]):
     import transformers
 
     if cfg.layer_norm_eps != 1e-12:
-        raise ValueError(
+        raise ExportError(
             f"model.layer_norm_eps is {cfg.layer_norm_eps}; transformers' DistilBERT fixes it "
             "at 1e-12, so this bundle cannot be exported exactly"
         )

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import Tensor
 
-from pipeline.export.hf_common import decoder_config_fields, decoder_layer_state
+from pipeline.export.hf_common import ExportError, decoder_config_fields, decoder_layer_state
 
 
 def gpt_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
@@ -31,12 +31,12 @@ def hf_gpt_model(cfg: Any, roles: dict[str, int]):
     import transformers
 
     if cfg.intermediate_size != 4 * cfg.hidden_size:
-        raise ValueError(
+        raise ExportError(
             f"model.intermediate_size={cfg.intermediate_size}: transformers' OpenAI GPT fixes "
             f"it at 4 * hidden_size = {4 * cfg.hidden_size}; this bundle cannot be exported"
         )
     if cfg.activation != "gelu_tanh":
-        raise ValueError(
+        raise ExportError(
             f"model.activation={cfg.activation!r}: transformers' OpenAI GPT 'gelu' is the tanh "
             "approximation (gelu_tanh); this bundle cannot be exported"
         )

@@ -12,7 +12,12 @@ from typing import Any
 
 from torch import Tensor
 
-from pipeline.export.hf_common import embeddings_state, encoder_config_fields, encoder_layer_state
+from pipeline.export.hf_common import (
+    ExportError,
+    embeddings_state,
+    encoder_config_fields,
+    encoder_layer_state,
+)
 
 
 def roberta_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
@@ -35,7 +40,7 @@ def hf_roberta_model(cfg: Any, roles: dict[str, int]):
     import transformers
 
     if cfg.activation != "gelu":
-        raise ValueError(
+        raise ExportError(
             f"model.activation={cfg.activation!r}: transformers' RoBERTa LM head always uses "
             "exact GELU, so only activation 'gelu' exports faithfully"
         )

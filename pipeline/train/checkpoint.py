@@ -192,9 +192,17 @@ class CheckpointManager:
                 load_lr_scheduler_states=True,
             )  # fmt: skip
         except (AssertionError, OSError, RuntimeError, KeyError, ValueError) as err:
+            if "size mismatch" in str(err):
+                first = next(x.strip() for x in str(err).splitlines() if "size mismatch" in x)
+                raise CheckpointError(
+                    f"checkpoint {self.root / tag} holds tensors of other shapes than this "
+                    f"model ({first}): the model config or the data's tokenizer changed since "
+                    "it was written; resume with the same model and data, or pass a new "
+                    "train.out_dir to start a new run"
+                ) from None
             raise CheckpointError(
                 f"DeepSpeed could not load checkpoint {self.root / ds_tag}: "
-                f"{type(err).__name__} {err}"
+                f"{type(err).__name__} {' '.join(str(err).split())[:600]}"
             ) from err
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load checkpoint {self.root / ds_tag}")

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import REPO_ROOT, ConfigError, ExperimentConfig
+from pipeline.config import ConfigError, ExperimentConfig, config_file
 
 # Keys the experiment config owns. A base JSON may leave them out or set them to "auto";
 # a concrete value that disagrees with the experiment config is an error, not a silent pick.
@@ -40,13 +40,48 @@ EXPLICIT_DEFAULTS = {
 }
 
 
+# Every top-level key DeepSpeed 0.19 reads (its config parser, plus the sections other
+# modules read: activation checkpointing, AIO, autotuning, the flops profiler). A key
+# outside it would be ignored without a word (`zero_optimisation` trains at ZeRO 0), so it
+# is refused. tests/unit/test_train_engine.py checks the list against the parser.
+DEEPSPEED_KEYS = frozenset(
+    """activation_checkpointing aio amp autotuning bf16 bfloat16 checkpoint comet
+    comms_logger communication_data_type compile compression_training csv_monitor
+    curriculum_learning data_efficiency data_types dataloader_drop_last datastates_ckpt
+    disable_allgather disable_python_gc dump_state eigenvalue elasticity expert_parallel
+    flops_profiler fp16 gradient_accumulation_steps gradient_allreduce_op gradient_clipping
+    gradient_predivide_factor graph_harvesting hybrid_engine log_level
+    managed_gradient_accumulation memory_breakdown nebula optimizer pipeline
+    prescale_gradients progressive_layer_drop quantize_training scheduler
+    seq_parallel_communication_data_type sparse_attention sparse_gradients steps_per_print
+    tensor_parallel tensorboard timers torch_autocast train_batch_size
+    train_micro_batch_size_per_gpu use_data_before_expert_parallelism vocabulary_size
+    wall_clock_breakdown wandb weight_quantization zero_allow_untested_optimizer
+    zero_force_ds_cpu_optimizer zero_optimization""".split()
+)
+
+
+def check_top_level_keys(base: dict[str, Any], source: str) -> None:
+    """A top-level key DeepSpeed does not know: ConfigError naming it (and the nearest
+    known one). Keys starting with "_" are comments."""
+    import difflib
+
+    for key in base:
+        if key.startswith("_") or key in DEEPSPEED_KEYS:
+            continue
+        near = difflib.get_close_matches(key, sorted(DEEPSPEED_KEYS), n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        raise ConfigError(
+            f"{source}: unknown top-level key '{key}', which DeepSpeed would silently ignore; "
+            f"{hint}fix its spelling or remove it (keys starting with _ are comments)"
+        )
+
+
 def load_base_config(spec: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
     """The experiment's ``deepspeed:`` entry: a JSON path (relative to cwd or repo) or a mapping."""
     if isinstance(spec, dict):
         return copy.deepcopy(spec), "deepspeed (inline)"
-    path = Path(spec)
-    if not path.is_file() and not path.is_absolute() and (REPO_ROOT / path).is_file():
-        path = REPO_ROOT / path
+    path = config_file(spec)
     if not path.is_file():
         raise ConfigError(f"key 'deepspeed': file {spec} does not exist (see configs/deepspeed/)")
     try:
@@ -70,6 +105,7 @@ def offloads_optimizer(ds: dict[str, Any]) -> bool:
 def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
     """The full DeepSpeed config for ``world_size`` data-parallel ranks."""
     base, source = load_base_config(cfg.deepspeed)
+    check_top_level_keys(base, source)
     t = cfg.train
     wanted: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": t.micro_batch_size,

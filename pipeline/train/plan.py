@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pipeline.config import ConfigError, ExperimentConfig
+from pipeline.data.shards import DataDir
 from pipeline.train import engine as ds_engine
 
 GiB = 1024**3
@@ -74,6 +76,85 @@ def activation_bytes(cfg: ExperimentConfig, model_cfg) -> float:
     return per_layer * layers
 
 
+# Architectures without a table of absolute positions: data.seq_len is not bounded by
+# model.max_positions (Transformer-XL: relative positions; ELMo, word2vec: none).
+NO_POSITION_TABLE = ("transformer-xl", "elmo", "word2vec")
+
+
+def check_positions(cfg: ExperimentConfig, model_cfg) -> None:
+    """data.seq_len must fit the model's position table (RoBERTa's starts after its
+    padding id): a ConfigError now instead of a ValueError in the first forward pass."""
+    limit = getattr(model_cfg, "max_positions", None)
+    if limit is None or cfg.model.arch in NO_POSITION_TABLE:
+        return
+    offset = model_cfg.pad_token_id + 1 if cfg.model.arch == "roberta" else 0
+    need = cfg.data.seq_len + offset
+    if need > limit:
+        why = f" (positions start at model.pad_token_id + 1 = {offset})" if offset else ""
+        raise ConfigError(
+            f"data.seq_len={cfg.data.seq_len} needs {need} positions but model.max_positions is "
+            f"{limit}{why} (preset {cfg.model.preset}): pass data.seq_len={limit - offset} or "
+            f"less, or model.max_positions={need} (a bigger table, trained from scratch)"
+        )
+
+
+def check_resumable(cfg: ExperimentConfig, ckpt) -> None:
+    """What resuming from train.out_dir's latest checkpoint refuses whatever the number of
+    ranks; nothing when there is no checkpoint or train.resume is never."""
+    if cfg.train.resume != "auto":
+        return
+    tag = ckpt.latest()
+    if tag is not None:
+        check_checkpoint(cfg, ckpt, tag, ckpt.meta(tag))
+
+
+def check_checkpoint(cfg: ExperimentConfig, ckpt, tag: str, meta: dict[str, Any]) -> None:
+    """What no conversion can bridge, refused before anything is built (and by
+    ``--dry-run``): a checkpoint of another tokenizer (its embeddings have another shape
+    or meaning) or of another ZeRO stage. ConfigError naming the checkpoint and the
+    override that resumes it."""
+    where = ckpt.root / tag
+    fresh = "or pass a new train.out_dir to start a new run"
+    saved_tok = meta.get("tokenizer_fingerprint")
+    from pipeline.data.mixture import open_sources
+
+    tok = open_sources(cfg.data)[0].path.manifest.get("tokenizer", {})  # shared by all
+    if saved_tok and tok.get("fingerprint") and saved_tok != tok["fingerprint"]:
+        raise ConfigError(
+            f"train.resume=auto: checkpoint {where} was trained on data of another "
+            f"tokenizer (vocab {meta.get('vocab_size', '?')}, sha256 {saved_tok[:12]}) than "
+            f"the data's {cfg.data.path or [s.path for s in cfg.data.sources or []]} (vocab {tok.get('vocab_size', '?')}, sha256 "
+            f"{tok['fingerprint'][:12]}): point data.path at data prepared with the "
+            f"checkpoint's tokenizer, {fresh}"
+        )
+    saved_stage = meta.get("zero_stage")
+    stage = ds_engine.zero_stage(ds_engine.load_base_config(cfg.deepspeed)[0])
+    if saved_stage is not None and int(saved_stage) != stage:
+        raise ConfigError(
+            f"train.resume=auto: checkpoint {where} was written under ZeRO-{saved_stage} "
+            f"and this run's deepspeed config is ZeRO-{stage}; a checkpoint resumes under "
+            f"its own stage (on any number of ranks): pass "
+            f"deepspeed=configs/deepspeed/zero{saved_stage}.json, {fresh}"
+        )
+
+
+def check_objective(cfg: ExperimentConfig, objective, model, data: DataDir, meta: dict) -> None:
+    """The checks the real run makes when the objective meets the model and the data:
+    padding id (RoBERTa's positions), the architecture the objective trains, and a
+    distillation teacher (loaded on the CPU: same tokenizer as the data)."""
+    import warnings
+
+    with warnings.catch_warnings():  # a teacher's weights copied into a meta-device student
+        warnings.simplefilter("ignore", UserWarning)
+        objective.attach(model)
+    teacher = getattr(objective, "teacher_config", None)
+    if teacher:
+        from pipeline.objectives.distill import check_same_tokenizer
+
+        where = f"({data.tokenizer_path.parent / 'tokenizer_meta.json'})"
+        check_same_tokenizer(teacher["vocab"], meta, where)
+
+
 def print_plan(cfg: ExperimentConfig) -> int:
     from pipeline.data.mixture import describe, open_sources, shares
     from pipeline.models.registry import build_model, resolve_model_config
@@ -91,14 +172,22 @@ def print_plan(cfg: ExperimentConfig) -> int:
             if not source.path.manifest["splits"].get(split, {}).get("shards"):
                 raise ConfigError(f"{key}: {source.path.root} has no {split} shards")
     model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
+    check_positions(cfg, model_cfg)
     with torch.device("meta"):  # counts parameters without allocating them
         model = build_model(cfg.model.arch, model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
     from pipeline.objectives import build_objective
 
-    objective = build_objective(cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len)
+    specials = {int(i) for i in meta.get("special_tokens", {}).values()}
+    objective = build_objective(
+        cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len, specials
+    )
+    check_objective(cfg, objective, model, data, meta)
     ds = ds_engine.build_ds_config(cfg, world)
+    from pipeline.train.checkpoint import CheckpointManager
+
+    check_resumable(cfg, CheckpointManager(cfg.train.out_dir, 1, 0, world))
     stage, offload = ds_engine.zero_stage(ds), ds_engine.offloads_optimizer(ds)
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum * world

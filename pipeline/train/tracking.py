@@ -65,6 +65,7 @@ class Tracker:
         self.enabled = enabled  # rank 0
         self.mlflow_ok = False
         self.run_id: str | None = None
+        self.uri: str | None = None
         self.warnings: list[str] = []
         self._jsonl = self.run_dir / "metrics.jsonl"
 
@@ -95,7 +96,7 @@ class Tracker:
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
         import mlflow
 
-        uri = resolve_tracking_uri(tracking_uri)
+        uri = self.uri = resolve_tracking_uri(tracking_uri)
         id_file = self.run_dir / RUN_ID_FILE
         try:
             mlflow.set_tracking_uri(uri)
@@ -185,6 +186,21 @@ class Tracker:
         except Exception as err:
             self._fail(f"register_model {name}", err)
             return None
+
+    def terminate(self, status: str, tags: dict[str, str]) -> None:
+        """End the run from another thread (the fluent API's active run is the main
+        thread's): tags, then the status, through a client of the run's tracking URI."""
+        if not (self.enabled and self.mlflow_ok and self.run_id):
+            return
+        from mlflow import MlflowClient
+
+        try:
+            client = MlflowClient(self.uri)
+            for k, v in tags.items():
+                client.set_tag(self.run_id, k, str(v)[:4000])
+            client.set_terminated(self.run_id, status)
+        except Exception as err:
+            self._fail("set_terminated", err)
 
     def end(self, status: str = "FINISHED") -> None:
         if self.enabled and self.mlflow_ok:

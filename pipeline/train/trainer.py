@@ -12,6 +12,7 @@ import math
 import os
 import random
 import shutil
+import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,9 @@ from pipeline.data.shards import DataDir
 from pipeline.train import engine as ds_engine
 from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
+from pipeline.train.plan import check_checkpoint, check_positions
 from pipeline.train.schedule import scheduler_factory
+from pipeline.train.stop import GracefulStop, TrainingStopped
 from pipeline.train.tracking import Tracker, code_version
 
 
@@ -98,6 +101,7 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
     data = sources[0].path  # the tokenizer's (shared) and, for word2vec, the counts' source
     meta = tokenizer_meta(data)
     model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
+    check_positions(cfg, model_cfg)
     seed_everything(cfg.train.seed)  # same initial weights on every rank
     model = build_model(cfg.model.arch, model_cfg)
     model.set_activation_checkpointing(cfg.train.activation_checkpointing)
@@ -297,6 +301,8 @@ class Trainer:
         self.skipped = 0
         self.n_checkpoints = 0
         self.resumed_from: str | None = None
+        self.stopper = GracefulStop(cfg.train.stop_grace_s, self._killed_by_timer)
+        self.stop_agreed = False  # every rank saw a stop signal's flag in the same all-reduce
 
     # --- setup ---------------------------------------------------------------------------
     def plan_elastic_resume(self, cfg: ExperimentConfig) -> tuple[ExperimentConfig, dict | None]:
@@ -311,6 +317,7 @@ class Trainer:
         if tag is None:
             return cfg, None
         meta = self.ckpt.meta(tag)
+        check_checkpoint(cfg, self.ckpt, tag, meta)
         saved_world = int(meta["world_size"])
         if saved_world == self.world:
             return cfg, None
@@ -448,19 +455,23 @@ class Trainer:
             outputs = self.forward(batch, train=True)
             loss, metrics = self.objective.loss(outputs, batch)
             names = sorted(metrics)
-            local = [float(not torch.isfinite(loss)), _n_tokens(batch), len(batch["input_ids"])]
+            # A stop signal rides on the all-reduce every micro-batch makes anyway: every
+            # rank learns of a signal any rank got, at the same micro-batch.
+            local = [float(self.stopper.requested), float(not torch.isfinite(loss))]
+            local += [_n_tokens(batch), len(batch["input_ids"])]
             local += [float(loss.detach())] + [float(metrics[k].detach()) for k in names]
             local += _tokens_by_source(batch, len(self.sources))
             red = _all_reduce_sum(local, self.dev)  # every rank agrees on skipping
-            if red[0] > 0:
+            self.stop_agreed = self.stop_agreed or red[0] > 0
+            if red[1] > 0:
                 bad = True
                 continue
-            tokens += int(red[1])
-            samples += int(red[2])
+            tokens += int(red[2])
+            samples += int(red[3])
             by_source = red[len(red) - len(self.sources) :]
             for k, v in enumerate(by_source):
                 sums[f"_tokens/{k}"] = sums.get(f"_tokens/{k}", 0.0) + v
-            for k, v in zip(["loss", *names], red[3 : 4 + len(names)], strict=True):
+            for k, v in zip(["loss", *names], red[4 : 5 + len(names)], strict=True):
                 sums[k] = sums.get(k, 0.0) + v / self.world / ga
             self.engine.set_gradient_accumulation_boundary(micro == ga - 1)
             self.engine.backward(loss)
@@ -542,6 +553,8 @@ class Trainer:
             "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
             "global_batch": t.micro_batch_size * t.grad_accum * self.world,
             "zero_stage": ds_engine.zero_stage(self.ds_config),
+            "tokenizer_fingerprint": self.data.manifest.get("tokenizer", {}).get("fingerprint"),
+            "vocab_size": self.meta["vocab_size"],
         }  # fmt: skip
         tag = self.ckpt.save(
             self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config,
@@ -578,6 +591,7 @@ class Trainer:
         """Train to train.max_steps; ``stop_after``: checkpoint and return at that step
         instead (an interruption on purpose, used to test resuming)."""
         cfg, t = self.cfg, self.cfg.train
+        self.stopper.install()  # before the loader forks its workers: they inherit it
         self.resume_if_asked()
         self.start_tracking()
         peak = device_peak_flops(t.precision)
@@ -603,6 +617,10 @@ class Trainer:
             while self.step < t.max_steps:
                 if stop_after is not None and self.step >= stop_after:
                     break
+                if self.stop_agreed:  # a step boundary after SIGTERM / SIGINT
+                    if window:
+                        self._log_window(window, time.perf_counter() - t0, peak)
+                    self.stop_on_signal()
                 out = self.train_step(it)
                 self.step += 1
                 if out is None:
@@ -675,15 +693,38 @@ class Trainer:
             reason = "diverged" if isinstance(err, TrainingDiverged) else type(err).__name__
             if isinstance(err, KeyboardInterrupt):
                 status, reason = "KILLED", "interrupted"
+            if isinstance(err, TrainingStopped):
+                status, reason = "KILLED", signal.Signals(err.signum).name
             self.tracker.set_tags(
                 {"failure_reason": reason, "failure_step": self.step,
                  "failure_message": f"{type(err).__name__}: {err}"}
             )  # fmt: skip
             raise
         finally:
+            self.stopper.restore()
             self.tracker.end(status)
             self.stream.close()
         return self._result(first_loss, losses, bundle_dir, version)
+
+    def stop_on_signal(self) -> None:
+        """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""
+        tag = self.ckpt.latest()
+        if tag != tag_for(self.step):
+            tag = self.save()
+        name = signal.Signals(self.stopper.signum or signal.SIGTERM).name
+        where = self.ckpt.root / tag if tag else "none yet"
+        raise TrainingStopped(
+            self.stopper.signum or signal.SIGTERM,
+            f"stopped by {name} at step {self.step} of {self.cfg.train.max_steps}; checkpoint "
+            f"{where}; the same command resumes from it",
+        )
+
+    def _killed_by_timer(self, signum: int) -> None:
+        """The grace time ran out (a timer thread): the MLflow run ends KILLED anyway."""
+        self.tracker.terminate(
+            "KILLED", {"failure_reason": signal.Signals(signum).name,
+                       "failure_message": "no step boundary within train.stop_grace_s"}
+        )  # fmt: skip
 
     def _result(self, first_loss, losses, bundle_dir, version) -> RunResult:
         final_loss = losses[max(losses)] if losses else None

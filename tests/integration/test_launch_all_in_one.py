@@ -35,6 +35,28 @@ def mlflow_get(base: str, endpoint: str, **params: str) -> dict:
     return get_json(f"{base}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}")
 
 
+LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
+
+
+def listening(pids: set[int]) -> set[tuple[str, int, int]]:
+    """(address, port, pid) of every listening TCP socket of ``pids``."""
+    import psutil
+
+    return {(c.laddr.ip, c.laddr.port, c.pid) for c in psutil.net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.pid in pids}  # fmt: skip
+
+
+def our_processes(proc: subprocess.Popen, work: Path, result: dict) -> set[int]:
+    """The all-in-one, its children (MLflow server, launchers) and the Ray head's
+    processes, the Ray client server included (daemons: found by their command lines)."""
+    import psutil
+
+    pids = {proc.pid} | {c.pid for c in psutil.Process(proc.pid).children(recursive=True)}
+    pids |= set(aio.processes_with(result["ray_temp_dir"]))
+    pids |= set(aio.processes_with(f"--address=127.0.0.1:{result['ray_gcs_port']} "))
+    return pids | set(aio.processes_with(str(work)))
+
+
 def test_all_in_one_data_training_tracking(tmp_path):
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(synthetic_corpus(), encoding="utf-8")
@@ -85,6 +107,14 @@ def test_all_in_one_data_training_tracking(tmp_path):
         assert ours == {"tokenizer": "SUCCEEDED", "prepare": "SUCCEEDED"}, jobs
         entrypoints = " | ".join(j["entrypoint"] for j in jobs)
         assert "plm data tokenizer" in entrypoints and "plm data prepare" in entrypoints
+
+        # Everything it started listens on loopback only (GCS, raylet, agents, metrics,
+        # the Ray client server, the dashboard, MLflow).
+        pids = our_processes(proc, work, result)
+        sockets = listening(pids)
+        assert len({pid for *_, pid in sockets}) >= 5, sockets  # the head's and MLflow's
+        assert {(ip, port) for ip, port, _ in sockets if ip not in LOOPBACK} == set()
+        assert aio.processes_with(f"--address=127.0.0.1:{result['ray_gcs_port']} ")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -94,6 +124,10 @@ def test_all_in_one_data_training_tracking(tmp_path):
     # our head left, the MLflow port closed.
     assert "[all-in-one] stopped\n" in out, out[-2000:]
     assert aio.processes_with(result["ray_temp_dir"]) == []
+    # ... the Ray client server too (its command line names the GCS, not the temp dir),
+    # and no socket of theirs still listens.
+    assert aio.processes_with(f"--address=127.0.0.1:{result['ray_gcs_port']} ") == []
+    assert listening(pids) == set()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{mlflow}/health", timeout=5)
     # No folder left in /dev/shm (MLflow's job runner makes one per server start, for its

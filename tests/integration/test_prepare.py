@@ -460,15 +460,30 @@ def test_an_unusable_output_uri_is_refused_before_ray(corpus, tokenizer_dir, mon
         run_prepare(config([corpus], tokenizer_dir, "nosuch://bucket/data"))
 
 
-def test_an_input_a_task_cannot_read_is_named_not_a_remote_traceback(
-    ray_local, tokenizer_dir, tmp_path
+def test_a_truncated_gzip_is_a_counted_reject_and_the_other_inputs_are_kept(
+    ray_local, tokenizer_dir, tmp_path, capsys
 ):
+    """A .jsonl.gz cut in the middle: its documents before the break are kept, the break
+    is one ``truncated`` reject naming the file (and a warning line), the other input is
+    read whole."""
     import gzip
 
-    good = gzip.compress(
-        ("\n".join(json.dumps({"text": paragraph(i)}) for i in range(50))).encode()
-    )
+    lines = [json.dumps({"text": paragraph(i)}) + "\n" for i in range(400)]
+    packed = gzip.compress("".join(lines).encode())
     bad = tmp_path / "cut.jsonl.gz"
-    bad.write_bytes(good[: len(good) // 2])  # truncated: the task's reader fails mid-file
-    with pytest.raises(InputError, match=r"cut.jsonl.gz: cannot read"):
-        run_prepare(config([bad], tokenizer_dir, tmp_path / "data"))
+    bad.write_bytes(packed[: len(packed) // 2])
+    other = tmp_path / "other.txt"
+    other.write_text("\n\n".join(paragraph(i) for i in range(1000, 1040)) + "\n")
+    data = DataDir(run_prepare(config([bad, other], tokenizer_dir, tmp_path / "data")))
+    m = data.manifest
+    assert m["rejected"] == {"truncated": 1}
+    [example] = m["reject_examples"]["truncated"]
+    assert example["source"] == str(bad) and "breaks off" in example["detail"]
+    read = {s["uri"].rsplit("/", 1)[1]: s for s in m["sources"]}
+    assert read["other.txt"]["n_docs_kept"] == 40
+    kept_cut = read["cut.jsonl.gz"]["n_docs_kept"]
+    assert 100 < kept_cut < 400 and read["cut.jsonl.gz"]["n_docs_read"] == kept_cut + 1
+    kept = set(numbers(data, "train") + numbers(data, "valid"))
+    assert kept == set(range(kept_cut)) | set(range(1000, 1040))  # the first ones, uncut
+    err = capsys.readouterr().err
+    assert "warning: 1 compressed input(s) break off" in err and "cut.jsonl.gz" in err

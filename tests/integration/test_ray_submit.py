@@ -34,6 +34,7 @@ def head():
         **os.environ,
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token),
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # one machine: loopback addresses only
     }
     env.pop("RAY_ADDRESS", None)
     cmd = [
@@ -51,9 +52,10 @@ def head():
     except subprocess.CalledProcessError as err:
         pytest.fail(f"ray start failed:\n{err.stdout}\n{err.stderr}")
     finally:
-        killed = aio.stop_ray_head(temp_dir)
+        client_server = f"--address=127.0.0.1:{gcs} "  # its command line lacks temp_dir
+        killed = aio.stop_ray_head(temp_dir, client_server)
         assert not killed, f"these Ray processes needed SIGKILL: {killed}"
-        assert not aio.processes_with(temp_dir)
+        assert not aio.processes_with(temp_dir) and not aio.processes_with(client_server)
 
 
 def submit(args: list[str], env_extra: dict[str, str]) -> subprocess.CompletedProcess:

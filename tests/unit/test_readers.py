@@ -187,12 +187,38 @@ def test_missing_path_fails_before_anything_starts(tmp_path):
         resolve_inputs(["builtin:nope"])
 
 
-def test_truncated_gzip_names_the_file(tmp_path):
-    path = tmp_path / "t.jsonl.gz"
-    path.write_bytes(gzip.compress(b'{"text": "x"}\n' * 1000)[:-20])
-    [source] = resolve_inputs([str(path)])
-    with pytest.raises(InputError, match="t.jsonl.gz"):
-        list(iter_raw_documents(source))
+@pytest.mark.parametrize("name", ["t.jsonl.gz", "t.jsonl.zst", "t.txt.gz", "t.txt.zst"])
+def test_a_truncated_compressed_file_keeps_the_documents_before_the_break(tmp_path, name):
+    """The complete documents before the break are read, the cut one and the rest become
+    one ``truncated`` reject naming the file; nothing is raised."""
+    docs = [f"Document number {i} of the file, long enough to count." for i in range(2000)]
+    if ".jsonl" in name:
+        data = "".join(json.dumps({"text": d}) + "\n" for d in docs).encode()
+    else:
+        data = "\n\n".join(docs).encode() + b"\n"
+    packed = gzip.compress(data) if name.endswith(".gz") else zstd_frames(data)
+    path = tmp_path / name
+    path.write_bytes(packed[: len(packed) * 2 // 3])
+    read = read_all([path])
+    good, bad = read[:-1], read[-1]
+    assert bad.reject == "truncated" and bad.text is None and bad.source == str(path)
+    assert "breaks off" in bad.detail
+    assert all(d.reject is None for d in good)
+    assert [d.text for d in good] == docs[: len(good)]  # the documents before, uncut
+    assert len(docs) // 3 < len(good) < len(docs)
+    assert bad.ordinal == len(good)
+
+
+def zstd_frames(data: bytes) -> bytes:
+    """zstd in frames of 8 KB, as streaming writers produce (a cut inside the last one)."""
+    c = zstandard.ZstdCompressor()
+    return b"".join(c.compress(data[i : i + 8192]) for i in range(0, len(data), 8192))
+
+
+def test_an_intact_compressed_file_has_no_truncated_reject(tmp_path):
+    path = tmp_path / "ok.jsonl.gz"
+    write_jsonl(path, DOCS)
+    assert [d.reject for d in read_all([path])] == [None, None, None]
 
 
 @pytest.mark.parametrize("name", ["big.txt", "big.jsonl"])

@@ -85,3 +85,42 @@ def test_precision_the_accelerator_lacks_is_a_config_error():
     ds = build_ds_config(cfg_with(train={"precision": "fp16"}), 1)
     with pytest.raises(ConfigError, match=r"train.precision=fp16: .* does not support fp16"):
         initialize(torch.nn.Linear(2, 2), ds, None)
+
+
+def test_an_unknown_top_level_deepspeed_key_is_refused_with_the_nearest(tmp_path):
+    """`zero_optimisation` would be ignored by DeepSpeed (a run at ZeRO 0): refused."""
+    bad = tmp_path / "ds.json"
+    bad.write_text(json.dumps({"_comment": "fine", "zero_optimisation": {"stage": 2}}))
+    with pytest.raises(ConfigError, match=r"unknown top-level key 'zero_optimisation'.*"
+                       r"did you mean 'zero_optimization'"):  # fmt: skip
+        build_ds_config(cfg_with(deepspeed=str(bad)), 1)
+    inline = {"zero_optimization": {"stage": 1}, "flops_profiler": {"enabled": False}}
+    assert build_ds_config(cfg_with(deepspeed=inline), 1)["zero_optimization"]["stage"] == 1
+
+
+def test_known_keys_cover_every_key_deepspeeds_parser_reads():
+    """Parse our full config with DeepSpeed's own DeepSpeedConfig through a dict that
+    records each key asked for: none of them may be one we would refuse."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from pipeline.train.engine import DEEPSPEED_KEYS
+
+    asked: set[str] = set()
+
+    class Recording(dict):
+        def get(self, key, *default):
+            asked.add(key)
+            return super().get(key, *default)
+
+        def __getitem__(self, key):
+            asked.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            asked.add(key)
+            return super().__contains__(key)
+
+    ds = build_ds_config(cfg_with(deepspeed="configs/deepspeed/zero2.json"), 1)
+    DeepSpeedConfig(Recording(ds))
+    assert len(asked) > 40
+    assert asked <= DEEPSPEED_KEYS, sorted(asked - DEEPSPEED_KEYS)

@@ -6,6 +6,7 @@ import torch
 from pipeline.config import validate_dict
 from pipeline.train import engine as ds_engine
 from pipeline.train.schedule import scheduler_factory
+from pipeline.train.stop import GracefulStop
 from pipeline.train.trainer import Trainer, forward_keys
 
 pytestmark = pytest.mark.slow
@@ -53,6 +54,7 @@ def make_trainer(grad_accum: int, stage: int = 2):
     trainer = Trainer.__new__(Trainer)  # only what train_step needs, no data dir
     trainer.cfg, trainer.dev, trainer.world, trainer.rank = cfg, torch.device("cpu"), 1, 0
     trainer.step = 0
+    trainer.stopper, trainer.stop_agreed = GracefulStop(10.0), False  # no signal
     trainer.objective = PoisonableObjective()
     model = TinyLM()
     trainer.input_keys, trainer.uses_memory = forward_keys(model), False
