@@ -266,7 +266,9 @@ class Trainer:
                 self.ds_config.pop("checkpoint")
         self.stream = self.make_stream("train", cfg.data.workers)
         self.valid_stream = None
-        self.tracker = Tracker(self.run_dir, enabled=self.rank == 0)
+        self.tracker = Tracker(
+            self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s
+        )
         self.step = 0
         self.tokens_seen = 0
         self.skipped = 0
@@ -612,6 +614,7 @@ class Trainer:
                 self.tracker.log_metrics(final_eval, self.step)
             bundle_dir = self.bundle("final")
             if self.rank == 0:
+                self.tracker.await_server()  # after an outage: the model is logged if it can
                 self.tracker.log_artifacts(bundle_dir, "model")
                 if cfg.mlflow.register_model:
                     version = self.tracker.register(
