@@ -261,9 +261,16 @@ class Tracker:
                 self._fail("set_tags", err)
 
     def register(
-        self, artifact_path: str, name: str, alias: str, tags: dict[str, str]
+        self,
+        artifact_path: str,
+        name: str,
+        alias: str,
+        tags: dict[str, str],
+        bundle_dir: Path | None = None,
     ) -> str | None:
-        """Register runs:/RUN/artifact_path as a new version of ``name``; set alias and tags."""
+        """A new version of ``name`` with ``alias`` and ``tags``: the bundle as an MLflow
+        model when ``bundle_dir`` is given (pipeline.models.pyfunc), else (or if MLflow
+        refuses that) runs:/RUN/artifact_path, the plain bundle folder."""
         if not (self.enabled and self.mlflow_ok):
             return None
         import mlflow
@@ -277,15 +284,41 @@ class Tracker:
             except MlflowException as err:
                 if err.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-            # A plain artifact folder (our bundle), not an MLflow "logged model": register
-            # it by its artifact URI so the version points at exactly those files.
-            source = mlflow.get_artifact_uri(artifact_path)
-            mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags)
+            mv = None
+            if bundle_dir is not None:  # an MLflow model (LoggedModel, pyfunc flavour)
+                mv = self._register_logged_model(bundle_dir, name, tags)
+            if mv is None:
+                # The plain artifact folder (our bundle): registered by its artifact URI so
+                # the version points at exactly those files.
+                source = mlflow.get_artifact_uri(artifact_path)
+                mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags)
             client.set_registered_model_alias(name, alias, mv.version)
             print(f"registered model {name} version {mv.version} alias @{alias}", flush=True)
             return str(mv.version)
         except Exception as err:
             self._fail(f"register_model {name}", err)
+            return None
+
+    def _register_logged_model(self, bundle_dir: Path, name: str, tags: dict[str, str]):
+        """Log the bundle as a LoggedModel with a pyfunc flavour (the UI's "Logged models",
+        ``mlflow.pyfunc.load_model``) and register that; None (with a warning) if MLflow
+        refuses, so the plain artifact folder is registered instead."""
+        from mlflow import MlflowClient
+
+        from pipeline.models.pyfunc import log_bundle_model
+
+        try:
+            # Named after the registered model, not "model": MLflow 3 resolves runs:/RUN/NAME
+            # to a logged model of that name first, and runs:/RUN/model is the bundle folder.
+            info = log_bundle_model(bundle_dir, name)
+            return MlflowClient().create_model_version(
+                name, f"models:/{info.model_id}", run_id=self.run_id, tags=tags,
+                model_id=info.model_id,
+            )  # fmt: skip
+        except Exception as err:
+            msg = f"MLflow pyfunc model of {bundle_dir} not logged ({type(err).__name__}: {err})"
+            self.warnings.append(msg)
+            print(f"WARNING: {msg}; registering the bundle folder instead", flush=True)
             return None
 
     def terminate(self, status: str, tags: dict[str, str]) -> None:

@@ -627,6 +627,7 @@ class Trainer:
                             "tokens_seen": str(self.tokens_seen),
                             "data_fingerprint": data_fingerprint(self.data.manifest),
                         },
+                        bundle_dir=bundle_dir,
                     )
             status = "FINISHED"
         except BaseException as err:
