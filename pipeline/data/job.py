@@ -151,9 +151,7 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
         progress.close()
         for ref in pending:
             ray.cancel(ref, force=True)
-    cpu = sum(ray.get([refs[-1] for refs in key_refs])) + sum(
-        ray.get([c for _, c in reducers])
-    )
+    cpu = sum(ray.get([refs[-1] for refs in key_refs])) + sum(ray.get([c for _, c in reducers]))
     return {
         "results": results,
         "keys_and_dedup_cpu_seconds": cpu,

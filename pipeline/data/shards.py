@@ -625,9 +625,7 @@ class DataDir:
             self._maps.popitem(last=False)[1].close()
         return mm
 
-    def _block_bytes(
-        self, shard: str, b: int, start: int, size: int, check: bool = True
-    ) -> bytes:
+    def _block_bytes(self, shard: str, b: int, start: int, size: int, check: bool = True) -> bytes:
         """Bytes [start, start + size) of block b's sample, its crc32 checked once per
         process (``check=False``: not checked, for the stream's start-up table)."""
         row = self._indexes[shard][b]
@@ -677,9 +675,7 @@ class DataDir:
                 spans = spans.astype(np.int64)
             table = _BlockTable(
                 key=head.split(".", 1)[0],
-                doc_ends=np.concatenate([[0], array(row[DOCS_AT], n_docs, _U32)]).astype(
-                    np.int64
-                ),
+                doc_ends=np.concatenate([[0], array(row[DOCS_AT], n_docs, _U32)]).astype(np.int64),
                 sents=array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
                 words=np.unpackbits(
                     array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8),
@@ -779,5 +775,7 @@ class DataDir:
                     problems.append(f"{name}: {err}")
                     continue
                 if n != shard["n_docs"]:
-                    problems.append(f"{name}: {n} documents in the tar, manifest has {shard['n_docs']}")
+                    problems.append(
+                        f"{name}: {n} documents in the tar, manifest has {shard['n_docs']}"
+                    )
         return problems
