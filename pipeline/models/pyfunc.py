@@ -79,7 +79,11 @@ with warnings.catch_warnings(record=True):
             with torch.no_grad():
                 out = self.model(ids, **kwargs)
             if output == "logits":
-                key = "logits" if "logits" in out else next(k for k in out if k.endswith("logits"))
+                keys = [k for k in out if k.endswith("logits")]
+                if not keys:
+                    arch = self.config["arch"]
+                    raise ValueError(f"a {arch} bundle has no logits: use 'embeddings'")
+                key = "logits" if "logits" in keys else keys[0]
                 logits = out[key][..., : self.vocab_size].float().numpy()
                 return [logits[i, : len(row)] for i, row in enumerate(encoded)]
             hidden = out["hidden_states"].float()
