@@ -199,8 +199,9 @@ class MlflowServer:
         self.proc: subprocess.Popen | None = None
         self.url = ""
 
-    def start(self, timeout: float = 180.0) -> None:
-        (port,) = free_ports(1)
+    def start(self, timeout: float = 180.0, port: int | None = None) -> None:
+        """Start (``port``: again on that port, as a restarted server would be)."""
+        port = port or free_ports(1)[0]
         self.url = f"http://127.0.0.1:{port}"
         cmd = [
             "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",

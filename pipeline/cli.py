@@ -108,7 +108,7 @@ def _export(args: argparse.Namespace) -> int:
 
     try:
         out = export_to_hf(args.bundle, args.out)
-    except ExportError as err:  # names the bundle, the model key and why
+    except (ExportError, FileNotFoundError) as err:  # names the bundle (and key) and why
         print(f"plm: export: {err}", file=sys.stderr)
         return 2
     print(f"transformers folder written to {out}")

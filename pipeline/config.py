@@ -223,6 +223,11 @@ class MlflowSection(Strict):
     # `register` in YAML; renamed in Python because BaseModel has a `register` attribute.
     register_model: bool = Field(True, alias="register")
     alias: str = "current"
+    # A server that stops answering: asked again every retry_every_s, the metrics logged
+    # meanwhile sent from metrics.jsonl once it answers; a finished run waits up to
+    # final_wait_s for it, to end the run and log and register the model.
+    retry_every_s: float = Field(30.0, gt=0)
+    final_wait_s: float = Field(60.0, ge=0)
 
 
 class ExperimentConfig(Strict):

@@ -1,7 +1,8 @@
 """What `plm` prints: quiet by default, more with ``-v``.
 
 By default the libraries' chatter that looks like a failure but is none is kept out:
-MLflow's INFO lines (system metrics started/stopped, run links, registry notes), the
+MLflow's INFO lines (system metrics started/stopped, run links, registry notes) and its
+artifact download bars, the
 FutureWarnings DeepSpeed triggers in torch.distributed on every rank, and Ray's warning
 that a local cluster enabled token authentication (it stays on). ``-v`` shows them all
 again. The settings are
@@ -25,6 +26,7 @@ def configure(verbose: int) -> None:
         os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "INFO")
         return
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # per download
     # DeepSpeed 0.19 calls torch.distributed's deprecated all_gather_into_tensor /
     # reduce_scatter_tensor: one FutureWarning per rank and call site, nothing to act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")

@@ -173,9 +173,9 @@ def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
     """Write OUT/config.json, OUT/model.safetensors and the tokenizer files (atomically)."""
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
     try:
-        config = read_bundle_config(bundle_dir)
-    except (OSError, ValueError) as err:
-        raise ExportError(f"{err} (a bundle is a folder like RUN_DIR/bundles/final)") from None
+        config = read_bundle_config(bundle_dir)  # FileNotFoundError when it is no bundle
+    except ValueError as err:
+        raise ExportError(str(err)) from None
     arch = config["arch"]
     if arch not in _ADAPTERS:
         raise ExportError(

@@ -225,6 +225,10 @@ def fetch_bundle(
             f"cannot fetch {text!r} from MLflow at {uri} ({type(err).__name__}: "
             f"{str(err)[:300]}); check the name/alias or run id and the tracking URI"
         ) from None
+    if not (Path(local) / CONFIG_FILE).is_file():
+        from pipeline.models.pyfunc import bundle_in
+
+        local = bundle_in(Path(local)) or local  # an MLflow model: its artifact "bundle"
     if require is not None and not (Path(local) / require).is_file():
         raise BundleNotFound(f"{text!r} downloaded to {local}, which holds no model bundle")
     return Path(local)

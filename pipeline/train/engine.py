@@ -53,7 +53,7 @@ DEEPSPEED_KEYS = frozenset(
     gradient_predivide_factor graph_harvesting hybrid_engine log_level
     managed_gradient_accumulation memory_breakdown nebula optimizer pipeline
     prescale_gradients progressive_layer_drop quantize_training scheduler
-    seq_parallel_communication_data_type sparse_attention sparse_gradients steps_per_print
+    seq_parallel_communication_data_type sequence_parallel_size sparse_attention sparse_gradients steps_per_print
     tensor_parallel tensorboard timers torch_autocast train_batch_size
     train_micro_batch_size_per_gpu use_data_before_expert_parallelism vocabulary_size
     wall_clock_breakdown wandb weight_quantization zero_allow_untested_optimizer

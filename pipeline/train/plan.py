@@ -108,6 +108,13 @@ def check_resumable(cfg: ExperimentConfig, ckpt) -> None:
         check_checkpoint(cfg, ckpt, tag, ckpt.meta(tag))
 
 
+def where_data(cfg: ExperimentConfig) -> str:
+    """``data.path=DIR`` or the mixture's dirs, as a user would write them."""
+    if cfg.data.sources is None:
+        return f"data.path={cfg.data.path}"
+    return "data.sources " + ", ".join(s.path for s in cfg.data.sources)
+
+
 def check_checkpoint(cfg: ExperimentConfig, ckpt, tag: str, meta: dict[str, Any]) -> None:
     """What no conversion can bridge, refused before anything is built (and by
     ``--dry-run``): a checkpoint of another tokenizer (its embeddings have another shape
@@ -123,7 +130,7 @@ def check_checkpoint(cfg: ExperimentConfig, ckpt, tag: str, meta: dict[str, Any]
         raise ConfigError(
             f"train.resume=auto: checkpoint {where} was trained on data of another "
             f"tokenizer (vocab {meta.get('vocab_size', '?')}, sha256 {saved_tok[:12]}) than "
-            f"the data's {cfg.data.path or [s.path for s in cfg.data.sources or []]} (vocab {tok.get('vocab_size', '?')}, sha256 "
+            f"{where_data(cfg)} (vocab {tok.get('vocab_size', '?')}, sha256 "
             f"{tok['fingerprint'][:12]}): point data.path at data prepared with the "
             f"checkpoint's tokenizer, {fresh}"
         )

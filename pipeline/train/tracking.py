@@ -4,6 +4,13 @@ Rank 0 logs; other ranks hold a no-op tracker. Every metric is also appended to
 RUN_DIR/metrics.jsonl, so an unreachable server loses nothing: training warns once and
 goes on. The run id is kept in RUN_DIR/mlflow_run_id so a resumed job continues the same
 MLflow run (one curve).
+
+An outage is not the end of the run's tracking: every ``mlflow.retry_every_s`` the tracker
+asks the server again; once it answers, the metrics logged meanwhile are sent from
+metrics.jsonl (``log_batch``, with their steps and times) and logging goes on. At the end
+of a finished run it waits up to ``mlflow.final_wait_s`` for the server, so the run is
+ended and the model logged and registered. RUN_DIR/mlflow_synced counts the rows of
+metrics.jsonl that MLflow has, so a resumed job sends what an earlier one could not.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -18,6 +26,7 @@ from typing import Any
 from pipeline.config import REPO_ROOT
 
 RUN_ID_FILE = "mlflow_run_id"
+SYNCED_FILE = "mlflow_synced"  # rows of metrics.jsonl that MLflow holds
 
 
 def default_tracking_uri() -> str:
@@ -60,22 +69,102 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 class Tracker:
     """MLflow on rank 0, a jsonl file always; each MLflow call guarded."""
 
-    def __init__(self, run_dir: Path, enabled: bool):
+    def __init__(
+        self, run_dir: Path, enabled: bool, retry_every_s: float = 30.0, final_wait_s: float = 60.0
+    ):
         self.run_dir = Path(run_dir)
         self.enabled = enabled  # rank 0
         self.mlflow_ok = False
         self.run_id: str | None = None
         self.uri: str | None = None
         self.warnings: list[str] = []
+        self.retry_every_s = retry_every_s
+        self.final_wait_s = final_wait_s
+        self.backfilled = 0  # rows sent from metrics.jsonl after outages
         self._jsonl = self.run_dir / "metrics.jsonl"
+        self._rows = 0  # rows of metrics.jsonl
+        self._sent = 0  # of them, in MLflow
+        self._start_args: dict[str, Any] | None = None
+        self._next_try = 0.0
+        self._waited = False
 
     def _fail(self, what: str, err: BaseException) -> None:
-        msg = f"MLflow {what} failed ({type(err).__name__}: {str(err)[:300]}); training goes on, metrics stay in {self._jsonl}"
+        msg = (
+            f"MLflow {what} failed ({type(err).__name__}: {str(err)[:300]}); training goes on, "
+            f"metrics stay in {self._jsonl} and are sent when the server answers again "
+            f"(asked every {self.retry_every_s:g} s)"
+        )
         if self.mlflow_ok:
             warnings.warn(msg, stacklevel=3)
             print(f"WARNING: {msg}", flush=True)
         self.warnings.append(msg)
         self.mlflow_ok = False
+        self._next_try = time.monotonic() + self.retry_every_s
+        self._save_synced()
+
+    def _save_synced(self) -> None:
+        (self.run_dir / SYNCED_FILE).write_text(str(self._sent))
+
+    def reconnect(self, wait_s: float = 0.0) -> bool:
+        """True when MLflow takes calls (again). Asks the server at most every
+        retry_every_s (``wait_s``: keep asking that long); once it answers, starts the run
+        if it never started and sends the metrics.jsonl rows it lacks."""
+        if not self.enabled or self._start_args is None:
+            return False
+        deadline = time.monotonic() + wait_s
+        while not self.mlflow_ok:
+            now = time.monotonic()
+            if now >= self._next_try:  # time to ask again
+                self._next_try = now + self.retry_every_s
+                self._try_reconnect()
+            elif self._next_try <= deadline:  # waiting: sleep until the next question
+                time.sleep(self._next_try - now)
+            else:
+                break
+        return self.mlflow_ok
+
+    def _try_reconnect(self) -> None:
+        import mlflow
+        from mlflow import MlflowClient
+
+        try:
+            if self.run_id is None:  # the start itself failed: start now
+                self.start(**self._start_args)
+                if not self.mlflow_ok:
+                    return
+            else:
+                MlflowClient(self.uri).get_run(self.run_id)  # does it answer?
+                if mlflow.active_run() is None:
+                    mlflow.start_run(run_id=self.run_id, log_system_metrics=True)
+            n = self._backfill()
+            self.mlflow_ok = True
+            print(f"MLflow answers again at {self.uri}: sent {n} metric rows logged meanwhile",
+                  flush=True)  # fmt: skip
+        except Exception as err:
+            self.mlflow_ok = False
+            self.warnings.append(f"MLflow still unreachable ({type(err).__name__})")
+
+    def _backfill(self) -> int:
+        """Send the rows of metrics.jsonl after the first ``_sent``; returns how many."""
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric
+
+        lines = (
+            self._jsonl.read_text(encoding="utf-8").splitlines() if self._jsonl.is_file() else []
+        )
+        rows = [json.loads(x) for x in lines[self._sent :]]
+        metrics = []
+        for row in rows:
+            t = int(float(row.get("time", time.time())) * 1000)
+            metrics += [Metric(k, float(v), t, int(row["step"])) for k, v in row.items()
+                        if k not in ("step", "time") and isinstance(v, (int, float))]  # fmt: skip
+        client = MlflowClient(self.uri)
+        for i in range(0, len(metrics), 1000):  # the REST API's batch limit
+            client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+        self._sent = self._rows = len(lines)
+        self.backfilled += len(rows)
+        self._save_synced()
+        return len(rows)
 
     def start(
         self,
@@ -89,7 +178,13 @@ class Tracker:
     ) -> None:
         if not self.enabled:
             return
+        self._start_args = dict(tracking_uri=tracking_uri, experiment=experiment,
+                                run_name=run_name, params=params, tags=tags, resume=resume)  # fmt: skip
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self._jsonl.is_file() and not self._rows:  # a resumed job: what MLflow has
+            self._rows = len(self._jsonl.read_text(encoding="utf-8").splitlines())
+            synced = self.run_dir / SYNCED_FILE
+            self._sent = int(synced.read_text()) if synced.is_file() else self._rows
         # Short timeouts and few retries: an unreachable server must cost seconds, not minutes.
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
@@ -115,22 +210,28 @@ class Tracker:
                     mlflow.log_params(dict(items[i : i + 100]))
             mlflow.set_tags(tags)
             print(f"MLflow run {self.run_id} at {uri}", flush=True)
+            if self._sent < self._rows:  # an earlier job's outage: send what MLflow lacks
+                self._backfill()
         except Exception as err:  # network, server, store: never fatal
-            self.mlflow_ok = True  # so _fail warns
+            self.mlflow_ok = not self.warnings  # so _fail warns, once
             self._fail(f"start at {uri}", err)
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
         with open(self._jsonl, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
-        if self.mlflow_ok:
-            import mlflow
+            f.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")
+        self._rows += 1
+        if not self.mlflow_ok:
+            self.reconnect()  # sends this row too when the server answers again
+            return
+        import mlflow
 
-            try:
-                mlflow.log_metrics(metrics, step=step)
-            except Exception as err:
-                self._fail("log_metrics", err)
+        try:
+            mlflow.log_metrics(metrics, step=step)
+            self._sent = self._rows
+        except Exception as err:
+            self._fail("log_metrics", err)
 
     def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
         if self.enabled and self.mlflow_ok:
@@ -160,9 +261,16 @@ class Tracker:
                 self._fail("set_tags", err)
 
     def register(
-        self, artifact_path: str, name: str, alias: str, tags: dict[str, str]
+        self,
+        artifact_path: str,
+        name: str,
+        alias: str,
+        tags: dict[str, str],
+        bundle_dir: Path | None = None,
     ) -> str | None:
-        """Register runs:/RUN/artifact_path as a new version of ``name``; set alias and tags."""
+        """A new version of ``name`` with ``alias`` and ``tags``: the bundle as an MLflow
+        model when ``bundle_dir`` is given (pipeline.models.pyfunc), else (or if MLflow
+        refuses that) runs:/RUN/artifact_path, the plain bundle folder."""
         if not (self.enabled and self.mlflow_ok):
             return None
         import mlflow
@@ -176,15 +284,41 @@ class Tracker:
             except MlflowException as err:
                 if err.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-            # A plain artifact folder (our bundle), not an MLflow "logged model": register
-            # it by its artifact URI so the version points at exactly those files.
-            source = mlflow.get_artifact_uri(artifact_path)
-            mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags)
+            mv = None
+            if bundle_dir is not None:  # an MLflow model (LoggedModel, pyfunc flavour)
+                mv = self._register_logged_model(bundle_dir, name, tags)
+            if mv is None:
+                # The plain artifact folder (our bundle): registered by its artifact URI so
+                # the version points at exactly those files.
+                source = mlflow.get_artifact_uri(artifact_path)
+                mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags)
             client.set_registered_model_alias(name, alias, mv.version)
             print(f"registered model {name} version {mv.version} alias @{alias}", flush=True)
             return str(mv.version)
         except Exception as err:
             self._fail(f"register_model {name}", err)
+            return None
+
+    def _register_logged_model(self, bundle_dir: Path, name: str, tags: dict[str, str]):
+        """Log the bundle as a LoggedModel with a pyfunc flavour (the UI's "Logged models",
+        ``mlflow.pyfunc.load_model``) and register that; None (with a warning) if MLflow
+        refuses, so the plain artifact folder is registered instead."""
+        from mlflow import MlflowClient
+
+        from pipeline.models.pyfunc import log_bundle_model
+
+        try:
+            # Named after the registered model, not "model": MLflow 3 resolves runs:/RUN/NAME
+            # to a logged model of that name first, and runs:/RUN/model is the bundle folder.
+            info = log_bundle_model(bundle_dir, name)
+            return MlflowClient().create_model_version(
+                name, f"models:/{info.model_id}", run_id=self.run_id, tags=tags,
+                model_id=info.model_id,
+            )  # fmt: skip
+        except Exception as err:
+            msg = f"MLflow pyfunc model of {bundle_dir} not logged ({type(err).__name__}: {err})"
+            self.warnings.append(msg)
+            print(f"WARNING: {msg}; registering the bundle folder instead", flush=True)
             return None
 
     def terminate(self, status: str, tags: dict[str, str]) -> None:
@@ -202,11 +336,30 @@ class Tracker:
         except Exception as err:
             self._fail("set_terminated", err)
 
+    def await_server(self) -> bool:
+        """Before the end of a finished run: wait up to final_wait_s (once per job) for a
+        server that answered earlier in this job, so the run can be ended and the model
+        logged and registered; one question when it never answered."""
+        if not self.enabled or self.mlflow_ok:
+            return self.mlflow_ok
+        wait = self.final_wait_s if self.run_id is not None and not self._waited else 0.0
+        self._waited = True
+        if wait:
+            print(f"MLflow unreachable: waiting up to {wait:g} s (mlflow.final_wait_s) to end "
+                  "the run and log the model", flush=True)  # fmt: skip
+        return self.reconnect(wait)
+
     def end(self, status: str = "FINISHED") -> None:
+        if self.enabled and not self.mlflow_ok:
+            if status == "FINISHED":
+                self.await_server()
+            else:
+                self.reconnect()
         if self.enabled and self.mlflow_ok:
             import mlflow
 
             try:
                 mlflow.end_run(status=status)
+                self._save_synced()
             except Exception as err:
                 self._fail("end_run", err)

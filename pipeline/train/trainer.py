@@ -295,7 +295,9 @@ class Trainer:
         self.stream = self.make_stream("train", cfg.data.workers)
         self.valid_streams: dict[int, Any] = {}  # per source: evaluation reads each alone
         self.tokens_by_source = [0] * len(self.sources)
-        self.tracker = Tracker(self.run_dir, enabled=self.rank == 0)
+        self.tracker = Tracker(
+            self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s
+        )
         self.step = 0
         self.tokens_seen = 0
         self.skipped = 0
@@ -674,6 +676,7 @@ class Trainer:
                 self.tracker.log_metrics(final_eval, self.step)
             bundle_dir = self.bundle("final")
             if self.rank == 0:
+                self.tracker.await_server()  # after an outage: the model is logged if it can
                 self.tracker.log_artifacts(bundle_dir, "model")
                 if cfg.mlflow.register_model:
                     version = self.tracker.register(
@@ -686,6 +689,7 @@ class Trainer:
                             "tokens_seen": str(self.tokens_seen),
                             "data_fingerprint": mixture_fingerprint(self.sources),
                         },
+                        bundle_dir=bundle_dir,
                     )
             status = "FINISHED"
         except BaseException as err:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from pipeline.config import validate_dict
+from pipeline.data.stream import MixSource
 from pipeline.train import engine as ds_engine
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop
@@ -55,6 +56,7 @@ def make_trainer(grad_accum: int, stage: int = 2):
     trainer.cfg, trainer.dev, trainer.world, trainer.rank = cfg, torch.device("cpu"), 1, 0
     trainer.step = 0
     trainer.stopper, trainer.stop_agreed = GracefulStop(10.0), False  # no signal
+    trainer.sources = [MixSource("unused")]  # one source: no per-source token counts
     trainer.objective = PoisonableObjective()
     model = TinyLM()
     trainer.input_keys, trainer.uses_memory = forward_keys(model), False

@@ -1,0 +1,121 @@
+"""A training run whose `mlflow server` goes away and comes back: the metrics logged
+meanwhile are sent from metrics.jsonl, the run is ended and the model registered."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import REPO, load_launch_script, metrics_rows
+
+pytestmark = pytest.mark.slow
+
+BERT = str(REPO / "configs/test/bert-tiny.yaml")
+STEPS = 200
+
+
+def last_step(run_dir) -> int:
+    path = run_dir / "metrics.jsonl"
+    return max((r["step"] for r in metrics_rows(run_dir)), default=0) if path.is_file() else 0
+
+
+def wait_until(what, proc, timeout=300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert proc.poll() is None or what(), proc.communicate()[0][-4000:]
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
+def test_a_run_that_lost_its_server_is_complete_once_the_server_is_back(tiny_data, tmp_path):
+    from mlflow import MlflowClient
+
+    aio = load_launch_script("all_in_one")
+    (tmp_path / "logs").mkdir()
+    server = aio.MlflowServer(tmp_path, tmp_path / "logs")
+    server.start()
+    port = int(server.url.rsplit(":", 1)[1])
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "train", BERT, f"data.path={tiny_data}",
+         f"train.out_dir={run_dir}", f"train.max_steps={STEPS}", "train.log_every=1",
+         "train.eval_every=0", "train.save_every=0", f"mlflow.tracking_uri={server.url}",
+         "mlflow.retry_every_s=1", "mlflow.final_wait_s=300"],
+        cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        wait_until(lambda: last_step(run_dir) >= 5, proc)
+        server.stop()  # the outage
+        down_at = last_step(run_dir)
+        # Training goes on without it; the rows pile up in metrics.jsonl.
+        wait_until(lambda: last_step(run_dir) >= down_at + 20 or proc.poll() is not None, proc)
+        server.start(port=port)  # back, same address and store
+        output = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        server.stop()
+    assert proc.returncode == 0, output[-4000:]
+    assert "MLflow answers again" in output, output[-4000:]
+
+    # The restarted server's store has it all: status, every step, the registered model.
+    server.start(port=port)
+    try:
+        client = MlflowClient(server.url)
+        run_id = (run_dir / "mlflow_run_id").read_text().strip()
+        run = client.get_run(run_id)
+        assert run.info.status == "FINISHED"
+        history = client.get_metric_history(run_id, "step_loss")
+        assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
+        by_step = {m.step: m.value for m in history}
+        assert by_step == {r["step"]: r["step_loss"] for r in metrics_rows(run_dir)
+                           if "step_loss" in r}  # fmt: skip
+        version = client.get_model_version_by_alias("bert-tiny", "current")
+        assert version.run_id == run_id
+    finally:
+        server.stop()
+
+
+def test_the_tracker_picks_up_again_in_the_middle_of_a_run(tmp_path):
+    """The Tracker itself, against a real server stopped and started again between two
+    logged steps: the steps logged meanwhile arrive, then logging goes on live."""
+    from mlflow import MlflowClient
+
+    from pipeline.train.tracking import Tracker
+
+    aio = load_launch_script("all_in_one")
+    (tmp_path / "logs").mkdir()
+    server = aio.MlflowServer(tmp_path, tmp_path / "logs")
+    server.start()
+    port = int(server.url.rsplit(":", 1)[1])
+    tracker = Tracker(tmp_path / "run", enabled=True, retry_every_s=0.5, final_wait_s=0)
+    try:
+        tracker.start(tracking_uri=server.url, experiment="outage", run_name="r", params={},
+                      tags={}, resume=False)  # fmt: skip
+        for step in range(1, 4):
+            tracker.log_metrics({"loss": 1.0 / step}, step)
+        server.stop()
+        for step in range(4, 8):  # down: into metrics.jsonl only
+            tracker.log_metrics({"loss": 1.0 / step}, step)
+        assert not tracker.mlflow_ok
+        server.start(port=port)
+        time.sleep(0.6)  # past retry_every_s: the next call asks again
+        for step in range(8, 11):
+            tracker.log_metrics({"loss": 1.0 / step}, step)
+        assert tracker.mlflow_ok and tracker.backfilled >= 4
+        tracker.end("FINISHED")
+        client = MlflowClient(server.url)
+        history = client.get_metric_history(tracker.run_id, "loss")
+        assert sorted(m.step for m in history) == list(range(1, 11))
+        assert client.get_run(tracker.run_id).info.status == "FINISHED"
+        assert (tmp_path / "run" / "mlflow_synced").read_text() == "10"
+    finally:
+        import mlflow
+
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+        server.stop()
