@@ -126,17 +126,17 @@ class _EpochPlan:
     layout's axis come from per-chunk sums (O(chunks)); a group's documents are listed,
     shuffled and laid out only when a batch reads from it."""
 
-    def __init__(self, core: _Source, epoch: int):
-        self.core, self.epoch = core, epoch
-        rng = np.random.default_rng([core.seed, _ORDER, core.split_salt, epoch])
-        self.chunks = rng.permutation(core.chunk_extent.shape[0])
-        firsts = np.arange(0, self.chunks.shape[0], core.group_chunks)
-        extents = np.add.reduceat(core.chunk_extent[self.chunks], firsts)
+    def __init__(self, source: _Source, epoch: int):
+        self.source, self.epoch = source, epoch
+        rng = np.random.default_rng([source.seed, _ORDER, source.split_salt, epoch])
+        self.chunks = rng.permutation(source.chunk_extent.shape[0])
+        firsts = np.arange(0, self.chunks.shape[0], source.group_chunks)
+        extents = np.add.reduceat(source.chunk_extent[self.chunks], firsts)
         self.offsets = np.concatenate([[0], np.cumsum(extents)])  # each group's start, total
         self.total = int(self.offsets[-1])
-        self.n_units = core.rule.count(self.total)
+        self.n_units = source.rule.count(self.total)
         # The units of group k are [span_starts[k], span_starts[k + 1]).
-        first_units = np.minimum(core.rule.first_unit(self.offsets[:-1]), self.n_units)
+        first_units = np.minimum(source.rule.first_unit(self.offsets[:-1]), self.n_units)
         self.span_starts = np.append(first_units, self.n_units)
         self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._layouts: OrderedDict[tuple[int, int], Layout] = OrderedDict()
@@ -156,7 +156,7 @@ class _EpochPlan:
 
     def _units(self, us: np.ndarray) -> list[Unit]:
         """Units by number, each from a layout of the groups its span touches."""
-        spans = np.array([self.core.rule.span(u) for u in us.tolist()], dtype=np.int64)
+        spans = np.array([self.source.rule.span(u) for u in us.tolist()], dtype=np.int64)
         last_group = self.offsets.shape[0] - 2
         firsts = np.searchsorted(self.offsets, spans[:, 0], side="right") - 1
         lasts = np.minimum(
@@ -178,9 +178,9 @@ class _EpochPlan:
             parts = [self.group(g) for g in range(first, last + 1)]
             order, n = (np.concatenate(column) for column in zip(*parts, strict=True))
             offset = int(self.offsets[first])
-            layout = self.core.objective.layout(order, n, offset, self.total)
+            layout = self.source.objective.layout(order, n, offset, self.total)
             self._layouts[(first, last)] = layout
-            if len(self._layouts) > self.core.cache_groups:
+            if len(self._layouts) > self.source.cache_groups:
                 self._layouts.popitem(last=False)
         return layout
 
@@ -189,30 +189,30 @@ class _EpochPlan:
         found = self._groups.get(group)
         if found is not None:
             return found
-        core = self.core
+        src = self.source
         ids, lengths = [], []
-        chunks = self.chunks[group * core.group_chunks : (group + 1) * core.group_chunks]
+        chunks = self.chunks[group * src.group_chunks : (group + 1) * src.group_chunks]
         for c in chunks.tolist():
-            shard, first = int(core.chunk_shard[c]), int(core.chunk_first[c])
-            n = core.data.doc_lengths(core.shards[shard], first, first + int(core.chunk_size[c]))
+            shard, first = int(src.chunk_shard[c]), int(src.chunk_first[c])
+            n = src.data.doc_lengths(src.shards[shard], first, first + int(src.chunk_size[c]))
             keep = np.flatnonzero(n > 0)
-            ids.append(core.doc_base[shard] + first + keep)
+            ids.append(src.doc_base[shard] + first + keep)
             lengths.append(n[keep])
-        seed = [core.seed, _GROUP, core.split_salt, self.epoch, group]
+        seed = [src.seed, _GROUP, src.split_salt, self.epoch, group]
         docs, n = np.concatenate(ids), np.concatenate(lengths)
         perm = np.random.default_rng(seed).permutation(docs.shape[0])
         found = self._groups[group] = (docs[perm], n[perm])
-        if len(self._groups) > core.cache_groups:
+        if len(self._groups) > src.cache_groups:
             self._groups.popitem(last=False)
         return found
 
     def _perm(self, group: int) -> np.ndarray:
         perm = self._perms.get(group)
         if perm is None:
-            seed = [self.core.seed, _UNITS, self.core.split_salt, self.epoch, group]
+            seed = [self.source.seed, _UNITS, self.source.split_salt, self.epoch, group]
             size = int(self.span_starts[group + 1] - self.span_starts[group])
             perm = self._perms[group] = np.random.default_rng(seed).permutation(size)
-            if len(self._perms) > self.core.cache_groups:
+            if len(self._perms) > self.source.cache_groups:
                 self._perms.popitem(last=False)
         return perm
 
@@ -415,6 +415,14 @@ class _Core:
     def docs_read(self) -> int:
         return sum(source.docs_read for source in self.sources)
 
+    def too_small(self) -> int | None:
+        """A source (its index) that cannot fill its part of a global batch, -1 when the
+        whole stream cannot, None when every batch can be made."""
+        for k, source in enumerate(self.sources):
+            if source.n_units == 0 or (self.row_batches and self.row_batches[k] == 0):
+                return k
+        return -1 if self.batches_per_epoch == 0 else None
+
     def units(self, epoch: int, index: int) -> list[tuple[int, int, Unit, int]]:
         """(source, source epoch, unit, group) of each row of this rank's batch."""
         rows = np.arange(self.rank * self.B, (self.rank + 1) * self.B)
@@ -591,13 +599,13 @@ class PretrainStream:
         self._core = _Core(
             sources, weights, objective, micro_batch_size, seed, rank, world_size, self.cycle
         )
-        short = [(d, s.n_units) for d, s in zip(dirs, sources, strict=True) if s.n_units == 0] or [
-            (self.data, self._core.n_units)
-        ] * (self._core.batches_per_epoch == 0)
-        if self._core.row_batches and 0 in self._core.row_batches:
-            short = [(dirs[self._core.row_batches.index(0)], 0)]
-        if short:
-            where, n = short[0]
+        small = self._core.too_small()
+        if small is not None:
+            where, n = (
+                (self.data, self._core.n_units)
+                if small < 0
+                else (dirs[small], sources[small].n_units)
+            )
             raise ConfigError(
                 f"split {split!r} of {where.root} yields {n} {objective.kind} examples, too "
                 f"few for a global batch of world_size * train.micro_batch_size = "

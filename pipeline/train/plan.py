@@ -98,14 +98,14 @@ def check_positions(cfg: ExperimentConfig, model_cfg) -> None:
         )
 
 
-def check_resumable(cfg: ExperimentConfig, ckpt) -> None:
+def check_resumable(cfg: ExperimentConfig, ckpt, tokenizer: dict[str, Any]) -> None:
     """What resuming from train.out_dir's latest checkpoint refuses whatever the number of
     ranks; nothing when there is no checkpoint or train.resume is never."""
     if cfg.train.resume != "auto":
         return
     tag = ckpt.latest()
     if tag is not None:
-        check_checkpoint(cfg, ckpt, tag, ckpt.meta(tag))
+        check_checkpoint(cfg, ckpt, tag, ckpt.meta(tag), tokenizer)
 
 
 def where_data(cfg: ExperimentConfig) -> str:
@@ -115,17 +115,17 @@ def where_data(cfg: ExperimentConfig) -> str:
     return "data.sources " + ", ".join(s.path for s in cfg.data.sources)
 
 
-def check_checkpoint(cfg: ExperimentConfig, ckpt, tag: str, meta: dict[str, Any]) -> None:
+def check_checkpoint(
+    cfg: ExperimentConfig, ckpt, tag: str, meta: dict[str, Any], tokenizer: dict[str, Any]
+) -> None:
     """What no conversion can bridge, refused before anything is built (and by
     ``--dry-run``): a checkpoint of another tokenizer (its embeddings have another shape
     or meaning) or of another ZeRO stage. ConfigError naming the checkpoint and the
-    override that resumes it."""
+    override that resumes it. ``tokenizer``: the data's (the manifest's "tokenizer")."""
     where = ckpt.root / tag
     fresh = "or pass a new train.out_dir to start a new run"
     saved_tok = meta.get("tokenizer_fingerprint")
-    from pipeline.data.mixture import open_sources
-
-    tok = open_sources(cfg.data)[0].path.manifest.get("tokenizer", {})  # shared by all
+    tok = tokenizer
     if saved_tok and tok.get("fingerprint") and saved_tok != tok["fingerprint"]:
         raise ConfigError(
             f"train.resume=auto: checkpoint {where} was trained on data of another "
@@ -194,7 +194,9 @@ def print_plan(cfg: ExperimentConfig) -> int:
     ds = ds_engine.build_ds_config(cfg, world)
     from pipeline.train.checkpoint import CheckpointManager
 
-    check_resumable(cfg, CheckpointManager(cfg.train.out_dir, 1, 0, world))
+    check_resumable(
+        cfg, CheckpointManager(cfg.train.out_dir, 1, 0, world), data.manifest.get("tokenizer", {})
+    )
     stage, offload = ds_engine.zero_stage(ds), ds_engine.offloads_optimizer(ds)
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum * world

@@ -23,7 +23,9 @@ import torch
 import torch.distributed as dist
 
 from pipeline.config import ConfigError, ExperimentConfig
+from pipeline.data.mixture import open_sources
 from pipeline.data.shards import DataDir
+from pipeline.data.stream import MixSource
 from pipeline.train import engine as ds_engine
 from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
@@ -90,14 +92,13 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
-    """Model (on the config's seed), objective and the train stream: no DeepSpeed yet."""
-    from pipeline.data.mixture import open_sources
+def build_parts(cfg: ExperimentConfig, rank: int, world_size: int, sources: list[MixSource]):
+    """Model (on the config's seed), objective and the train stream: no DeepSpeed yet.
+    ``sources``: the opened data dirs (``open_sources``; one for data.path)."""
     from pipeline.data.stream import PretrainStream
     from pipeline.models.registry import build_model, resolve_model_config
     from pipeline.objectives import build_objective
 
-    sources = open_sources(cfg.data)  # one for data.path; tokenizers checked
     data = sources[0].path  # the tokenizer's (shared) and, for word2vec, the counts' source
     meta = tokenizer_meta(data)
     model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
@@ -129,7 +130,7 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int):
             on_bad_shard=cfg.data.on_bad_shard,
         )
 
-    return sources, meta, model_cfg, model, objective, stream
+    return meta, model_cfg, model, objective, stream
 
 
 def _to_device(batch: dict[str, Any], dev: torch.device) -> dict[str, Any]:
@@ -268,12 +269,13 @@ class Trainer:
         # Resuming on another number of ranks: the global batch is kept (grad_accum
         # adjusted) and ZeRO 1-3 state is converted to a universal checkpoint, before
         # anything is built from the config.
+        self.sources = open_sources(cfg.data)  # one for data.path; tokenizers checked
+        self.data = self.sources[0].path  # the tokenizer every source shares
         cfg, self.elastic = self.plan_elastic_resume(cfg)
         self.cfg = cfg
-        self.sources, self.meta, self.model_cfg, model, self.objective, self.make_stream = (
-            build_parts(cfg, self.rank, self.world)
+        self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(
+            cfg, self.rank, self.world, self.sources
         )
-        self.data = self.sources[0].path  # the tokenizer every source shares
         self.flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
         self.input_keys = forward_keys(model)
         # Models with segment-level recurrence (Transformer-XL, XLNet) take ``mems`` and
@@ -319,7 +321,7 @@ class Trainer:
         if tag is None:
             return cfg, None
         meta = self.ckpt.meta(tag)
-        check_checkpoint(cfg, self.ckpt, tag, meta)
+        check_checkpoint(cfg, self.ckpt, tag, meta, self.data.manifest.get("tokenizer", {}))
         saved_world = int(meta["world_size"])
         if saved_world == self.world:
             return cfg, None
@@ -460,20 +462,20 @@ class Trainer:
             # A stop signal rides on the all-reduce every micro-batch makes anyway: every
             # rank learns of a signal any rank got, at the same micro-batch.
             local = [float(self.stopper.requested), float(not torch.isfinite(loss))]
-            local += [_n_tokens(batch), len(batch["input_ids"])]
+            local += [len(batch["input_ids"])]
             local += [float(loss.detach())] + [float(metrics[k].detach()) for k in names]
-            local += _tokens_by_source(batch, len(self.sources))
+            local += _tokens_by_source(batch, len(self.sources))  # they sum to the tokens
             red = _all_reduce_sum(local, self.dev)  # every rank agrees on skipping
             self.stop_agreed = self.stop_agreed or red[0] > 0
             if red[1] > 0:
                 bad = True
                 continue
-            tokens += int(red[2])
-            samples += int(red[3])
-            by_source = red[len(red) - len(self.sources) :]
+            samples += int(red[2])
+            by_source = red[4 + len(names) :]
+            tokens += int(sum(by_source))
             for k, v in enumerate(by_source):
                 sums[f"_tokens/{k}"] = sums.get(f"_tokens/{k}", 0.0) + v
-            for k, v in zip(["loss", *names], red[4 : 5 + len(names)], strict=True):
+            for k, v in zip(["loss", *names], red[3 : 4 + len(names)], strict=True):
                 sums[k] = sums.get(k, 0.0) + v / self.world / ga
             self.engine.set_gradient_accumulation_boundary(micro == ga - 1)
             self.engine.backward(loss)
