@@ -173,3 +173,13 @@ def test_batches_carry_their_source_and_same_rows_as_the_source_alone(dirs):
             ]
         )
         assert np.array_equal(batch["input_ids"][row].numpy(), expect[:-1])
+
+
+def test_too_small_a_source_or_an_old_loader_state_is_a_config_error(dirs, tmp_path):
+    tiny = make_data_dir(tmp_path / "tiny", n_docs=3, n_shards=1)
+    sources = [MixSource(DataDir(dirs["big"]), 0.5, "big"), MixSource(DataDir(tiny), 0.5, "tiny")]
+    with pytest.raises(ConfigError, match=r"tiny.* yields \d+ clm-recurrent examples, too few"):
+        PretrainStream(sources, "train", objective("clm-recurrent"), micro_batch_size=64, seed=3)
+    s = mixed(dirs, {"big": 0.5, "small": 0.5})
+    with pytest.raises(ConfigError, match="version 1.*start a new train.out_dir"):
+        s.load_state_dict({**s.state_dict(), "version": 1})
