@@ -121,9 +121,12 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
     import ray
 
     spec_ref = ray.put(spec)
-    keys = ray.remote(num_cpus=1)(_keys_task)
+    # Reading and writing are the work: spread over the nodes. Without it Ray's locality
+    # preference puts the write tasks where the (small) dedup results sit, which can be
+    # one node of the cluster (seen on a 2-node test cluster).
+    keys = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_keys_task)
     dedup = ray.remote(num_cpus=1)(_dedup_task)
-    write = ray.remote(num_cpus=1)(_write_task)
+    write = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_write_task)
     index = list(range(len(units)))
     key_refs = [
         keys.options(num_returns=n_partitions + 1).remote(spec_ref, unit, n_partitions)
