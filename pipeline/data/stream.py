@@ -147,7 +147,10 @@ class _EpochPlan:
         ``shuffle=False`` the units keep the layout order inside their group."""
         groups = np.searchsorted(self.span_starts, positions, side="right") - 1
         units = positions.copy()
-        if shuffle:
+        if shuffle and groups.min() == groups.max():  # the usual case: one group
+            start = int(self.span_starts[groups[0]])
+            units = start + self._perm(int(groups[0]))[positions - start]
+        elif shuffle:
             for group in np.unique(groups).tolist():
                 inside = groups == group
                 start = int(self.span_starts[group])
@@ -156,14 +159,14 @@ class _EpochPlan:
 
     def _units(self, us: np.ndarray) -> list[Unit]:
         """Units by number, each from a layout of the groups its span touches."""
-        spans = np.array([self.source.rule.span(u) for u in us.tolist()], dtype=np.int64)
+        lo, hi = self.source.rule.span(us)
         last_group = self.offsets.shape[0] - 2
-        firsts = np.searchsorted(self.offsets, spans[:, 0], side="right") - 1
-        lasts = np.minimum(
-            np.searchsorted(self.offsets, spans[:, 1] - 1, side="right") - 1, last_group
-        )
-        out: list[Unit] = [None] * us.shape[0]  # type: ignore[list-item]
+        firsts = np.searchsorted(self.offsets, lo, side="right") - 1
+        lasts = np.minimum(np.searchsorted(self.offsets, hi - 1, side="right") - 1, last_group)
         keys = firsts * (last_group + 1) + lasts
+        if keys.min() == keys.max():  # the usual case: all in one group (or pair)
+            return self._layout(*divmod(int(keys[0]), last_group + 1)).units(us)
+        out: list[Unit] = [None] * us.shape[0]  # type: ignore[list-item]
         for key in np.unique(keys).tolist():
             rows = np.flatnonzero(keys == key)
             layout = self._layout(*divmod(key, last_group + 1))
@@ -360,15 +363,15 @@ class _Interleave:
             n += 1
         return c
 
-    def take(self, position: int, n: int) -> list[tuple[int, int]]:
-        """(source, its unit number) of positions [position, position + n)."""
-        c = self.counts(position)
-        out = []
-        for _ in range(n):
-            k = min(range(len(c)), key=lambda k: (self.time(k, c[k]), k))
-            out.append((k, c[k]))
-            c[k] += 1
-        return out
+    def take(self, position: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """(sources, their unit numbers) of positions [position, position + n): the ``n``
+        smallest (time, source) among each source's next ``n`` units, in one sort."""
+        c = np.array(self.counts(position), dtype=np.int64)
+        j = c[:, None] + np.arange(n, dtype=np.int64)  # (sources, n) candidate units
+        k = np.broadcast_to(np.arange(c.shape[0], dtype=np.int64)[:, None], j.shape)
+        t = (j + 0.5) / np.array(self.w)[:, None]  # the same float as ``time``
+        first = np.lexsort((k.ravel(), t.ravel()))[:n]
+        return k.ravel()[first], j.ravel()[first]
 
 
 class _Core:
@@ -395,14 +398,16 @@ class _Core:
         self._rngs = _RngPool()
         # A mixture's epoch is nominal (as many units as the sources hold together): its
         # positions run on across epochs, each source cycling its own epochs as it goes.
-        self.n_units = sum(source.n_units for source in sources)
+        self.source_units = np.array([source.n_units for source in sources], dtype=np.int64)
+        self.n_units = int(self.source_units.sum())
         self.batches_per_epoch = self.n_units // (self.W * self.B)
         self.row_sources: list[tuple[int, int]] = []
         self.row_batches: list[int] = []
         if self.mix is not None and objective.recurrent_rows:
             # Each row of the global batch reads one source's stream to the end (so a
             # recurrent memory never crosses sources); rows are shared by the weights.
-            self.row_sources = self.mix.take(0, self.W * self.B)
+            ks, js = self.mix.take(0, self.W * self.B)
+            self.row_sources = list(zip(ks.tolist(), js.tolist(), strict=True))
             rows = Counter(k for k, _ in self.row_sources)
             self.row_batches = [s.n_units // max(rows[k], 1) for k, s in enumerate(sources)]
 
@@ -438,30 +443,31 @@ class _Core:
             units, groups = source.plan(epoch).locate(positions, shuffle)
             return [(0, epoch, u, g) for u, g in zip(units, groups.tolist(), strict=True)]
         epoch = epoch if self.cycle else 0
-        wanted: list[tuple[int, int, int]] = []  # (source, its epoch, position in that epoch)
         if self.objective.recurrent_rows:
             shuffle = False
+            wanted = []  # (source, its epoch, position in that epoch) of each row
             for row in rows.tolist():
                 k, j = self.row_sources[row]
                 source_epoch, at = divmod(
                     epoch * self.batches_per_epoch + index, self.row_batches[k]
                 )
                 wanted.append((k, source_epoch, j * self.row_batches[k] + at))
+            ks, epochs, positions = (np.array(c, dtype=np.int64) for c in zip(*wanted, strict=True))
         else:
             # Nominal epoch e covers mixture positions [e * n_units, (e + 1) * n_units), of
             # which its batches take the first batches_per_epoch * W * B: the cursor
             # (epoch, samples) names the same positions whatever W and B are.
             shuffle = True
             first = epoch * self.n_units + index * self.W * self.B + int(rows[0])
-            for k, j in self.mix.take(first, self.B):
-                wanted.append((k, *divmod(j, self.sources[k].n_units)))
-        out: list[tuple[int, int, Unit, int]] = [None] * len(wanted)  # type: ignore[list-item]
-        for k, source_epoch in sorted({(k, e) for k, e, _ in wanted}):
-            at = [i for i, (kk, e, _) in enumerate(wanted) if (kk, e) == (k, source_epoch)]
-            positions = np.array([wanted[i][2] for i in at], dtype=np.int64)
-            plan = self.sources[k].plan(source_epoch)
-            units, groups = plan.locate(positions, shuffle)
-            for i, unit, group in zip(at, units, groups.tolist(), strict=True):
+            ks, js = self.mix.take(first, self.B)
+            epochs, positions = np.divmod(js, self.source_units[ks])
+        out: list[tuple[int, int, Unit, int]] = [None] * self.B  # type: ignore[list-item]
+        pairs = ks * (int(epochs.max()) + 1) + epochs
+        for pair in np.unique(pairs).tolist():
+            at = np.flatnonzero(pairs == pair)
+            k, source_epoch = int(ks[at[0]]), int(epochs[at[0]])
+            units, groups = self.sources[k].plan(source_epoch).locate(positions[at], shuffle)
+            for i, unit, group in zip(at.tolist(), units, groups.tolist(), strict=True):
                 out[i] = (k, source_epoch, unit, group)
         return out
 

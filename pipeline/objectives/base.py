@@ -85,8 +85,9 @@ class Layout(ABC):
         (callers clamp it to ``n_units``)."""
 
     @abstractmethod
-    def span(self, u: int) -> tuple[int, int]:
-        """The extent range [lo, hi) that unit ``u`` reads."""
+    def span(self, u):
+        """The extent range [lo, hi) that unit ``u`` reads; ``u`` may be an int or an
+        int64 array (then lo and hi are arrays, element by element)."""
 
     @abstractmethod
     def unit(self, u: int) -> Unit:
@@ -121,7 +122,7 @@ class WindowLayout(Layout):
     def first_unit(self, offsets: np.ndarray) -> np.ndarray:
         return offsets
 
-    def span(self, u: int) -> tuple[int, int]:
+    def span(self, u):  # u: an int or an array
         return u, u + 1
 
     def unit(self, u: int) -> Unit:

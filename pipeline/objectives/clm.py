@@ -43,7 +43,7 @@ class BlockLayout(JoinedLayout):
     def first_unit(self, offsets: np.ndarray) -> np.ndarray:
         return offsets // self.block
 
-    def span(self, u: int) -> tuple[int, int]:
+    def span(self, u):  # u: an int or an array
         return u * self.block, (u + 1) * self.block + 1
 
     def unit(self, u: int) -> Unit:

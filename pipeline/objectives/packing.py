@@ -46,7 +46,7 @@ class StreamLayout(JoinedLayout):
     def first_unit(self, offsets: np.ndarray) -> np.ndarray:
         return offsets // self.window
 
-    def span(self, u: int) -> tuple[int, int]:
+    def span(self, u):  # u: an int or an array
         return u * self.window, (u + 1) * self.window
 
     def unit(self, u: int) -> Unit:

@@ -55,7 +55,7 @@ class StreamLayout(JoinedLayout):
     def first_unit(self, offsets: np.ndarray) -> np.ndarray:
         return -(-offsets // self.stride)
 
-    def span(self, u: int) -> tuple[int, int]:
+    def span(self, u):  # u: an int or an array
         return u * self.stride, u * self.stride + self.width
 
     def unit(self, u: int) -> Unit:

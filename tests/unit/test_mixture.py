@@ -35,9 +35,14 @@ def mixed(dirs, weights, kind="mlm", B=4, **kw):
 
 def test_interleave_seeks_to_any_position():
     mix = _Interleave([0.5, 0.3, 0.2])
-    walk = mix.take(0, 5000)
+    # the definition: every source's units merged by (time, source)
+    walk = [
+        (k, j) for _, k, j in sorted((mix.time(k, j), k, j) for k in range(3) for j in range(5000))
+    ]
+    walk = walk[:5000]
     for start in (0, 1, 7, 999, 2500, 4990):
-        assert mix.take(start, 10) == walk[start : start + 10]
+        ks, js = mix.take(start, 10)
+        assert list(zip(ks.tolist(), js.tolist(), strict=True)) == walk[start : start + 10]
         before = Counter(k for k, _ in walk[:start])
         assert mix.counts(start) == [before[k] for k in range(3)]
     # each source's units come in order 0, 1, 2, ... (its own stream)
