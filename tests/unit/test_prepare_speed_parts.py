@@ -109,6 +109,24 @@ def test_sentence_ends_equal_the_two_branch_regex_on_random_text():
         assert sentence_ends(text) == reference_sentence_ends(text), repr(text)
 
 
+def test_batch_marks_equal_sentence_ends():
+    """mark_batch's lookahead regexes put marks where sentence_ends finds ends (ends at a
+    text's start or end, and repeats, are dropped by the batch path: dropped here too)."""
+    rng = random.Random(2)
+    alphabet = list(".!?;。！？；…\"'”’)」ab Zé中“（\n\t3ßÉ") + ["e.g. ", "3.11", ". \n\n", "   "]
+    texts = _en_docs() + ZH + [clean(t) for t in ZH]
+    texts += [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 24))) for _ in range(40000)
+    ]
+    for i in range(0, len(texts), 300):
+        batch = texts[i : i + 300]
+        for text, marked in zip(batch, segment.mark_batch(batch), strict=True):
+            assert marked.replace(segment._MARK, "") == text
+            pieces = marked.split(segment._MARK)
+            at = {sum(map(len, pieces[: k + 1])) for k in range(len(pieces) - 1)}
+            assert sorted(e for e in at if 0 < e < len(text)) == sentence_ends(text), repr(text)
+
+
 # -- word starts from WordPiece ids -------------------------------------------------------
 
 
@@ -153,8 +171,8 @@ def test_word_start_shortcut_only_for_wordpiece(trained):
 
 def _random_texts(seed: int, n: int) -> list[str]:
     rng = random.Random(seed)
-    alphabet = list('.!?。！？…"”)」ab Z中文\n\u3000\u0301é\ufffd') + [
-        "  ", "\n\n", "e.g. x", "3.11", "[MASK]", "##ing", "Ab. Cd", "x" * 120,
+    alphabet = list('.!?;。！？…"”)」ab Z中文\n\t\u3000\u0301é\ufffd') + [
+        "  ", "\n\n", "e.g. x", "3.11", "[MASK]", "##ing", "Ab. Cd", "x" * 120, "QRS", "a; B",
     ]  # fmt: skip
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(n)]
 
@@ -170,6 +188,11 @@ def test_segmenter_batch_path_equals_the_offsets_path(trained, tmp_path, lowerca
         tok = load_tokenizer(train_tokenizer([str(corpus)], spec, tmp_path / "tok"))[0]
     texts = _en_docs() + [clean(t) for t in ZH] + _random_texts(1, 3000)
     texts += ["\ufffd\ufffd", "a" * 300 + ". " + "b" * 300]  # no token at all; [UNK] words
+    rng = random.Random(3)  # ASCII only (the texts that skip the normalizer)
+    ascii_parts = list("aZ.!?;,'\")#\n\t 3") + ["  ", "Ab. cd", "[SEP]", "##x", "e.g. y", "Hello"]
+    texts += [
+        "".join(rng.choice(ascii_parts) for _ in range(rng.randint(1, 40))) for _ in range(1500)
+    ]
     languages = ["other"] * len(texts)
     for max_doc_tokens in (7, 64, 100_000):
         segmenter = segment.Segmenter(tok, max_doc_tokens)
@@ -179,6 +202,9 @@ def test_segmenter_batch_path_equals_the_offsets_path(trained, tmp_path, lowerca
             for p in segmenter(texts[i : i + 256], languages[i : i + 256])
         ]
         assert segmenter.batched_documents == len(texts)  # no fallback to the other path
+        # ASCII texts skipped the normalizer, the others did not
+        n_ascii = sum(t.isascii() for t in texts)
+        assert 1000 < segmenter.unnormalized_documents == n_ascii < len(texts)
         encodings = tok.encode_batch(texts, add_special_tokens=False)
         for text, enc, pieces in zip(texts, encodings, got, strict=True):
             want = segment.segment_encoding(
