@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import REPO, metrics_rows, plm, synthetic_corpus
+from conftest import REPO, deepspeed_launch, metrics_rows, plm, synthetic_corpus
 from test_train import train_in_process
 
 pytestmark = pytest.mark.slow
@@ -81,3 +81,26 @@ def test_mixed_run_logs_per_source_and_resumes_exactly(tiny_data, second_data, t
     assert run.data.params["data_mixture"] == "en:0.750, other:0.250"
     assert run.data.tags["data_fingerprint/en"] and run.data.tags["data_fingerprint/other"]
     assert "en:3:" in run.data.tags["data_fingerprint"]
+
+
+@pytest.mark.distributed
+def test_two_ranks_through_the_deepspeed_launcher_read_the_mixture(
+    tiny_data, second_data, tmp_path
+):
+    """The deepspeed launch path: both ranks read their share of the same mixture."""
+    out = tmp_path / "two"
+    proc = deepspeed_launch(
+        ["--module", "pipeline.cli", "train", BERT, *mixture(tiny_data, second_data),
+         "train.max_steps=6", "train.eval_every=6", "train.save_every=6",
+         "mlflow.register=false", f"train.out_dir={out}",
+         f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert "world size 2" in proc.stdout
+    rows = metrics_rows(out)
+    last = [r for r in rows if "tokens_seen/en" in r][-1]
+    assert last["step"] == 6
+    # the token counts are summed over both ranks, and split 3:1 by examples
+    assert last["tokens_seen/en"] + last["tokens_seen/other"] == last["tokens_seen"]
+    assert 0.6 < last["tokens_seen/en"] / last["tokens_seen"] < 0.9
+    assert any("eval_loss/en" in r and "eval_loss/other" in r for r in rows)
