@@ -10,9 +10,9 @@ without the warning.
 **The op.** DeepSpeed 0.19's TorchBackend (``deepspeed/comm/torch.py``, ``build_shm_op``)
 JIT-compiles ``deepspeed_shm_comm`` with the system C++ compiler in
 ``deepspeed.init_distributed`` on the CPU accelerator, whenever
-``deepspeed.ops.__compatible_ops__`` says the op can be built: 2-8 minutes without a word
-the first time, g++, ninja and the Python headers needed, and a long traceback without
-them. The op implements ``deepspeed.comm.inference_all_reduce`` only (AutoTP tensor-parallel
+``deepspeed.ops.__compatible_ops__`` says the op can be built: without a word, the first
+time (49 s on this project's 2-core machine under load 3, 2-8 min reported on busier
+ones), with g++, ninja and the Python headers needed, and a long traceback without them. The op implements ``deepspeed.comm.inference_all_reduce`` only (AutoTP tensor-parallel
 layers, which plm does not use): ZeRO's gradient reductions and plm's own all-reduces go
 through ``torch.distributed`` (gloo) with or without it, and with it every rank also maps a
 69 MB ``/dev/shm`` buffer. So plm leaves it out unless ``train.cpu_shm_allreduce`` is true,
@@ -134,7 +134,7 @@ def _build(builder, announce: bool) -> float:
     if not is_built():
         _say(
             "building DeepSpeed's CPU shared-memory all-reduce op once for this venv (needs "
-            "g++ and Python headers, about 2-8 min); it is cached in "
+            "g++ and Python headers, about 1-8 min); it is cached in "
             f"{extensions_dir()} (`plm setup` builds it ahead of time)",
             announce,
         )
