@@ -143,6 +143,12 @@ def _neighbors(args: argparse.Namespace) -> int:
     return neighbors_from_cli(args)
 
 
+def _setup(args: argparse.Namespace) -> int:
+    from pipeline.train.ds_ops import setup
+
+    return setup(verbose=args.verbose > 0)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
@@ -274,6 +280,13 @@ def build_parser() -> argparse.ArgumentParser:
     nb.add_argument("--k", type=int, default=10)
     nb.set_defaults(func=_neighbors)
 
+    setup = sub.add_parser(
+        "setup",
+        help="build DeepSpeed's CPU ops into this venv now (install / image build time), "
+        "so no run compiles",
+    )
+    setup.set_defaults(func=_setup)
+
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
     demo.add_argument("--workdir", default="demo")
     demo.add_argument("--steps", type=int, default=6000)
@@ -302,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.output import configure
 
     configure(args.verbose)
+    if args.command in ("train", "finetune", "demo", "setup"):  # before DeepSpeed's import
+        from pipeline.train.ds_ops import configure_environment
+
+        configure_environment()
     try:
         return args.func(args)
     except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback

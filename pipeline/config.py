@@ -214,12 +214,21 @@ class TrainSection(Strict):
     # stop without one (keep it below the platform's kill delay: Kubernetes' default 30 s,
     # the `deepspeed` launcher's 30 s)
     stop_grace_s: float = Field(25.0, gt=0)
+    # DeepSpeed's CPU shared-memory all-reduce op (JIT-built C++, once per venv, announced;
+    # `plm setup` builds it ahead). Off: it serves only DeepSpeed's inference all-reduce
+    # (AutoTP), which training does not call, so gloo does every all-reduce either way.
+    # Used with several ranks on the CPU only (pipeline/train/ds_ops.py).
+    cpu_shm_allreduce: bool = False
     out_dir: str = "runs/default"
 
 
 class MlflowSection(Strict):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
     tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or the local store in the cwd
+    # The MLflow experiment of the run (None: the config's `name`, which stays the
+    # registered model's name) and the run's name (None: the name of train.out_dir).
+    experiment: str | None = None
+    run_name: str | None = None
     # `register` in YAML; renamed in Python because BaseModel has a `register` attribute.
     register_model: bool = Field(True, alias="register")
     alias: str = "current"

@@ -115,6 +115,7 @@ class FinetuneTrainSection(Strict):
     metric: str | None = None  # early-stopping metric; None: the task's first (TASK_METRICS)
     patience: int = Field(3, ge=0)  # evaluations without improvement before stopping; 0: never
     eval_batch_size: int = Field(64, gt=0)
+    cpu_shm_allreduce: bool = False  # as pretraining's train.cpu_shm_allreduce
     out_dir: str = "runs/finetune"
 
 

@@ -134,7 +134,7 @@ class Finetuner:
         from pipeline.train.trainer import seed_everything
 
         self.cfg = cfg
-        ds_engine.init_distributed()
+        ds_engine.init_distributed(cfg.train.cpu_shm_allreduce)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dev = _device()
         self.run_dir = Path(cfg.train.out_dir).resolve()
@@ -274,8 +274,8 @@ class Finetuner:
         }
         tracker.start(
             tracking_uri=cfg.mlflow.tracking_uri,
-            experiment=cfg.name,
-            run_name=self.run_dir.name,
+            experiment=cfg.mlflow.experiment or cfg.name,
+            run_name=cfg.mlflow.run_name or self.run_dir.name,
             params={**cfg.model_dump(mode="json"), "n_labels": len(self.data.labels)},
             tags=tags,
             resume=False,

@@ -18,6 +18,11 @@ from typing import Any
 import torch
 
 from pipeline.config import ConfigError, ExperimentConfig, config_file
+from pipeline.train import ds_ops
+
+# Before anything imports DeepSpeed: DS_ACCELERATOR=cpu on a CPU-only machine (no
+# "Setting accelerator to CPU" warning) and the per-venv extension cache (ds_ops).
+ds_ops.configure_environment()
 
 # Keys the experiment config owns. A base JSON may leave them out or set them to "auto";
 # a concrete value that disagrees with the experiment config is an error, not a silent pick.
@@ -200,15 +205,25 @@ def ensure_dist_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def init_distributed() -> None:
+def init_distributed(cpu_shm_allreduce: bool = False) -> None:
+    """DeepSpeed's process group (a second call finds it in place).
+
+    ``cpu_shm_allreduce``: give DeepSpeed its CPU shared-memory all-reduce op when several
+    ranks run on the CPU (built once per venv, announced; see ds_ops); otherwise DeepSpeed
+    neither builds nor loads it."""
     import deepspeed
 
     ensure_dist_env()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    shm = ds_ops.prepare_shm_op(
+        cpu_shm_allreduce,
+        int(os.environ["WORLD_SIZE"]),
+        announce=int(os.environ.get("LOCAL_RANK", "0")) == 0,
+    )
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
-    if not torch.cuda.is_available():
+    if shm or not torch.cuda.is_available():  # (the op may come from elsewhere too)
         _unlink_shm_allreduce_buffer()
 
 

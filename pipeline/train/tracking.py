@@ -27,6 +27,11 @@ from pipeline.config import REPO_ROOT
 
 RUN_ID_FILE = "mlflow_run_id"
 SYNCED_FILE = "mlflow_synced"  # rows of metrics.jsonl that MLflow holds
+# MLflow 3's experiment kind (the UI's "GenAI apps & agents" vs "Machine learning"): plm's
+# experiments are model training. Set on an experiment that has no kind yet, never over one
+# a user chose.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
 
 
 def default_tracking_uri() -> str:
@@ -64,6 +69,16 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def mark_model_training(experiment_id: str) -> None:
+    """Tag the experiment as model training (``mlflow.experimentKind``), unless it has a
+    kind already (the UI's selector, or a user's tag)."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient()
+    if EXPERIMENT_KIND_TAG not in client.get_experiment(experiment_id).tags:
+        client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
 
 
 class Tracker:
@@ -204,6 +219,7 @@ class Tracker:
                 id_file.write_text(run.info.run_id)
             self.run_id = run.info.run_id
             self.mlflow_ok = True
+            mark_model_training(run.info.experiment_id)
             if not previous:
                 items = [(k, str(v)[:6000]) for k, v in flatten(params).items()]
                 for i in range(0, len(items), 100):

@@ -259,7 +259,7 @@ def discard_gradients(engine) -> None:
 class Trainer:
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
-        ds_engine.init_distributed()
+        ds_engine.init_distributed(cfg.train.cpu_shm_allreduce)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dev = device()
         self.run_dir = Path(cfg.train.out_dir)
@@ -422,8 +422,8 @@ class Trainer:
                 tags[f"data_fingerprint/{x.name}"] = data_fingerprint(x.path.manifest)
         self.tracker.start(
             tracking_uri=cfg.mlflow.tracking_uri,
-            experiment=cfg.name,
-            run_name=self.run_dir.name,
+            experiment=cfg.mlflow.experiment or cfg.name,
+            run_name=cfg.mlflow.run_name or self.run_dir.name,
             params=params,
             tags=tags,
             resume=self.resumed_from is not None,

@@ -78,3 +78,14 @@ def test_dockerignore_keeps_history_and_outputs_out():
     }
     assert {".git", "runs", "mlruns", "mlflow.db", "**/__pycache__"} <= ignored
     assert "pipeline" not in ignored and "configs" not in ignored
+
+
+def test_cpu_image_prebuilds_deepspeeds_cpu_op_for_its_runtime_user():
+    """`plm setup` after the package install (nothing compiles in a container), and the
+    extension cache it fills is the runtime user's (torch locks a file there to load)."""
+    runs = [a for k, a in instructions("Dockerfile.cpu") if k == "RUN"]
+    install = next(i for i, a in enumerate(runs) if '".[tracking]"' in a)
+    setup = next(i for i, a in enumerate(runs) if a.strip() == "plm setup")
+    assert install < setup
+    assert any("chown -R plm:plm /usr/local/var/plm" in a for a in runs[setup + 1 :])
+    assert "build-essential" in " ".join(runs[:setup])  # g++ for the build

@@ -1,0 +1,109 @@
+"""DeepSpeed's CPU shared-memory all-reduce op (pipeline/train/ds_ops.py), with the real
+DeepSpeed: never built or loaded at world size 1, a per-venv extension cache, and a
+machine without a compiler gets one `plm:` line and trains on plain gloo."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, deepspeed_launch, plm
+
+BERT = str(REPO / "configs/test/bert-tiny.yaml")
+LINE = "plm: DeepSpeed's CPU shared-memory all-reduce op"
+
+
+def files_under(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if p.is_file()] if path.exists() else []
+
+
+def test_the_extension_cache_is_per_venv_unless_the_user_set_one(monkeypatch, tmp_path):
+    from pipeline.train import ds_ops
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    ds_ops.configure_environment()
+    assert os.environ["TORCH_EXTENSIONS_DIR"] == str(Path(sys.prefix) / "var/plm/torch_extensions")
+    assert ds_ops.extensions_dir() == Path(sys.prefix) / "var/plm/torch_extensions"
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "mine"))
+    ds_ops.configure_environment()
+    assert ds_ops.extensions_dir() == tmp_path / "mine"
+
+
+def test_ds_accelerator_is_cpu_without_a_gpu_unless_the_user_set_it(monkeypatch):
+    import torch
+
+    from pipeline.train import ds_ops
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    ds_ops.configure_environment()
+    if torch.cuda.is_available():
+        assert "DS_ACCELERATOR" not in os.environ  # DeepSpeed detects CUDA itself
+    else:
+        assert os.environ["DS_ACCELERATOR"] == "cpu"
+    monkeypatch.setenv("DS_ACCELERATOR", "cuda")
+    ds_ops.configure_environment()
+    assert os.environ["DS_ACCELERATOR"] == "cuda"
+
+
+@pytest.mark.slow
+def test_world_size_1_neither_builds_nor_loads_the_op(tiny_data, tmp_path):
+    """Even asked for (train.cpu_shm_allreduce=true), one rank has no peer: DeepSpeed is
+    told the op cannot be built, so the (empty) extension cache stays empty. And plm's
+    process sets DS_ACCELERATOR itself: no "Setting accelerator to CPU" warning."""
+    ext = tmp_path / "ext"
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    code = (
+        "from pipeline.train import engine; engine.init_distributed(True); "
+        "import deepspeed.ops; print('COMPATIBLE', deepspeed.ops.__compatible_ops__"
+        "['deepspeed_shm_comm'])"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300, env={**env, "TORCH_EXTENSIONS_DIR": str(ext)})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "COMPATIBLE False" in proc.stdout
+
+    os.environ.pop("DS_ACCELERATOR", None)  # (the autouse fixture restores it)
+    run = plm("train", BERT, f"data.path={tiny_data}", f"train.out_dir={tmp_path / 'run'}",
+              "train.max_steps=3", "train.eval_every=0", "train.save_every=0",
+              "train.cpu_shm_allreduce=true", "mlflow.register=false", cwd=tmp_path,
+              env={"TORCH_EXTENSIONS_DIR": str(ext)})  # fmt: skip
+    assert not files_under(ext)
+    out = run.stdout + run.stderr
+    assert "built successfully" not in out and LINE not in out
+    assert "Setting accelerator to CPU" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_no_compiler_one_plm_line_and_training_on_gloo(tiny_data, tmp_path, monkeypatch):
+    """2 ranks asking for the op on a machine whose compiler is missing (CXX points
+    nowhere): one plm: line (local rank 0), no traceback, nothing built, the run finishes;
+    `plm setup` says the same and exits 2."""
+    ext = tmp_path / "ext"
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(ext))
+    run_dir = tmp_path / "run"
+    proc = deepspeed_launch(
+        ["--module", "pipeline.cli", "train", BERT, f"data.path={tiny_data}",
+         f"train.out_dir={run_dir}", "train.max_steps=3", "train.eval_every=0",
+         "train.save_every=0", "train.cpu_shm_allreduce=true", "mlflow.register=false"],
+        cwd=tmp_path,
+    )  # fmt: skip
+    lines = [x for x in proc.stderr.splitlines() if x.startswith(LINE)]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    assert "cannot be built here" in lines[0] and "CXX=/nonexistent/g++" in lines[0]
+    assert "plain gloo" in lines[0]
+    assert "Traceback" not in proc.stderr
+    assert "world size 2" in proc.stdout and (run_dir / "checkpoints" / "latest").exists()
+    assert not files_under(ext)
+
+    setup = plm("setup", cwd=tmp_path, check=False)
+    assert setup.returncode == 2, setup.stdout + setup.stderr
+    assert "Traceback" not in setup.stderr
+    assert [x for x in setup.stderr.splitlines() if x.startswith("plm:")] == [
+        x for x in setup.stderr.splitlines() if "C++ compiler" in x
+    ]
+    assert not files_under(ext)
