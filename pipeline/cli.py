@@ -152,7 +152,8 @@ def _setup(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from pipeline.demo import run_demo
 
-    return run_demo(args.workdir, steps=args.steps, seed=args.seed)
+    steps = {} if args.steps is None else {"steps": args.steps}  # else the demo's recipe
+    return run_demo(args.workdir, seed=args.seed, **steps)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,7 +290,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
     demo.add_argument("--workdir", default="demo")
-    demo.add_argument("--steps", type=int, default=6000)
+    demo.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="pretraining steps (default: the demo's recipe, pipeline/demo.py STEPS)",
+    )
     demo.add_argument("--seed", type=int, default=1234, help="pretraining seed")
     demo.set_defaults(func=_demo)
     _verbose_everywhere(parser)

@@ -83,12 +83,16 @@ def topic_finetune_config(
     register: bool = True,
     epochs: int = 20,
     seed: int = 0,
+    experiment: str | None = None,
+    run_name: str | None = None,
 ) -> dict:
     """The demo's fine-tuning recipe: mean pooling over the tokens (a tiny encoder's [CLS]
     vector is a poor summary after MLM-only pretraining), lr 1e-3 with 10% warmup then
     linear decay, ``epochs`` epochs without early stopping (40 training paragraphs make a
     noisy valid curve), the model of the best valid accuracy kept. The same for pretrained
-    and random weights, so the two test accuracies compare the initialisations."""
+    and random weights, so the two test accuracies compare the initialisations.
+    ``experiment`` / ``run_name``: the MLflow experiment and run name (None: ``name`` and
+    the run folder's name)."""
     return {
         "name": name,
         "model": {"source": source, "init": init},
@@ -103,5 +107,10 @@ def topic_finetune_config(
             "seed": seed,
             "out_dir": str(out_dir),
         },
-        "mlflow": {"tracking_uri": tracking_uri, "register": register},
+        "mlflow": {
+            "tracking_uri": tracking_uri,
+            "register": register,
+            "experiment": experiment,
+            "run_name": run_name,
+        },
     }

@@ -70,6 +70,10 @@ def test_bert_tiny_trains_logs_and_registers(tiny_data, tmp_path):
     run_id = (run_dir / "mlflow_run_id").read_text().strip()
     run = client.get_run(run_id)
     assert run.info.status == "FINISHED"
+    assert run.info.run_name == "run"  # train.out_dir's name (mlflow.run_name unset)
+    experiment = client.get_experiment(run.info.experiment_id)
+    assert experiment.name == "bert-tiny"  # the config's name (mlflow.experiment unset)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
     assert run.data.params["train.lr"] == "0.001"
     assert run.data.params["model.arch"] == "bert"
     assert run.data.tags["arch"] == "bert" and run.data.tags["objective"] == "mlm+nsp"
