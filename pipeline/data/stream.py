@@ -696,7 +696,7 @@ class PretrainStream:
 
     def source_units(self) -> list[int]:
         """Units of one epoch of each source (its own epoch, not the mixture's)."""
-        return [source.n_units for source in self._core.sources]
+        return self._core.source_units.tolist()
 
     # --- iteration -----------------------------------------------------------------------
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
