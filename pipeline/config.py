@@ -200,6 +200,12 @@ class TrainSection(Strict):
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     activation_checkpointing: bool = False
+    # Encoders compute on real tokens only (their padding packed away; causal models with
+    # block_cross_document_attention attend per document without a [B,T,T] mask). Same
+    # examples and loss as the padded path; false keeps the padded path.
+    unpad: bool = True
+    # torch.compile of each repeated layer (regional: one graph reused by every layer)
+    compile: bool = False
     log_every: int = Field(10, gt=0)
     eval_every: int = Field(200, ge=0)
     eval_batches: int = Field(20, gt=0)

@@ -26,15 +26,16 @@ from typing import Literal
 import torch
 from pydantic import Field
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.bert import BertEmbeddings, BertMLMHead
 from pipeline.models.blocks import (
     MLP,
+    Attention,
     SelfAttention,
     TransformerConfig,
+    encoder_attention,
     init_normal,
-    padding_mask,
     vocab_pad_bias,
 )
 
@@ -60,8 +61,8 @@ class AttentionSublayer(nn.Module):
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        return self.ln(x + self.dropout(self.attn(x, attn_mask, False)))
+    def forward(self, x: Tensor, attn: Attention) -> Tensor:
+        return self.ln(x + self.dropout(self.attn(x, attn)))
 
 
 class FfnSublayer(nn.Module):
@@ -77,9 +78,7 @@ class FfnSublayer(nn.Module):
         return self.ln(x + self.dropout(self.mlp(x)))
 
 
-class Albert(nn.Module):
-    causal = False
-
+class Albert(PretrainModel):
     def __init__(self, config: AlbertConfig):
         super().__init__()
         self.config = config
@@ -99,7 +98,6 @@ class Albert(nn.Module):
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -107,14 +105,9 @@ class Albert(nn.Module):
         init_normal(self, self.config.init_std)
         self.embeddings.word.weight[self.config.vocab_size :].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
-
-    def layer(self, i: int, x: Tensor, attn_mask: Tensor | None) -> Tensor:
-        """Layer i: its attention and feed-forward sublayers (shared ones are index 0)."""
-        attn = self.attention[i % len(self.attention)]
-        ffn = self.ffn[i % len(self.ffn)]
-        return ffn(attn(x, attn_mask))
+    def repeated_layers(self) -> list[nn.Module]:
+        """The sublayers (a shared one once): each is called through run_layer."""
+        return [*self.attention, *self.ffn]
 
     def forward(
         self,
@@ -125,21 +118,25 @@ class Albert(nn.Module):
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
     ) -> dict[str, Tensor]:
-        T = input_ids.shape[1]
-        if T > self.config.max_positions:
-            raise ValueError(
-                f"sequence length {T} > model.max_positions {self.config.max_positions}"
-            )
-        x = self.project(self.embeddings(input_ids, token_type_ids, position_ids))
-        mask = padding_mask(attention_mask)
-        for i in range(self.config.num_layers):
-            if self.checkpointing and torch.is_grad_enabled():
-                x = checkpoint(self.layer, i, x, mask, use_reentrant=False)
-            else:
-                x = self.layer(i, x, mask)
-        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias, mlm_labels)
-        pooled = torch.tanh(self.pooler(x[:, 0]))
-        return {"mlm_logits": mlm_logits, "sop_logits": self.sop_head(pooled), "hidden_states": x}
+        self.check_length(input_ids.shape[1], self.config.max_positions)
+        # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
+        attn = encoder_attention(attention_mask, self.unpad)
+        positions = attn.positions(input_ids) if position_ids is None else attn.pack(position_ids)
+        x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
+        x = self.project(x)
+        for i in range(self.config.num_layers):  # layer i: its sublayers (shared: index 0)
+            x = self.run_layer(self.attention[i % len(self.attention)], x, attn)
+            x = self.run_layer(self.ffn[i % len(self.ffn)], x)
+        labels = attn.pack(mlm_labels)
+        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias, labels)
+        if labels is None:
+            mlm_logits = attn.unpack(mlm_logits)
+        pooled = torch.tanh(self.pooler(attn.firsts(x)))
+        return {
+            "mlm_logits": mlm_logits,
+            "sop_logits": self.sop_head(pooled),
+            "hidden_states": attn.unpack(x),
+        }
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 * (N_used + E * Vpad) + 12 * L * H * T.

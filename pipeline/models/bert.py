@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.blocks import (
     TransformerConfig,
+    encoder_attention,
     init_normal,
     make_blocks,
     non_embedding_params,
-    padding_mask,
-    run_blocks,
     vocab_pad_bias,
 )
 
@@ -84,9 +84,7 @@ class BertMLMHead(nn.Module):
         return F.linear(h, word_embeddings, (self.bias + pad_bias).to(word_embeddings.dtype))
 
 
-class Bert(nn.Module):
-    causal = False  # fine-tuning pools the last real token of causal models, [CLS] otherwise
-
+class Bert(PretrainModel):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -100,7 +98,6 @@ class Bert(nn.Module):
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -110,8 +107,8 @@ class Bert(nn.Module):
         init_normal(self, self.config.init_std)
         self.embeddings.word.weight[self.config.vocab_size :].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
+    def repeated_layers(self) -> list[nn.Module]:
+        return list(self.blocks)
 
     def forward(
         self,
@@ -122,16 +119,23 @@ class Bert(nn.Module):
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
     ) -> dict[str, Tensor]:
-        T = input_ids.shape[1]
-        if T > self.config.max_positions:
-            raise ValueError(
-                f"sequence length {T} > model.max_positions {self.config.max_positions}"
-            )
-        x = self.embeddings(input_ids, token_type_ids, position_ids)
-        h = run_blocks(self.blocks, x, padding_mask(attention_mask), False, self.checkpointing)
-        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias, mlm_labels)
-        pooled = torch.tanh(self.pooler(h[:, 0]))  # the [CLS] position
-        return {"mlm_logits": mlm_logits, "nsp_logits": self.nsp_head(pooled), "hidden_states": h}
+        self.check_length(input_ids.shape[1], self.config.max_positions)
+        # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
+        attn = encoder_attention(attention_mask, self.unpad)
+        positions = attn.positions(input_ids) if position_ids is None else attn.pack(position_ids)
+        x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
+        for block in self.blocks:
+            x = self.run_layer(block, x, attn)
+        labels = attn.pack(mlm_labels)
+        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias, labels)
+        if labels is None:
+            mlm_logits = attn.unpack(mlm_logits)
+        pooled = torch.tanh(self.pooler(attn.firsts(x)))  # the [CLS] position
+        return {
+            "mlm_logits": mlm_logits,
+            "nsp_logits": self.nsp_head(pooled),
+            "hidden_states": attn.unpack(x),
+        }
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token:

@@ -14,7 +14,6 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 # Logit given to the padded vocabulary rows. Finite (not -inf) so entropy/KL-style losses
 # never see inf * 0 = nan, yet so low that exp() underflows to exactly 0 in fp32/bf16/fp16:
@@ -66,7 +65,12 @@ def vocab_pad_bias(vocab_size: int, padded: int) -> Tensor:
     return bias
 
 
-# ----------------------------------------------------------------------------- masks
+# ----------------------------------------------------------------------------- attention
+#
+# A model's forward picks one attention layout for the whole stack and hands it to every
+# layer: ``Dense`` keeps the padded [B,T] batch (today's transformers layout), ``Packed``
+# computes on the real tokens only, packed into one row [1,N]. Layers are shape-agnostic;
+# only ``SelfAttention`` asks the layout to attend.
 
 
 def padding_mask(attention_mask: Tensor | None) -> Tensor | None:
@@ -106,11 +110,186 @@ def causal_mask(
     return allowed[:, None, :, :], False
 
 
+class Dense:
+    """Attention over the padded [B,T] batch: SDPA with an optional bool mask or the
+    kernel's causal path. Tensors keep their [B,T,...] shape (pack/unpack do nothing)."""
+
+    def __init__(self, mask: Tensor | None, is_causal: bool = False):
+        self.mask, self.is_causal = mask, is_causal
+
+    def pack(self, x: Tensor | None) -> Tensor | None:
+        return x
+
+    def unpack(self, x: Tensor) -> Tensor:
+        return x
+
+    def positions(self, input_ids: Tensor) -> Tensor:
+        """[1,T] position ids 0..T-1 (the default of absolute-position models)."""
+        return torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+
+    def firsts(self, h: Tensor) -> Tensor:
+        """[B,H] each row's first token ([CLS])."""
+        return h[:, 0]
+
+    def attend(self, qkv: Tensor, num_heads: int, dropout_p: float) -> Tensor:
+        """[B,T,3C] fused projections -> [B,T,C]."""
+        B, T, C3 = qkv.shape
+        # [B,T,3C] -> 3 x [B,nh,T,hd]
+        q, k, v = qkv.view(B, T, 3, num_heads, C3 // 3 // num_heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, dropout_p=dropout_p, is_causal=self.is_causal
+        )
+        return y.transpose(1, 2).reshape(B, T, C3 // 3)
+
+
+class Packed:
+    """The real tokens of a [B,T] batch packed into one row, [1,N,...]: every layer but
+    attention computes on N tokens, never on padding. Attention is confined to each
+    *sequence*: the real tokens of a row (``from_mask``, bidirectional encoders) or one
+    document of a row (``from_documents``, causal; document ids are contiguous runs).
+
+    ``index`` [N]: flat positions b*T+t of the tokens, in row-major order; ``cu_seqlens``
+    [S+1]: where each of the S sequences starts in the packed order. Attention runs as
+    varlen SDPA through nested jagged tensors on a GPU (flash / memory-efficient varlen
+    kernels, dropout included); on the CPU, where PyTorch's nested path loops, it pads
+    the sequences into [S, longest] for one batched SDPA call (the FLOPs on padding are
+    then in attention's score matmuls only, not in any projection or MLP).
+    """
+
+    kernel: Literal["auto", "nested", "padded"] = "auto"  # auto: nested on a GPU
+
+    def __init__(
+        self, index: Tensor, seq: Tensor, offset: Tensor, lengths: Tensor,
+        shape: tuple[int, int], causal: bool,
+    ):  # fmt: skip
+        self.index, self.seq, self.offset = index, seq, offset  # [N] each
+        self.shape, self.causal = shape, causal
+        self.n_seqs = int(lengths.shape[0])
+        self.max_len = int(lengths.max()) if self.n_seqs else 0  # one host read
+        self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
+        self.dense = index.shape[0] == shape[0] * shape[1]  # no padding: views, no gathers
+        self.nested = index.is_cuda if self.kernel == "auto" else self.kernel == "nested"
+
+    @classmethod
+    def from_mask(cls, attention_mask: Tensor) -> Packed:
+        """Each row's real tokens (attention_mask 1) form one bidirectional sequence."""
+        B, T = attention_mask.shape
+        keep = attention_mask.bool()
+        index = keep.flatten().nonzero().squeeze(1)  # the one data-dependent size
+        lengths = keep.sum(1)
+        seq = index // T
+        offset = (keep.cumsum(1) - 1).flatten()[index]  # the token's rank within its row
+        return cls(index, seq, offset, lengths, (B, T), causal=False)
+
+    @classmethod
+    def from_documents(cls, document_ids: Tensor) -> Packed:
+        """Every document of every row (a run of equal ids) is one causal sequence."""
+        B, T = document_ids.shape
+        new = torch.ones_like(document_ids, dtype=torch.bool)
+        new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+        starts = new.flatten()
+        seq = starts.cumsum(0) - 1  # [B*T] sequence number of each token
+        first = starts.nonzero().squeeze(1)
+        lengths = torch.diff(first, append=first.new_tensor([B * T]))
+        index = torch.arange(B * T, device=document_ids.device)
+        offset = index - first[seq]
+        return cls(index, seq, offset, lengths, (B, T), causal=True)
+
+    def pack(self, x: Tensor | None) -> Tensor | None:
+        """[B,T,...] -> [1,N,...]"""
+        if x is None:
+            return None
+        flat = x.reshape(-1, *x.shape[2:])
+        return (flat if self.dense else flat.index_select(0, self.index))[None]
+
+    def unpack(self, x: Tensor) -> Tensor:
+        """[1,N,...] -> [B,T,...], zeros at the padding."""
+        B, T = self.shape
+        if self.dense:
+            return x.reshape(B, T, *x.shape[2:])
+        out = x.new_zeros(B * T, *x.shape[2:])
+        return out.index_copy(0, self.index, x[0]).view(B, T, *x.shape[2:])
+
+    def positions(self, input_ids: Tensor) -> Tensor:
+        """[1,N] each token's position in its row (what Dense.positions gives it)."""
+        return (self.index % self.shape[1])[None]
+
+    def firsts(self, h: Tensor) -> Tensor:
+        """[S,H] each sequence's first token ([CLS]); an empty row gives some other token."""
+        return h[0, self.cu_seqlens[:-1].clamp(max=max(h.shape[1] - 1, 0))]
+
+    def attend(self, qkv: Tensor, num_heads: int, dropout_p: float) -> Tensor:
+        """[1,N,3C] fused projections -> [1,N,C], attention within each sequence."""
+        N, C = qkv.shape[1], qkv.shape[2] // 3
+        q, k, v = qkv[0].view(N, 3, num_heads, C // num_heads).unbind(1)  # [N,nh,hd]
+        if self.nested:
+            y = self._attend_nested(q, k, v, dropout_p)
+        else:
+            y = self._attend_padded(q, k, v, dropout_p)
+        return y.reshape(1, N, C)
+
+    def _attend_nested(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        def jagged(x: Tensor) -> Tensor:  # [N,nh,hd] -> [S, nh, (len), hd]
+            return torch.nested.nested_tensor_from_jagged(
+                x.contiguous(), offsets=self.cu_seqlens, max_seqlen=self.max_len
+            ).transpose(1, 2)
+
+        y = F.scaled_dot_product_attention(
+            jagged(q), jagged(k), jagged(v), dropout_p=dropout_p, is_causal=self.causal
+        )
+        return y.transpose(1, 2).values()
+
+    def _attend_padded(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
+        S, L = self.n_seqs, self.max_len
+        slot = self.seq * L + self.offset  # [N] place of each token in [S*L]
+
+        def padded(x: Tensor) -> Tensor:  # [N,nh,hd] -> [S,nh,L,hd]
+            out = x.new_zeros(S * L, *x.shape[1:]).index_copy(0, slot, x)
+            return out.view(S, L, *x.shape[1:]).transpose(1, 2)
+
+        mask = None
+        if not self.causal:  # a causal query never sees the padding after it
+            lengths = torch.diff(self.cu_seqlens)
+            mask = (torch.arange(L, device=q.device)[None] < lengths[:, None])[:, None, None]
+        y = F.scaled_dot_product_attention(
+            padded(q), padded(k), padded(v), attn_mask=mask, dropout_p=dropout_p,
+            is_causal=self.causal,
+        )  # fmt: skip
+        return y.transpose(1, 2).reshape(S * L, -1).index_select(0, slot)
+
+
+Attention = Dense | Packed
+
+
+def encoder_attention(attention_mask: Tensor | None, unpad: bool) -> Attention:
+    """The layout of a bidirectional encoder's batch: ``Packed`` when ``unpad`` and the
+    batch has padding, else ``Dense`` (no padding: nothing to save, no gathers)."""
+    if unpad and attention_mask is not None and not bool(attention_mask.all()):
+        return Packed.from_mask(attention_mask)
+    return Dense(padding_mask(attention_mask))
+
+
+def decoder_attention(
+    attention_mask: Tensor | None, document_ids: Tensor | None, unpad: bool
+) -> Attention:
+    """The layout of a causal decoder's batch: documents packed in rows (no padding) are
+    ``Packed`` causal sequences with ``unpad``, so no [B,T,T] mask is built; otherwise
+    ``Dense`` with the kernel's causal path or ``causal_mask``."""
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if unpad and document_ids is not None and not padded:
+        return Packed.from_documents(document_ids)
+    if not padded and document_ids is None:
+        return Dense(None, is_causal=True)
+    T = (document_ids if document_ids is not None else attention_mask).shape[1]
+    return Dense(*causal_mask(attention_mask if padded else None, document_ids, T))
+
+
 # ----------------------------------------------------------------------------- layers
 
 
 class SelfAttention(nn.Module):
-    """Multi-head self-attention with one fused QKV projection (one GEMM instead of three)."""
+    """Multi-head self-attention with one fused QKV projection (one GEMM instead of three);
+    the layout (``Dense`` or ``Packed``) runs the attention itself."""
 
     def __init__(self, hidden_size: int, num_heads: int, attention_dropout: float):
         super().__init__()
@@ -119,21 +298,9 @@ class SelfAttention(nn.Module):
         self.qkv = nn.Linear(hidden_size, 3 * hidden_size)
         self.proj = nn.Linear(hidden_size, hidden_size)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
-        B, T, C = x.shape
-        # [B,T,3C] -> 3 x [B,nh,T,hd]
-        q, k, v = (
-            self.qkv(x).view(B, T, 3, self.num_heads, C // self.num_heads).permute(2, 0, 3, 1, 4)
-        )
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=attn_mask,
-            dropout_p=self.attention_dropout if self.training else 0.0,
-            is_causal=is_causal,
-        )
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+    def forward(self, x: Tensor, attn: Attention) -> Tensor:
+        dropout = self.attention_dropout if self.training else 0.0
+        return self.proj(attn.attend(self.qkv(x), self.num_heads, dropout))
 
 
 class MLP(nn.Module):
@@ -174,11 +341,11 @@ class Block(nn.Module):
         self.ln_2 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+    def forward(self, x: Tensor, attn: Attention) -> Tensor:
         if self.pre_ln:
-            x = x + self.dropout(self.attn(self.ln_1(x), attn_mask, is_causal))
+            x = x + self.dropout(self.attn(self.ln_1(x), attn))
             return x + self.dropout(self.mlp(self.ln_2(x)))
-        x = self.ln_1(x + self.dropout(self.attn(x, attn_mask, is_causal)))
+        x = self.ln_1(x + self.dropout(self.attn(x, attn)))
         return self.ln_2(x + self.dropout(self.mlp(x)))
 
 
@@ -197,23 +364,6 @@ def make_blocks(cfg: TransformerConfig, pre_ln: bool) -> nn.ModuleList:
         )
         for _ in range(cfg.num_layers)
     )
-
-
-def run_blocks(
-    blocks: nn.ModuleList,
-    x: Tensor,
-    attn_mask: Tensor | None,
-    is_causal: bool,
-    checkpointing: bool,
-) -> Tensor:
-    """Apply the layers; with checkpointing, keep only each layer's input and recompute its
-    activations in backward (RNG state is restored, so dropout masks are identical)."""
-    for block in blocks:
-        if checkpointing and torch.is_grad_enabled():
-            x = checkpoint(block, x, attn_mask, is_causal, use_reentrant=False)
-        else:
-            x = block(x, attn_mask, is_causal)
-    return x
 
 
 # ----------------------------------------------------------------------------- init

@@ -14,14 +14,14 @@ import torch
 from pydantic import Field
 from torch import Tensor, nn
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.bert import BertMLMHead
 from pipeline.models.blocks import (
     TransformerConfig,
+    encoder_attention,
     init_normal,
     make_blocks,
     non_embedding_params,
-    padding_mask,
-    run_blocks,
     vocab_pad_bias,
 )
 
@@ -48,9 +48,7 @@ class DistilBertEmbeddings(nn.Module):
         return self.dropout(self.ln(self.word(input_ids) + self.position(position_ids)))
 
 
-class DistilBert(nn.Module):
-    causal = False
-
+class DistilBert(PretrainModel):
     def __init__(self, config: DistilBertConfig):
         super().__init__()
         self.config = config
@@ -62,7 +60,6 @@ class DistilBert(nn.Module):
             vocab_pad_bias(config.vocab_size, config.padded_vocab_size),
             persistent=False,
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -70,8 +67,8 @@ class DistilBert(nn.Module):
         init_normal(self, self.config.init_std)
         self.embeddings.word.weight[self.config.vocab_size :].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
+    def repeated_layers(self) -> list[nn.Module]:
+        return list(self.blocks)
 
     def forward(
         self,
@@ -80,15 +77,16 @@ class DistilBert(nn.Module):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
     ) -> dict[str, Tensor]:
-        T = input_ids.shape[1]
-        if T > self.config.max_positions:
-            raise ValueError(
-                f"sequence length {T} > model.max_positions {self.config.max_positions}"
-            )
-        x = self.embeddings(input_ids, position_ids)
-        h = run_blocks(self.blocks, x, padding_mask(attention_mask), False, self.checkpointing)
-        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias)
-        return {"mlm_logits": mlm_logits, "hidden_states": h}
+        self.check_length(input_ids.shape[1], self.config.max_positions)
+        # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
+        attn = encoder_attention(attention_mask, self.unpad)
+        positions = attn.positions(input_ids) if position_ids is None else attn.pack(position_ids)
+        x = self.embeddings(attn.pack(input_ids), positions)
+        for block in self.blocks:
+            x = self.run_layer(block, x, attn)
+        # every position's logits (the distill objective compares them with the teacher's)
+        mlm_logits = attn.unpack(self.mlm_head(x, self.embeddings.word.weight, self.pad_bias))
+        return {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 * (N + H * Vpad) + 12 * L * H * T, as Bert.flops_per_token (the teacher's

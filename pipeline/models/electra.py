@@ -29,14 +29,15 @@ import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.bert import BertEmbeddings
 from pipeline.models.blocks import (
+    Attention,
     TransformerConfig,
+    encoder_attention,
     init_normal,
     make_blocks,
     non_embedding_params,
-    padding_mask,
-    run_blocks,
     vocab_pad_bias,
 )
 
@@ -86,11 +87,6 @@ class ElectraEncoder(nn.Module):
         )
         self.blocks = make_blocks(cfg, pre_ln=False)
 
-    def forward(self, x: Tensor, attn_mask: Tensor | None, checkpointing: bool) -> Tensor:
-        if self.project is not None:
-            x = self.project(x)
-        return run_blocks(self.blocks, x, attn_mask, False, checkpointing)
-
 
 class GeneratorHead(nn.Module):
     """dense (Hg -> E) -> exact GELU -> LayerNorm, then the tied word embeddings + bias."""
@@ -126,9 +122,7 @@ def gumbel_sample(logits: Tensor) -> Tensor:
     return (logits - noise).argmax(-1)
 
 
-class Electra(nn.Module):
-    causal = False
-
+class Electra(PretrainModel):
     def __init__(self, config: ElectraConfig):
         super().__init__()
         self.config = config
@@ -143,7 +137,6 @@ class Electra(nn.Module):
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -151,34 +144,40 @@ class Electra(nn.Module):
         init_normal(self, self.config.init_std)
         self.embeddings.word.weight[self.config.vocab_size :].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
+    def repeated_layers(self) -> list[nn.Module]:
+        return [*self.discriminator.blocks, *self.generator.blocks]
 
-    def _check_length(self, input_ids: Tensor) -> None:
-        T = input_ids.shape[1]
-        if T > self.config.max_positions:
-            raise ValueError(
-                f"sequence length {T} > model.max_positions {self.config.max_positions}"
-            )
+    def encode(
+        self, net: ElectraEncoder, attn: Attention, input_ids, token_type_ids, position_ids
+    ) -> Tensor:
+        """The shared embeddings, then ``net`` (discriminator or generator), in ``attn``'s
+        layout: [B,T,H] dense, or [1,N,H] for the real tokens packed."""
+        self.check_length(input_ids.shape[1], self.config.max_positions)
+        positions = attn.positions(input_ids) if position_ids is None else attn.pack(position_ids)
+        x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
+        if net.project is not None:
+            x = net.project(x)
+        for block in net.blocks:
+            x = self.run_layer(block, x, attn)
+        return x
 
     def discriminate(
         self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None
     ) -> tuple[Tensor, Tensor]:
         """(rtd_logits [B,T], hidden_states [B,T,H]) of the discriminator."""
-        self._check_length(input_ids)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)
-        h = self.discriminator(x, padding_mask(attention_mask), self.checkpointing)
-        return self.discriminator_head(h), h
+        attn = encoder_attention(attention_mask, self.unpad)
+        h = self.encode(self.discriminator, attn, input_ids, token_type_ids, position_ids)
+        return attn.unpack(self.discriminator_head(h)), attn.unpack(h)
 
     def generator_logits(
         self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, where=None
     ) -> Tensor:
         """The generator's MLM logits, [B,T,Vpad], or [N,Vpad] at the positions ``where``."""
-        self._check_length(input_ids)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)
-        g = self.generator(x, padding_mask(attention_mask), self.checkpointing)
-        if where is not None:
-            g = g[where]  # only the masked rows go through the vocabulary projection
+        attn = encoder_attention(attention_mask, self.unpad)
+        g = self.encode(self.generator, attn, input_ids, token_type_ids, position_ids)
+        if where is None:
+            return attn.unpack(self.generator_head(g, self.embeddings.word.weight, self.pad_bias))
+        g = g[attn.pack(where)]  # only the masked rows go through the vocabulary projection
         return self.generator_head(g, self.embeddings.word.weight, self.pad_bias)
 
     def forward(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -49,8 +50,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.blocks import padded_vocab_size, vocab_pad_bias
 
 # --------------------------------------------------------------------------- characters
@@ -225,7 +226,9 @@ def _permute(x: Tensor, order: Tensor) -> Tensor:
     return x.gather(1, order[..., None].expand(-1, -1, x.shape[-1]))
 
 
-def run_direction(lm: nn.Module, x: Tensor, attention_mask: Tensor | None, reverse: bool):
+def run_direction(
+    lm: Callable[[Tensor], list[Tensor]], x: Tensor, attention_mask: Tensor | None, reverse: bool
+):
     """One LM over x [B,T,P] in its reading direction; outputs back in position order."""
     order = direction_order(attention_mask, reverse)
     if order is None:
@@ -247,26 +250,20 @@ class ElmoLM(nn.Module):
             nn.LSTM(P, cfg.lstm_dim, proj_size=P, batch_first=True) for _ in range(cfg.num_layers)
         )
         self.dropout = nn.Dropout(cfg.dropout)
-        self.checkpointing = False
 
-    def _layer(self, k: int, x: Tensor) -> Tensor:
-        return self.layers[k](x)[0]
-
-    def forward(self, x: Tensor) -> list[Tensor]:
-        """x [B,T,P] in reading order -> each layer's output [B,T,P], in reading order."""
+    def forward(self, x: Tensor, run_layer: Callable) -> list[Tensor]:
+        """x [B,T,P] in reading order -> each layer's output [B,T,P], in reading order.
+        ``run_layer``: the model's (PretrainModel.run_layer: checkpointing)."""
         outs = []
-        for k in range(len(self.layers)):
+        for lstm in self.layers:
             inp = self.dropout(x)
-            if self.checkpointing and torch.is_grad_enabled():
-                h = checkpoint(self._layer, k, inp, use_reentrant=False)
-            else:
-                h = self._layer(k, inp)
-            x = h + x if k > 0 else h  # residual connection between LSTM layers
+            h = run_layer(lstm, inp)[0]  # (output, (h_n, c_n))
+            x = h + x if outs else h  # residual connection between LSTM layers
             outs.append(x)
         return outs
 
 
-class Elmo(nn.Module):
+class Elmo(PretrainModel):
     causal = False  # bidirectional features; fine-tuning pools as for an encoder
 
     def __init__(self, config: ElmoConfig):
@@ -282,7 +279,6 @@ class Elmo(nn.Module):
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -304,19 +300,15 @@ class Elmo(nn.Module):
             raise ValueError(f"character table of shape {tuple(table.shape)}, need {expected}")
         self.char_ids.copy_(table.to(self.char_ids.device))
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
-        self.forward_lm.checkpointing = self.backward_lm.checkpointing = enabled
+    def repeated_layers(self) -> list[nn.Module]:
+        return [self.encoder, *self.forward_lm.layers, *self.backward_lm.layers]
 
     def encode_tokens(self, input_ids: Tensor) -> Tensor:
         """[B,T] ids -> [B,T,P] context-independent token vectors (ELMo's layer 0). The
         char CNN runs once per distinct id of the batch, not once per position."""
         unique, inverse = input_ids.unique(return_inverse=True)
         chars = self.char_ids[unique]
-        if self.checkpointing and torch.is_grad_enabled():
-            vectors = checkpoint(self.encoder, chars, use_reentrant=False)
-        else:
-            vectors = self.encoder(chars)
+        vectors = self.run_layer(self.encoder, chars)
         return vectors[inverse]
 
     def forward(
@@ -326,8 +318,12 @@ class Elmo(nn.Module):
         lm_logits: bool = True,
     ) -> dict[str, Tensor]:
         x = self.encode_tokens(input_ids)
-        fwd = run_direction(self.forward_lm, x, attention_mask, reverse=False)
-        bwd = run_direction(self.backward_lm, x, attention_mask, reverse=True)
+        fwd = run_direction(
+            lambda v: self.forward_lm(v, self.run_layer), x, attention_mask, reverse=False
+        )
+        bwd = run_direction(
+            lambda v: self.backward_lm(v, self.run_layer), x, attention_mask, reverse=True
+        )
         layers = [torch.cat([x, x], dim=-1)]
         layers += [torch.cat([f, b], dim=-1) for f, b in zip(fwd, bwd, strict=True)]
         stacked = torch.stack(layers, dim=1)  # [B, L+1, T, 2P]

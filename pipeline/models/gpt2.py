@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from pydantic import Field
 from torch import Tensor, nn
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.blocks import (
     TransformerConfig,
-    causal_mask,
+    decoder_attention,
     init_normal,
     make_blocks,
     non_embedding_params,
-    run_blocks,
     vocab_pad_bias,
 )
 
@@ -36,7 +36,7 @@ class GPT2Config(TransformerConfig):
     activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
 
 
-class GPT2(nn.Module):
+class GPT2(PretrainModel):
     causal = True  # fine-tuning pools the last real token of causal models, [CLS] otherwise
     pre_ln = True  # GPT (pipeline/models/gpt.py) is this model with post-LN blocks
 
@@ -56,7 +56,6 @@ class GPT2(nn.Module):
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -73,8 +72,8 @@ class GPT2(nn.Module):
                 )
         self.wte.weight[self.config.vocab_size :].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
+    def repeated_layers(self) -> list[nn.Module]:
+        return list(self.blocks)
 
     # embed / head are split out so pipeline.generate can run the blocks with a KV cache
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
@@ -93,16 +92,18 @@ class GPT2(nn.Module):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
     ) -> dict[str, Tensor]:
-        T = input_ids.shape[1]
-        if T > self.config.max_positions:
-            raise ValueError(
-                f"sequence length {T} > model.max_positions {self.config.max_positions}"
-            )
+        self.check_length(input_ids.shape[1], self.config.max_positions)
+        # Dense [B,T,...] (causal kernel or mask), or with unpadding and documents each
+        # document a causal sequence, all tokens in one row [1,B*T,...]: no [B,T,T] mask
+        attn = decoder_attention(attention_mask, document_ids, self.unpad)
         if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)[None]
-        x = self.embed(input_ids, position_ids)
-        attn_mask, is_causal = causal_mask(attention_mask, document_ids, T)
-        return self.head(run_blocks(self.blocks, x, attn_mask, is_causal, self.checkpointing))
+            positions = attn.positions(input_ids)
+        else:
+            positions = attn.pack(position_ids.expand_as(input_ids))
+        x = self.embed(attn.pack(input_ids), positions)
+        for block in self.blocks:
+            x = self.run_layer(block, x, attn)
+        return {k: attn.unpack(v) for k, v in self.head(x).items()}
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token:

@@ -22,14 +22,14 @@ import torch
 from pydantic import Field, model_validator
 from torch import Tensor, nn
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.bert import BertEmbeddings, BertMLMHead
 from pipeline.models.blocks import (
     TransformerConfig,
+    encoder_attention,
     init_normal,
     make_blocks,
     non_embedding_params,
-    padding_mask,
-    run_blocks,
     vocab_pad_bias,
 )
 
@@ -57,9 +57,7 @@ def roberta_position_ids(input_ids: Tensor, pad_token_id: int) -> Tensor:
     return torch.cumsum(real, dim=1) * real + pad_token_id
 
 
-class Roberta(nn.Module):
-    causal = False
-
+class Roberta(PretrainModel):
     def __init__(self, config: RobertaConfig):
         super().__init__()
         self.config = config
@@ -70,7 +68,6 @@ class Roberta(nn.Module):
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -81,8 +78,8 @@ class Roberta(nn.Module):
         self.embeddings.word.weight[self.config.vocab_size :].zero_()
         self.embeddings.position.weight[self.config.pad_token_id].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
+    def repeated_layers(self) -> list[nn.Module]:
+        return list(self.blocks)
 
     def forward(
         self,
@@ -103,10 +100,18 @@ class Roberta(nn.Module):
             )
         if position_ids is None:
             position_ids = roberta_position_ids(input_ids, cfg.pad_token_id)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)
-        h = run_blocks(self.blocks, x, padding_mask(attention_mask), False, self.checkpointing)
-        mlm_logits = self.mlm_head(h, self.embeddings.word.weight, self.pad_bias, mlm_labels)
-        return {"mlm_logits": mlm_logits, "hidden_states": h}
+        # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
+        attn = encoder_attention(attention_mask, self.unpad)
+        x = self.embeddings(
+            attn.pack(input_ids), attn.pack(token_type_ids), attn.pack(position_ids)
+        )
+        for block in self.blocks:
+            x = self.run_layer(block, x, attn)
+        labels = attn.pack(mlm_labels)
+        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias, labels)
+        if labels is None:
+            mlm_logits = attn.unpack(mlm_logits)
+        return {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}
 
     def flops_per_token(self, seq_len: int) -> float:
         """6 * (N + H * Vpad) + 12 * L * H * T, as for BERT (see ``Bert.flops_per_token``)."""

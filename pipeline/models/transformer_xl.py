@@ -39,8 +39,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.blocks import (
     TransformerConfig,
     init_normal,
@@ -174,7 +174,7 @@ class XLLayer(nn.Module):
         return self.ln_2(x + self.dropout(self.ff(x)))
 
 
-class TransformerXL(nn.Module):
+class TransformerXL(PretrainModel):
     causal = True  # fine-tuning pools the last real token of causal models, [CLS] otherwise
 
     def __init__(self, config: TransformerXLConfig):
@@ -190,7 +190,6 @@ class TransformerXL(nn.Module):
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -202,8 +201,8 @@ class TransformerXL(nn.Module):
         nn.init.normal_(self.v, mean=0.0, std=std)
         self.wte.weight[self.config.vocab_size :].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
+    def repeated_layers(self) -> list[nn.Module]:
+        return list(self.layers)
 
     def forward(
         self,
@@ -239,10 +238,7 @@ class TransformerXL(nn.Module):
         for i, layer in enumerate(self.layers):
             inputs.append(x)
             mem = None if mems is None else mems[i].to(x.dtype)
-            if self.checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, mem, pos, self.u, self.v, keep, use_reentrant=False)
-            else:
-                x = layer(x, mem, pos, self.u, self.v, keep)
+            x = self.run_layer(layer, x, mem, pos, self.u, self.v, keep)
         logits = F.linear(x, self.wte.weight, self.pad_bias.to(x.dtype))  # tied LM head
         return {
             "logits": logits,

@@ -33,6 +33,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.blocks import padded_vocab_size
 
 
@@ -53,9 +54,7 @@ class Word2VecConfig(BaseModel):
         return padded_vocab_size(self.vocab_size, self.vocab_multiple)
 
 
-class Word2Vec(nn.Module):
-    causal = False
-
+class Word2Vec(PretrainModel):
     def __init__(self, config: Word2VecConfig):
         super().__init__()
         self.config = cfg = config
@@ -76,9 +75,6 @@ class Word2Vec(nn.Module):
     def set_counts(self, counts: Tensor) -> None:
         self.counts.zero_()
         self.counts[: counts.shape[0]] = counts.to(self.counts)
-
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        """Nothing to recompute: a lookup and a dot product per pair."""
 
     @property
     def vectors(self) -> Tensor:

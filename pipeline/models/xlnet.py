@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field, model_validator
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
+from pipeline.models.base import PretrainModel
 from pipeline.models.blocks import TransformerConfig, init_normal, vocab_pad_bias
 
 
@@ -189,7 +189,7 @@ class XLNetLayer(nn.Module):
         return h_out, self.ff(a.post(g, y))
 
 
-class XLNet(nn.Module):
+class XLNet(PretrainModel):
     causal = False  # the content stream without perm_mask is bidirectional
 
     def __init__(self, config: XLNetConfig):
@@ -205,7 +205,6 @@ class XLNet(nn.Module):
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
-        self.checkpointing = False
         self.init_weights()
 
     @torch.no_grad()
@@ -221,8 +220,8 @@ class XLNet(nn.Module):
         nn.init.normal_(self.mask_emb, mean=0.0, std=std)
         self.word.weight[self.config.vocab_size :].zero_()
 
-    def set_activation_checkpointing(self, enabled: bool) -> None:
-        self.checkpointing = enabled
+    def repeated_layers(self) -> list[nn.Module]:
+        return list(self.layers)
 
     def forward(
         self,
@@ -297,10 +296,7 @@ class XLNet(nn.Module):
             # project the sinusoids per layer (each layer has its own r)
             k_r = layer.attn.heads(layer.attn.r(pos))
             args = (h, g, mem, k_r, h_pos, g_pos, seg_same, g_seg, h_blocked, g_blocked)
-            if self.checkpointing and torch.is_grad_enabled():
-                h, g = checkpoint(layer, *args, use_reentrant=False)
-            else:
-                h, g = layer(*args)
+            h, g = self.run_layer(layer, *args)
 
         out = self.dropout(h if g is None else g)
         logits = F.linear(out, self.word.weight, (self.lm_bias + self.pad_bias).to(out.dtype))

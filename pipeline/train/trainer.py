@@ -27,6 +27,7 @@ from pipeline.data.mixture import open_sources
 from pipeline.data.shards import DataDir
 from pipeline.data.stream import MixSource
 from pipeline.train import engine as ds_engine
+from pipeline.train import parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
 from pipeline.train.plan import check_checkpoint, check_positions
@@ -52,6 +53,18 @@ class RunResult:
     model_version: str | None
     losses: dict[int, float] = field(default_factory=dict)
     tokens_by_source: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step's numbers, still on the device (read at the next ``_flush``):
+    ``values`` = [loss, *metrics (sums over micro-batches), tokens per source, samples,
+    positions] of this rank; ``grad_norm`` the global norm (the same on every rank)."""
+
+    step: int
+    values: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
 
 
 def seed_everything(seed: int) -> None:
@@ -105,7 +118,7 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int, sources: list
     check_positions(cfg, model_cfg)
     seed_everything(cfg.train.seed)  # same initial weights on every rank
     model = build_model(cfg.model.arch, model_cfg)
-    model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+    parallelize.apply(model, cfg.train)  # unpadding, checkpointing, compile
     specials = {int(i) for i in meta.get("special_tokens", {}).values()}
     objective = build_objective(
         cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len, specials
@@ -156,6 +169,11 @@ def _n_tokens(batch: dict[str, Any]) -> int:
     return int(batch["input_ids"].numel())
 
 
+def _n_positions(batch: dict[str, Any]) -> int:
+    """Positions of the batch, padding included (padding_fraction = 1 - tokens/positions)."""
+    return int(batch["input_ids"].numel())
+
+
 def _tokens_by_source(batch: dict[str, Any], n_sources: int) -> list[float]:
     """Real tokens of the batch per mixture source (``source_ids``: each row's source)."""
     if n_sources == 1:
@@ -170,12 +188,6 @@ def _tokens_by_source(batch: dict[str, Any], n_sources: int) -> list[float]:
         .index_add_(0, rows.cpu(), per_row.cpu())
         .tolist()
     )
-
-
-def _all_reduce_sum(values: list[float], dev: torch.device) -> list[float]:
-    t = torch.tensor(values, dtype=torch.float64, device=dev)
-    dist.all_reduce(t)
-    return t.tolist()
 
 
 def _replicated_masters(engine) -> dict[int, torch.Tensor]:
@@ -259,6 +271,8 @@ def discard_gradients(engine) -> None:
 class Trainer:
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
+        if not torch.cuda.is_available():
+            parallelize.set_cpu_threads()
         ds_engine.init_distributed(cfg.train.cpu_shm_allreduce)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dev = device()
@@ -307,6 +321,15 @@ class Trainer:
         self.resumed_from: str | None = None
         self.stopper = GracefulStop(cfg.train.stop_grace_s, self._killed_by_timer)
         self.stop_agreed = False  # every rank saw a stop signal's flag in the same all-reduce
+        self.reset_metrics()
+
+    def reset_metrics(self) -> None:
+        self.metric_names: list[str] | None = None  # the objective's, fixed at the first step
+        # Steps not yet read from the device (the logging window), and the ones read but
+        # not yet logged (a checkpoint reads them: its token counts must be complete).
+        self.window: list[StepRecord] = []
+        self.read: list[dict[str, float]] = []
+        self.losses: dict[int, float] = {}  # step -> mean loss, this process's steps
 
     # --- setup ---------------------------------------------------------------------------
     def plan_elastic_resume(self, cfg: ExperimentConfig) -> tuple[ExperimentConfig, dict | None]:
@@ -437,17 +460,27 @@ class Trainer:
         if self.rank == 0:
             print(f"[plm train] {msg}", flush=True)
 
-    # --- one optimizer step --------------------------------------------------------------
-    def train_step(self, it) -> dict[str, float] | None:
-        """grad_accum micro-batches and one update; None when the step was skipped."""
+    # --- one optimizer step ---------------------------------------------------------------
+    def train_step(self, it) -> StepRecord | None:
+        """grad_accum micro-batches and one update; None when the step was skipped.
+
+        Metrics stay on the device: the step's record holds them as one tensor, read and
+        reduced over the ranks only when a logging window closes (``_read_window``). The one
+        host read per step is a 2-number all-reduce before the update: did any rank get
+        a stop signal or a non-finite loss? (Every rank must agree on skipping.)
+        """
         ga = self.cfg.train.grad_accum
-        sums: dict[str, float] = {}
-        tokens = samples = 0
-        bad = False
+        n_sources = len(self.sources)
+        values: torch.Tensor | None = None  # [loss, *metrics] summed over micro-batches
+        nonfinite = torch.zeros((), device=self.dev)
+        host = [0.0] * (n_sources + 2)  # tokens per source, samples, positions (host ints)
         for micro in range(ga):
             batch = next(it)
-            if bad:
-                continue  # consume the window's batches so the stream stays aligned
+            # counted on the loader's CPU tensors: no device sync
+            for k, n in enumerate(_tokens_by_source(batch, n_sources)):
+                host[k] += n
+            host[n_sources] += len(batch["input_ids"])
+            host[n_sources + 1] += _n_positions(batch)
             batch = _to_device(batch, self.dev)
             # Dropout (and any other torch randomness of the step) is drawn from a seed of
             # the global micro-batch: the same samples get the same draws whatever the
@@ -458,35 +491,66 @@ class Trainer:
             )
             outputs = self.forward(batch, train=True)
             loss, metrics = self.objective.loss(outputs, batch)
-            names = sorted(metrics)
-            # A stop signal rides on the all-reduce every micro-batch makes anyway: every
-            # rank learns of a signal any rank got, at the same micro-batch.
-            local = [float(self.stopper.requested), float(not torch.isfinite(loss))]
-            local += [len(batch["input_ids"])]
-            local += [float(loss.detach())] + [float(metrics[k].detach()) for k in names]
-            local += _tokens_by_source(batch, len(self.sources))  # they sum to the tokens
-            red = _all_reduce_sum(local, self.dev)  # every rank agrees on skipping
-            self.stop_agreed = self.stop_agreed or red[0] > 0
-            if red[1] > 0:
-                bad = True
-                continue
-            samples += int(red[2])
-            by_source = red[4 + len(names) :]
-            tokens += int(sum(by_source))
-            for k, v in enumerate(by_source):
-                sums[f"_tokens/{k}"] = sums.get(f"_tokens/{k}", 0.0) + v
-            for k, v in zip(["loss", *names], red[3 : 4 + len(names)], strict=True):
-                sums[k] = sums.get(k, 0.0) + v / self.world / ga
-            self.engine.set_gradient_accumulation_boundary(micro == ga - 1)
+            if self.metric_names is None:
+                self.metric_names = sorted(metrics)
+            row = torch.stack(
+                [loss.detach().float(), *(metrics[k].detach().float() for k in self.metric_names)]
+            )
+            values = row if values is None else values + row
+            nonfinite = nonfinite + (~torch.isfinite(loss.detach())).float()
+            last = micro == ga - 1
+            if last:
+                # The step's one host read. A stop signal rides on it too: every rank
+                # learns of a signal any rank got, at the same step.
+                flags = torch.stack(
+                    [nonfinite, nonfinite.new_tensor(float(self.stopper.requested))]
+                )
+                dist.all_reduce(flags)
+                bad, stop = (float(x) > 0 for x in flags.tolist())
+                self.stop_agreed = self.stop_agreed or stop
+                if bad:
+                    # the window's earlier backward passes may hold non-finite gradients
+                    discard_gradients(self.engine)
+                    return None
+            self.engine.set_gradient_accumulation_boundary(last)
             self.engine.backward(loss)
             self.engine.step()
-        if bad:
-            discard_gradients(self.engine)
-            return None
-        sums["grad_norm"] = float(self.engine.get_global_grad_norm() or 0.0)
-        sums["lr"] = float(self.engine.get_lr()[0])
-        sums["_tokens"], sums["_samples"] = tokens, samples
-        return sums
+        norm = self.engine.get_global_grad_norm()
+        norm = norm.detach().float() if torch.is_tensor(norm) else torch.tensor(float(norm or 0.0))
+        assert values is not None
+        return StepRecord(
+            step=self.step + 1,
+            values=torch.cat(
+                [values.double(), torch.tensor(host, dtype=torch.float64).to(self.dev)]
+            ),
+            grad_norm=norm.to(self.dev, torch.float64),
+            lr=float(self.engine.get_lr()[0]),
+        )
+
+    def _read_window(self) -> None:
+        """Read the steps still on the device: one all-reduce over the ranks and one host
+        read for the whole window. Adds their tokens to the run's counts and their mean
+        loss to ``losses``; the per-step numbers wait in ``self.read`` for the log."""
+        if not self.window:
+            return
+        table = torch.stack([r.values for r in self.window])  # [steps, 1 + metrics + counts]
+        dist.all_reduce(table)
+        norms = torch.stack([r.grad_norm for r in self.window]).tolist()  # same on all ranks
+        names = ["loss", *(self.metric_names or [])]
+        scale = self.world * self.cfg.train.grad_accum
+        n_sources = len(self.sources)
+        for r, row, norm in zip(self.window, table.tolist(), norms, strict=True):
+            d = {k: v / scale for k, v in zip(names, row, strict=False)}
+            by_source = row[len(names) : len(names) + n_sources]
+            samples, positions = row[len(names) + n_sources :]
+            d.update(grad_norm=norm, lr=r.lr, _tokens=sum(by_source))
+            d.update(_samples=samples, _positions=positions)
+            self.read.append(d)
+            self.losses[r.step] = d["loss"]
+            self.tokens_seen += int(sum(by_source))
+            for k, v in enumerate(by_source):
+                self.tokens_by_source[k] += int(v)
+        self.window = []
 
     def forward(self, batch: dict[str, Any], train: bool) -> dict[str, Any]:
         inputs = _model_inputs(batch, self.input_keys)
@@ -521,7 +585,8 @@ class Trainer:
     def _evaluate_source(self, k: int) -> dict[str, float]:
         self.engine.eval()
         self.eval_memory = None  # every evaluation reads the same fixed pass from the start
-        sums: dict[str, float] = {}
+        total: torch.Tensor | None = None  # summed on the device, read once at the end
+        names: list[str] = []
         n = 0
         if k not in self.valid_streams:  # one fixed pass: the same batches at every evaluation
             self.valid_streams[k] = self.make_stream("valid", 0, k)
@@ -531,12 +596,15 @@ class Trainer:
             batch = _to_device(batch, self.dev)
             loss, metrics = self.objective.loss(self.forward(batch, train=False), batch)
             names = sorted(metrics)
-            red = _all_reduce_sum([float(loss)] + [float(metrics[k]) for k in names], self.dev)
-            for k, v in zip(["loss", *names], red, strict=True):
-                sums[k] = sums.get(k, 0.0) + v / self.world
+            row = torch.stack([loss.float(), *(metrics[m].float() for m in names)]).double()
+            total = row if total is None else total + row
             n += 1
         self.engine.train()
-        out = {f"eval_{k}": v / max(n, 1) for k, v in sums.items()}
+        if total is None:
+            return {}
+        dist.all_reduce(total)
+        red = (total / self.world / n).tolist()
+        out = {f"eval_{k}": v for k, v in zip(["loss", *names], red, strict=True)}
         for k in list(out):
             if (k.endswith("_loss") or k == "eval_loss") and "nsp" not in k:
                 out[k.replace("loss", "ppl")] = math.exp(min(out[k], 50.0))
@@ -544,6 +612,7 @@ class Trainer:
 
     # --- checkpoints and bundles ---------------------------------------------------------
     def save(self) -> str:
+        self._read_window()  # the token counts it stores must include every step
         state = {
             "loader": self.stream.state_dict(),
             "tokens_seen": self.tokens_seen,
@@ -604,10 +673,7 @@ class Trainer:
             f"{self.n_params / 1e6:.2f}M params, global batch "
             f"{t.micro_batch_size * t.grad_accum * self.world}, steps {self.step}->{t.max_steps}"
         )
-        losses: dict[int, float] = {}
-        first_loss = None
         bad_in_row = 0
-        window: list[dict[str, float]] = []
         t0 = time.perf_counter()
         it = iter(self.stream)
         status = "FAILED"
@@ -622,8 +688,7 @@ class Trainer:
                 if stop_after is not None and self.step >= stop_after:
                     break
                 if self.stop_agreed:  # a step boundary after SIGTERM / SIGINT
-                    if window:
-                        self._log_window(window, time.perf_counter() - t0, peak)
+                    self._log_window(time.perf_counter() - t0, peak)
                     self.stop_on_signal()
                 out = self.train_step(it)
                 self.step += 1
@@ -646,15 +711,10 @@ class Trainer:
                         )
                     continue
                 bad_in_row = 0
-                self.tokens_seen += int(out["_tokens"])
-                for k in range(len(self.sources)):
-                    self.tokens_by_source[k] += int(out[f"_tokens/{k}"])
-                losses[self.step] = out["loss"]
-                first_loss = out["loss"] if first_loss is None else first_loss
-                window.append(out)
+                self.window.append(out)
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    self._log_window(window, time.perf_counter() - t0, peak)
-                    window, t0 = [], time.perf_counter()
+                    self._log_window(time.perf_counter() - t0, peak)
+                    t0 = time.perf_counter()
                 if t.eval_every and self.step % t.eval_every == 0:
                     ev = self.evaluate()
                     self.tracker.log_metrics(ev, self.step)
@@ -671,7 +731,7 @@ class Trainer:
                 self.save()
             if self.step < t.max_steps:  # stopped early on purpose
                 status = "KILLED"
-                return self._result(first_loss, losses, None, None)
+                return self._result(None, None)
             evaluated = t.eval_every and self.step % t.eval_every == 0
             final_eval = self.evaluate() if t.eval_every and not evaluated else {}
             if final_eval:
@@ -710,7 +770,7 @@ class Trainer:
             self.stopper.restore()
             self.tracker.end(status)
             self.stream.close()
-        return self._result(first_loss, losses, bundle_dir, version)
+        return self._result(bundle_dir, version)
 
     def stop_on_signal(self) -> None:
         """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""
@@ -732,7 +792,10 @@ class Trainer:
                        "failure_message": "no step boundary within train.stop_grace_s"}
         )  # fmt: skip
 
-    def _result(self, first_loss, losses, bundle_dir, version) -> RunResult:
+    def _result(self, bundle_dir, version) -> RunResult:
+        self._read_window()
+        losses = self.losses
+        first_loss = losses[min(losses)] if losses else None
         final_loss = losses[max(losses)] if losses else None
         return RunResult(
             run_dir=self.run_dir,
@@ -750,13 +813,20 @@ class Trainer:
             },
         )
 
-    def _log_window(self, window: list[dict[str, float]], seconds: float, peak) -> None:
+    def _log_window(self, seconds: float, peak) -> None:
+        """Read the window (``_read_window``) and log its means, throughput, MFU and the
+        share of padding in the batches' positions."""
+        self._read_window()
+        window, self.read = self.read, []
+        if not window:
+            return
         keys = [k for k in window[-1] if not k.startswith("_")]
         m = {k: sum(w[k] for w in window) / len(window) for k in keys if k not in ("lr",)}
         m["lr"] = window[-1]["lr"]
+        tokens = int(sum(w["_tokens"] for w in window))
         m.update(
             throughput(
-                tokens=int(sum(w["_tokens"] for w in window)),
+                tokens=tokens,
                 samples=int(sum(w["_samples"] for w in window)),
                 seconds=seconds,
                 flops_per_token=self.flops_per_token,
@@ -764,6 +834,8 @@ class Trainer:
                 peak_flops=peak,
             )
         )
+        positions = sum(w["_positions"] for w in window)
+        m["padding_fraction"] = 1.0 - tokens / positions if positions else 0.0
         m["skipped_steps"] = self.skipped
         m["tokens_seen"] = self.tokens_seen
         if len(self.sources) > 1:
