@@ -138,8 +138,8 @@ class Albert(PretrainModel):
             "hidden_states": attn.unpack(x),
         }
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """6 * (N_used + E * Vpad) + 12 * L * H * T.
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
+        """6 * (N_used + f * E * Vpad) + 12 * L * H * T (f, T: see Bert.flops_per_token).
 
         N_used counts the weights each token passes through: a shared layer's weights
         once per layer that runs them (compute does not shrink with sharing, only the
@@ -155,5 +155,5 @@ class Albert(PretrainModel):
         per_layer = count(self.attention[0]) + count(self.ffn[0])
         n = L * per_layer + count(self.project) + count(self.mlm_head)
         n += count(self.pooler) + count(self.sop_head)
-        n += cfg.embedding_size * cfg.padded_vocab_size
+        n += decoder_fraction * cfg.embedding_size * cfg.padded_vocab_size
         return 6.0 * n + 12.0 * L * cfg.hidden_size * seq_len

@@ -37,6 +37,12 @@ class PretrainModel(nn.Module):
             return checkpoint(layer, *args, use_reentrant=False)
         return layer(*args)
 
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
+        """Training FLOPs per token (forward + backward) when a token attends to
+        ``seq_len`` keys and the vocabulary decoder runs on ``decoder_fraction`` of the
+        tokens (models whose decoder runs on every position ignore it)."""
+        raise NotImplementedError
+
     def check_length(self, seq_len: int, limit: int) -> None:
         if seq_len > limit:
             raise ValueError(f"sequence length {seq_len} > model.max_positions {limit}")

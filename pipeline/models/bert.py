@@ -137,21 +137,23 @@ class Bert(PretrainModel):
             "hidden_states": attn.unpack(x),
         }
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward) per token:
 
-            6 * (N + H * Vpad) + 12 * L * H * T
+            6 * (N + f * H * Vpad) + 12 * L * H * T
 
         N = parameters outside the embedding tables; H * Vpad = the tied MLM decoder, a real
         matmul although its weights are the embedding table; a matmul with a weight of n
         entries costs 2n FLOPs per token forward and 4n backward. 12 * L * H * T is the
         attention itself (QK^T and AV: 2 * 2 * T * H per layer forward, x3 for training).
         The pooler/NSP head (once per sequence) is counted per token: a slight over-count.
-        So is the decoder in training, where it runs on the labelled positions only (~15%):
-        this is the cost of scoring every position, as transformers' model does.
+        f = ``decoder_fraction``, the share of tokens the decoder runs on: 1 scores every
+        position (transformers' model, evaluation), the labelled share (~15%) in training.
+        T = ``seq_len``: the keys a token attends to (the trainer passes the mean over real
+        tokens of their sequence's real length, what unpadded attention computes).
         """
         cfg = self.config
         e = self.embeddings
         n = non_embedding_params(self, [e.word, e.position, e.token_type])
-        n += cfg.hidden_size * cfg.padded_vocab_size
+        n += decoder_fraction * cfg.hidden_size * cfg.padded_vocab_size
         return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len

@@ -88,7 +88,7 @@ class DistilBert(PretrainModel):
         mlm_logits = attn.unpack(self.mlm_head(x, self.embeddings.word.weight, self.pad_bias))
         return {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """6 * (N + H * Vpad) + 12 * L * H * T, as Bert.flops_per_token (the teacher's
         forward pass, run by the objective, is not counted)."""
         cfg, e = self.config, self.embeddings

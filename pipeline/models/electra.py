@@ -210,17 +210,17 @@ class Electra(PretrainModel):
             "hidden_states": h,
         }
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs per token, both networks (see Bert.flops_per_token):
 
-            6 * (N + E * Vpad) + 12 * T * (L * H + Lg * Hg)
+            6 * (N + f * E * Vpad) + 12 * T * (L * H + Lg * Hg)
 
         N = parameters outside the embedding tables, E * Vpad the tied generator decoder,
-        counted for every token although it only runs on the masked ones: an upper bound.
+        which runs on the masked share f of the tokens in training.
         """
         cfg, gen = self.config, self.config.generator_config()
         e = self.embeddings
         n = non_embedding_params(self, [e.word, e.position, e.token_type])
-        n += cfg.embedding_size * cfg.padded_vocab_size
+        n += decoder_fraction * cfg.embedding_size * cfg.padded_vocab_size
         attn = cfg.num_layers * cfg.hidden_size + gen.num_layers * gen.hidden_size
         return 6.0 * n + 12.0 * attn * seq_len

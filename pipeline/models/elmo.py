@@ -336,7 +336,7 @@ class Elmo(PretrainModel):
             out["bwd_logits"] = F.linear(self.dropout(bwd[-1]), self.softmax.weight, bias)
         return out
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward = 3x forward) per token, independent of the
         sequence length (recurrence, no attention). Forward, per token:
           char CNN   2 * sum_w (C - w + 1) * w * E * n_w    (counted for every position,

@@ -105,7 +105,7 @@ class GPT2(PretrainModel):
             x = self.run_layer(block, x, attn)
         return {k: attn.unpack(v) for k, v in self.head(x).items()}
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward) per token:
 
             6 * (N + H * Vpad) + 12 * L * H * T

@@ -113,10 +113,10 @@ class Roberta(PretrainModel):
             mlm_logits = attn.unpack(mlm_logits)
         return {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """6 * (N + H * Vpad) + 12 * L * H * T, as for BERT (see ``Bert.flops_per_token``)."""
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
+        """6 * (N + f * H * Vpad) + 12 * L * H * T, as for BERT (``Bert.flops_per_token``)."""
         cfg = self.config
         e = self.embeddings
         n = non_embedding_params(self, [e.word, e.position, e.token_type])
-        n += cfg.hidden_size * cfg.padded_vocab_size
+        n += decoder_fraction * cfg.hidden_size * cfg.padded_vocab_size
         return 6.0 * n + 12.0 * cfg.num_layers * cfg.hidden_size * seq_len

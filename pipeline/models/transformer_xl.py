@@ -260,7 +260,7 @@ class TransformerXL(PretrainModel):
             out.append(full[:, -mem_len:].detach())
         return out
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward) per token, T = seq_len, M = mem_len:
 
             6 * (N + H * Vpad) + 6 * L * 3 * H^2 * M / T + 18 * L * H * (T + M)

@@ -109,7 +109,7 @@ class Word2Vec(PretrainModel):
             out["neg_scores"] = torch.einsum("btd,btkd->btk", h, noise)
         return out
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs per center token (3x forward), for the expected dynamic window
         (each side 1..W words, (W + 1) / 2 on average: W + 1 context words in all):
           skipgram  forward 2 * D * (1 + K) per pair, W + 1 pairs

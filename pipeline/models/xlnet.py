@@ -314,7 +314,7 @@ class XLNet(PretrainModel):
         cat = cur if mem is None else torch.cat([mem.to(cur.dtype), cur], dim=1)
         return cat[:, -self.config.mem_len :].detach()
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward) per input token, the content stream as a
         dense encoder plus the query stream's share:
 

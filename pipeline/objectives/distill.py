@@ -57,6 +57,7 @@ def load_teacher(ref: str, tracking_uri: str | None = None) -> tuple[nn.Module, 
     model, config = load_bundle(resolve_bundle(ref, tracking_uri))
     for p in model.parameters():
         p.requires_grad_(False)
+    model.set_unpad(True)  # its outputs are read at the real tokens only
     return model.eval(), config
 
 

@@ -159,6 +159,25 @@ def forward_keys(model: torch.nn.Module) -> frozenset[str]:
     return frozenset(names) | frozenset(k for k in MODEL_INPUT_KEYS if k in names)
 
 
+def flops_model(model, seq_len: int):
+    """FLOPs per token as a function of (attended length, decoded share), read from the
+    model's ``flops_per_token`` now, while its parameters are whole (ZeRO-3 partitions
+    them). The formulas are affine in both around ``seq_len`` (Transformer-XL's memory
+    term is not, but its rows are always full: it is evaluated at ``seq_len`` exactly)."""
+    T = float(seq_len)
+    full, none, half = (
+        float(model.flops_per_token(T, 1.0)),
+        float(model.flops_per_token(T, 0.0)),
+        float(model.flops_per_token(T / 2, 1.0)),
+    )
+    per_key = (full - half) / (T / 2)
+
+    def flops(attended: float, decoded: float) -> float:
+        return none + decoded * (full - none) + (attended - T) * per_key
+
+    return flops
+
+
 def _model_inputs(batch: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k in keys}
 
@@ -172,6 +191,26 @@ def _n_tokens(batch: dict[str, Any]) -> int:
 def _n_positions(batch: dict[str, Any]) -> int:
     """Positions of the batch, padding included (padding_fraction = 1 - tokens/positions)."""
     return int(batch["input_ids"].numel())
+
+
+def _work_stats(batch: dict[str, Any]) -> tuple[float, float]:
+    """(sum over attention sequences of length^2, tokens the vocabulary decoder scores),
+    from the loader's CPU batch: what the FLOPs of the step depend on besides the token
+    count. A sequence is a row's real tokens, or one document with ``document_ids``."""
+    if "document_ids" in batch:
+        ids = batch["document_ids"]
+        rows = torch.arange(ids.shape[0])[:, None].expand_as(ids)
+        _, lengths = torch.unique_consecutive(
+            torch.stack([rows.flatten(), ids.flatten()]), dim=1, return_counts=True
+        )
+    elif "attention_mask" in batch:
+        lengths = batch["attention_mask"].sum(1)
+    else:
+        lengths = torch.full((len(batch["input_ids"]),), batch["input_ids"].shape[1])
+    squares = float((lengths.to(torch.float64) ** 2).sum())
+    if "mlm_labels" in batch:  # encoders decode the labelled positions only
+        return squares, float((batch["mlm_labels"] >= 0).sum())
+    return squares, float(lengths.sum())
 
 
 def _tokens_by_source(batch: dict[str, Any], n_sources: int) -> list[float]:
@@ -290,7 +329,7 @@ class Trainer:
         self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(
             cfg, self.rank, self.world, self.sources
         )
-        self.flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
+        self.model_flops = flops_model(model, cfg.data.seq_len)  # before ZeRO partitions it
         self.input_keys = forward_keys(model)
         # Models with segment-level recurrence (Transformer-XL, XLNet) take ``mems`` and
         # return the next ones in outputs["mems"]; the trainer carries them from batch to
@@ -473,7 +512,8 @@ class Trainer:
         n_sources = len(self.sources)
         values: torch.Tensor | None = None  # [loss, *metrics] summed over micro-batches
         nonfinite = torch.zeros((), device=self.dev)
-        host = [0.0] * (n_sources + 2)  # tokens per source, samples, positions (host ints)
+        # tokens per source, samples, positions, sum of squared lengths, decoded tokens
+        host = [0.0] * (n_sources + 4)
         for micro in range(ga):
             batch = next(it)
             # counted on the loader's CPU tensors: no device sync
@@ -481,6 +521,9 @@ class Trainer:
                 host[k] += n
             host[n_sources] += len(batch["input_ids"])
             host[n_sources + 1] += _n_positions(batch)
+            squares, decoded = _work_stats(batch)
+            host[n_sources + 2] += squares
+            host[n_sources + 3] += decoded
             batch = _to_device(batch, self.dev)
             # Dropout (and any other torch randomness of the step) is drawn from a seed of
             # the global micro-batch: the same samples get the same draws whatever the
@@ -542,9 +585,9 @@ class Trainer:
         for r, row, norm in zip(self.window, table.tolist(), norms, strict=True):
             d = {k: v / scale for k, v in zip(names, row, strict=False)}
             by_source = row[len(names) : len(names) + n_sources]
-            samples, positions = row[len(names) + n_sources :]
+            samples, positions, squares, decoded = row[len(names) + n_sources :]
             d.update(grad_norm=norm, lr=r.lr, _tokens=sum(by_source))
-            d.update(_samples=samples, _positions=positions)
+            d.update(_samples=samples, _positions=positions, _squares=squares, _decoded=decoded)
             self.read.append(d)
             self.losses[r.step] = d["loss"]
             self.tokens_seen += int(sum(by_source))
@@ -824,12 +867,17 @@ class Trainer:
         m = {k: sum(w[k] for w in window) / len(window) for k in keys if k not in ("lr",)}
         m["lr"] = window[-1]["lr"]
         tokens = int(sum(w["_tokens"] for w in window))
+        # FLOPs of what the model computes on the real tokens: attention at each
+        # sequence's real length (the mean over tokens of their sequence's length) and
+        # the vocabulary decoder on the positions it scores
+        attended = sum(w["_squares"] for w in window) / max(tokens, 1)
+        decoded = sum(w["_decoded"] for w in window) / max(tokens, 1)
         m.update(
             throughput(
                 tokens=tokens,
                 samples=int(sum(w["_samples"] for w in window)),
                 seconds=seconds,
-                flops_per_token=self.flops_per_token,
+                flops_per_token=self.model_flops(attended, min(decoded, 1.0)),
                 world_size=self.world,
                 peak_flops=peak,
             )
