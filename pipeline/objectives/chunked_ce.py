@@ -12,7 +12,7 @@ writes ``(softmax - onehot) * grad_output / n_valid`` of each chunk, computed in
 and rounded once into the logits' dtype, as autograd does after ``.float()``. The
 gradient is computed in backward rather than in forward because only then is
 ``grad_output`` known: under fp16 loss scaling it is the loss scale, and a gradient
-stored unscaled in fp16 (entries ~1/(V n_valid)) would underflow to zero before being
+stored unscaled in fp16 (entries ~1/(V n_valid)) would be subnormal or zero before being
 scaled. The cost is one more read of the logits in backward.
 
 Every op is deterministic (no atomics: the target entries are fixed with gather/scatter
@@ -23,8 +23,18 @@ from __future__ import annotations
 
 import torch
 
-# Elements of one fp32 chunk by default (2^25 = 128 MiB): ~660 rows of a 50k vocabulary.
-CHUNK_ELEMENTS = 1 << 25
+# Elements of one fp32 chunk by default. On a GPU large (2^25, 128 MiB: ~660 rows of a
+# 50k vocabulary), so each kernel outlasts its launch; on the CPU small (2^21, 8 MiB: ~40
+# rows), where a chunk stays closer to the caches and malloc reuses its buffers instead
+# of mapping them afresh (glibc maps blocks over 32 MiB) and faulting in every page:
+# 2^25 takes 2-3x the CPU time (bench/bench_chunked_ce.py).
+CHUNK_ELEMENTS = {"cuda": 1 << 25, "cpu": 1 << 21}
+
+
+def default_chunk_rows(vocab: int, device: torch.device) -> int:
+    """Rows per chunk for ``vocab`` columns on ``device`` (see ``CHUNK_ELEMENTS``)."""
+    elements = CHUNK_ELEMENTS["cuda" if device.type == "cuda" else "cpu"]
+    return max(1, elements // max(vocab, 1))
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -78,7 +88,7 @@ def chunked_cross_entropy(
     The loss is fp32 (fp64 for fp64 logits) and the gradient has the logits' dtype. Every
     column takes part in the softmax, padded-vocabulary columns included. If every row
     is ignored the loss is 0 (not nan), still attached to the graph, with zero gradient.
-    ``chunk_rows``: rows per fp32 chunk; by default about ``CHUNK_ELEMENTS`` elements.
+    ``chunk_rows``: rows per fp32 chunk; by default ``default_chunk_rows(V, device)``.
     """
     V = logits.shape[-1]
     logits = logits.reshape(-1, V)  # a view when it can be; any strides are fine
@@ -88,7 +98,7 @@ def chunked_cross_entropy(
             f"chunked_cross_entropy: {logits.shape[0]} rows of logits, {target.shape[0]} targets"
         )
     if chunk_rows is None:
-        chunk_rows = max(1, CHUNK_ELEMENTS // max(V, 1))
+        chunk_rows = default_chunk_rows(V, logits.device)
     if chunk_rows < 1:
         raise ValueError(f"chunked_cross_entropy: chunk_rows must be >= 1, got {chunk_rows}")
     return _ChunkedCrossEntropy.apply(logits, target, ignore_index, chunk_rows)

@@ -5,7 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from pipeline.objectives.chunked_ce import chunked_cross_entropy
+from pipeline.objectives import chunked_ce
+from pipeline.objectives.chunked_ce import chunked_cross_entropy, default_chunk_rows
 
 N, V = 37, 101  # 37 rows: no chunk size below divides it
 
@@ -164,6 +165,18 @@ def test_no_single_allocation_of_an_fp32_copy_of_the_logits():
     chunked = largest_allocation(lambda x, t: chunked_cross_entropy(x, t, chunk_rows=16))
     assert chunked == logits.numel() * 2  # the gradient, in bf16
     assert largest_allocation(reference) >= fp32_bytes
+
+
+def test_default_chunk_rows_per_device(monkeypatch):
+    assert default_chunk_rows(50304, torch.device("cpu")) == 41  # 2^21 elements
+    assert default_chunk_rows(50304, torch.device("cuda")) == 667  # 2^25 elements
+    assert default_chunk_rows(10**9, torch.device("cpu")) == 1
+    monkeypatch.setitem(chunked_ce.CHUNK_ELEMENTS, "cpu", 1000)  # 9 rows of 101
+    logits, target = make()
+    loss, grad = loss_and_grad(chunked_cross_entropy, logits, target)
+    want_loss, want_grad = loss_and_grad(reference, logits, target)
+    torch.testing.assert_close(loss, want_loss, atol=1e-6, rtol=0)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=0)
 
 
 def test_shape_and_chunk_errors():
