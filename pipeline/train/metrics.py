@@ -41,8 +41,8 @@ PEAK_FLOPS: tuple[tuple[re.Pattern, dict[str, float]], ...] = tuple(
         # NVIDIA A100 Tensor Core GPU datasheet, alike for SXM4 and PCIe, 40 and 80 GB:
         # FP32 19.5, BF16/FP16 312 (624*).
         (r"\bA100\b", _peak(312, 19.5)),
-        # NVIDIA A10G datasheet (published by AWS for EC2 G5, 2022): FP32 35, BF16/FP16 70:
-        # 80 SMs at 1.71 GHz, FP32-accumulate tensor math at half rate (the A10: full rate).
+        # NVIDIA A10G datasheet (published by AWS for EC2 G5, 2022): FP32 35, BF16/FP16 70
+        # (against the A10's 31.2 and 125: not the same chip configuration).
         (r"\bA10G\b", _peak(70, 35)),
         # NVIDIA A10 Tensor Core GPU datasheet: FP32 31.2, BF16/FP16 125 (250*).
         (r"\bA10\b", _peak(125, 31.2)),
