@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.config import ConfigError
 from pipeline.data.shards import Document
 from pipeline.objectives.base import IGNORE_INDEX, Layout, Objective, Unit, WindowLayout
+from pipeline.objectives.chunked_ce import chunked_cross_entropy
 
 
 def shifted_labels(ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -37,9 +37,9 @@ def shifted_labels(ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX
-    )
+    """Mean cross-entropy of one direction over its labelled positions (chunked: no
+    fp32 copy of the logits; 0 if a batch has no labelled position)."""
+    return chunked_cross_entropy(logits, labels, IGNORE_INDEX)
 
 
 class BilmObjective(Objective):

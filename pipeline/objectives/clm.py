@@ -23,11 +23,11 @@ import inspect
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from pipeline.config import ConfigError
 from pipeline.data.shards import Document
 from pipeline.objectives.base import IGNORE_INDEX, JoinedLayout, Layout, Objective, Piece, Unit
+from pipeline.objectives.chunked_ce import chunked_cross_entropy
 
 
 class BlockLayout(JoinedLayout):
@@ -115,12 +115,7 @@ class ClmObjective(Objective):
         return example
 
     def loss(self, outputs, batch):
-        logits = outputs["logits"]
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(),
-            batch["labels"].reshape(-1),
-            ignore_index=IGNORE_INDEX,
-        )
+        loss = chunked_cross_entropy(outputs["logits"], batch["labels"], IGNORE_INDEX)
         return loss, {"lm_loss": loss.detach()}
 
 
