@@ -45,10 +45,12 @@ def set_cpu_threads() -> int | None:
     (one per rank when there are as many ranks as cores), unless the user set
     OMP_NUM_THREADS. Without it every rank starts one thread per core, and N ranks on N
     cores oversubscribe them (0.2-2.0 s per step for the same step, measured with 2
-    ranks on 2 cores). Returns the thread count set, None when left to the user."""
-    if os.environ.get("OMP_NUM_THREADS"):
+    ranks on 2 cores). A single rank keeps what its process chose (the demo: one).
+    Returns the thread count set, None when left as it was."""
+    ranks = local_world_size()
+    if os.environ.get("OMP_NUM_THREADS") or ranks == 1:
         return None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // local_world_size())
+    threads = max(1, (cores or 1) // ranks)
     torch.set_num_threads(threads)
     return threads

@@ -13,7 +13,9 @@ def test_work_stats_count_real_sequences_and_decoded_positions():
     mask = torch.tensor([[1] * 6 + [0] * 2, [1] * 3 + [0] * 5])
     labels = torch.full((2, 8), -100)
     labels[0, 1], labels[1, 2] = 7, 9
-    squares, decoded = _work_stats({"input_ids": mask, "attention_mask": mask, "mlm_labels": labels})
+    squares, decoded = _work_stats(
+        {"input_ids": mask, "attention_mask": mask, "mlm_labels": labels}
+    )
     assert (squares, decoded) == (6**2 + 3**2, 2)
     # documents packed in rows: one sequence per run of a document id, row by row
     docs = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 5]])
@@ -41,5 +43,9 @@ def test_cpu_threads_shared_by_the_ranks_of_a_machine(monkeypatch):
         assert set_cpu_threads() == 1 and torch.get_num_threads() == 1
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins
         assert set_cpu_threads() is None
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setenv("LOCAL_SIZE", "1")  # one rank keeps its process's choice
+        torch.set_num_threads(1)
+        assert set_cpu_threads() is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
