@@ -121,16 +121,14 @@ class Albert(PretrainModel):
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
         attn = encoder_attention(attention_mask, self.unpad)
-        positions = attn.positions(input_ids) if position_ids is None else attn.pack(position_ids)
+        positions = attn.positions(input_ids, position_ids)
         x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         x = self.project(x)
         for i in range(self.config.num_layers):  # layer i: its sublayers (shared: index 0)
             x = self.run_layer(self.attention[i % len(self.attention)], x, attn)
             x = self.run_layer(self.ffn[i % len(self.ffn)], x)
-        labels = attn.pack(mlm_labels)
-        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias, labels)
-        if labels is None:
-            mlm_logits = attn.unpack(mlm_logits)
+        word = self.embeddings.word.weight
+        mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, mlm_labels)
         pooled = torch.tanh(self.pooler(attn.firsts(x)))
         return {
             "mlm_logits": mlm_logits,

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from pipeline.models.base import PretrainModel
 from pipeline.models.blocks import (
+    Attention,
     TransformerConfig,
     encoder_attention,
     init_normal,
@@ -46,11 +47,8 @@ class BertEmbeddings(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor | None
+        self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor
     ) -> Tensor:
-        T = input_ids.shape[1]
-        if position_ids is None:
-            position_ids = torch.arange(T, device=input_ids.device)[None]
         x = self.word(input_ids) + self.position(position_ids)
         if token_type_ids is None:
             x = x + self.token_type.weight[0]  # all segment A
@@ -82,6 +80,16 @@ class BertMLMHead(nn.Module):
         h = self.ln(F.gelu(self.dense(h), approximate=self.approximate))
         # pad_bias is a buffer; cast so bf16/fp16 engines (which may leave buffers in fp32) match.
         return F.linear(h, word_embeddings, (self.bias + pad_bias).to(word_embeddings.dtype))
+
+    def in_layout(
+        self, attn: Attention, h: Tensor, word_embeddings: Tensor, pad_bias: Tensor,
+        labels: Tensor | None,
+    ) -> Tensor:  # fmt: skip
+        """``forward`` on hidden states in ``attn``'s layout: [N,Vpad] for the labelled
+        positions of ``labels`` [B,T] (row-major), else [B,T,Vpad] for every position."""
+        if labels is not None:
+            return self(h, word_embeddings, pad_bias, attn.pack(labels))
+        return attn.unpack(self(h, word_embeddings, pad_bias))
 
 
 class Bert(PretrainModel):
@@ -122,14 +130,12 @@ class Bert(PretrainModel):
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
         attn = encoder_attention(attention_mask, self.unpad)
-        positions = attn.positions(input_ids) if position_ids is None else attn.pack(position_ids)
+        positions = attn.positions(input_ids, position_ids)
         x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         for block in self.blocks:
             x = self.run_layer(block, x, attn)
-        labels = attn.pack(mlm_labels)
-        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias, labels)
-        if labels is None:
-            mlm_logits = attn.unpack(mlm_logits)
+        word = self.embeddings.word.weight
+        mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, mlm_labels)
         pooled = torch.tanh(self.pooler(attn.firsts(x)))  # the [CLS] position
         return {
             "mlm_logits": mlm_logits,

@@ -123,8 +123,11 @@ class Dense:
     def unpack(self, x: Tensor) -> Tensor:
         return x
 
-    def positions(self, input_ids: Tensor) -> Tensor:
-        """[1,T] position ids 0..T-1 (the default of absolute-position models)."""
+    def positions(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """The position ids in this layout: ``position_ids`` as given, else [1,T] 0..T-1
+        (the default of absolute-position models)."""
+        if position_ids is not None:
+            return position_ids
         return torch.arange(input_ids.shape[1], device=input_ids.device)[None]
 
     def firsts(self, h: Tensor) -> Tensor:
@@ -169,6 +172,13 @@ class Packed:
         self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
         self.dense = index.shape[0] == shape[0] * shape[1]  # no padding: views, no gathers
         self.nested = index.is_cuda if self.kernel == "auto" else self.kernel == "nested"
+        if not self.nested:  # the padded kernel's layout, once for every layer
+            L = self.max_len
+            self.slot = seq * L + offset  # [N] place of each token in [S*L]
+            self.key_mask = None  # a causal query never sees the padding after it
+            if not causal:
+                real = torch.arange(L, device=index.device)[None] < lengths[:, None]
+                self.key_mask = real[:, None, None]  # [S,1,1,L]
 
     @classmethod
     def from_mask(cls, attention_mask: Tensor) -> Packed:
@@ -210,8 +220,11 @@ class Packed:
         out = x.new_zeros(B * T, *x.shape[2:])
         return out.index_copy(0, self.index, x[0]).view(B, T, *x.shape[2:])
 
-    def positions(self, input_ids: Tensor) -> Tensor:
-        """[1,N] each token's position in its row (what Dense.positions gives it)."""
+    def positions(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """[1,N] the given ``position_ids`` ([B,T] or [1,T]) packed, else each token's
+        position in its row (what Dense.positions gives it)."""
+        if position_ids is not None:
+            return self.pack(position_ids.expand_as(input_ids))
         return (self.index % self.shape[1])[None]
 
     def firsts(self, h: Tensor) -> Tensor:
@@ -241,21 +254,16 @@ class Packed:
 
     def _attend_padded(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
         S, L = self.n_seqs, self.max_len
-        slot = self.seq * L + self.offset  # [N] place of each token in [S*L]
 
         def padded(x: Tensor) -> Tensor:  # [N,nh,hd] -> [S,nh,L,hd]
-            out = x.new_zeros(S * L, *x.shape[1:]).index_copy(0, slot, x)
+            out = x.new_zeros(S * L, *x.shape[1:]).index_copy(0, self.slot, x)
             return out.view(S, L, *x.shape[1:]).transpose(1, 2)
 
-        mask = None
-        if not self.causal:  # a causal query never sees the padding after it
-            lengths = torch.diff(self.cu_seqlens)
-            mask = (torch.arange(L, device=q.device)[None] < lengths[:, None])[:, None, None]
         y = F.scaled_dot_product_attention(
-            padded(q), padded(k), padded(v), attn_mask=mask, dropout_p=dropout_p,
+            padded(q), padded(k), padded(v), attn_mask=self.key_mask, dropout_p=dropout_p,
             is_causal=self.causal,
         )  # fmt: skip
-        return y.transpose(1, 2).reshape(S * L, -1).index_select(0, slot)
+        return y.transpose(1, 2).reshape(S * L, -1).index_select(0, self.slot)
 
 
 Attention = Dense | Packed

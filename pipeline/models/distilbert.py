@@ -42,9 +42,7 @@ class DistilBertEmbeddings(nn.Module):
         self.ln = nn.LayerNorm(cfg.hidden_size, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         return self.dropout(self.ln(self.word(input_ids) + self.position(position_ids)))
 
 
@@ -80,12 +78,12 @@ class DistilBert(PretrainModel):
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
         attn = encoder_attention(attention_mask, self.unpad)
-        positions = attn.positions(input_ids) if position_ids is None else attn.pack(position_ids)
-        x = self.embeddings(attn.pack(input_ids), positions)
+        x = self.embeddings(attn.pack(input_ids), attn.positions(input_ids, position_ids))
         for block in self.blocks:
             x = self.run_layer(block, x, attn)
         # every position's logits (the distill objective compares them with the teacher's)
-        mlm_logits = attn.unpack(self.mlm_head(x, self.embeddings.word.weight, self.pad_bias))
+        word = self.embeddings.word.weight
+        mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, None)
         return {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}
 
     def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:

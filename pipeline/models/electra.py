@@ -153,7 +153,7 @@ class Electra(PretrainModel):
         """The shared embeddings, then ``net`` (discriminator or generator), in ``attn``'s
         layout: [B,T,H] dense, or [1,N,H] for the real tokens packed."""
         self.check_length(input_ids.shape[1], self.config.max_positions)
-        positions = attn.positions(input_ids) if position_ids is None else attn.pack(position_ids)
+        positions = attn.positions(input_ids, position_ids)
         x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         if net.project is not None:
             x = net.project(x)
@@ -162,18 +162,22 @@ class Electra(PretrainModel):
         return x
 
     def discriminate(
-        self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None
-    ) -> tuple[Tensor, Tensor]:
-        """(rtd_logits [B,T], hidden_states [B,T,H]) of the discriminator."""
-        attn = encoder_attention(attention_mask, self.unpad)
+        self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None,
+        attn: Attention | None = None,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """(rtd_logits [B,T], hidden_states [B,T,H]) of the discriminator; ``attn``: the
+        batch's layout when the caller has it (else built from ``attention_mask``)."""
+        attn = attn or encoder_attention(attention_mask, self.unpad)
         h = self.encode(self.discriminator, attn, input_ids, token_type_ids, position_ids)
         return attn.unpack(self.discriminator_head(h)), attn.unpack(h)
 
     def generator_logits(
-        self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None, where=None
-    ) -> Tensor:
-        """The generator's MLM logits, [B,T,Vpad], or [N,Vpad] at the positions ``where``."""
-        attn = encoder_attention(attention_mask, self.unpad)
+        self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None,
+        where=None, attn: Attention | None = None,
+    ) -> Tensor:  # fmt: skip
+        """The generator's MLM logits, [B,T,Vpad], or [N,Vpad] at the positions ``where``
+        (``attn`` as for ``discriminate``)."""
+        attn = attn or encoder_attention(attention_mask, self.unpad)
         g = self.encode(self.generator, attn, input_ids, token_type_ids, position_ids)
         if where is None:
             return attn.unpack(self.generator_head(g, self.embeddings.word.weight, self.pad_bias))
@@ -189,19 +193,25 @@ class Electra(PretrainModel):
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,
     ) -> dict[str, Tensor]:
+        # one layout for both networks: the corrupted input pads exactly as the masked one
+        attn = encoder_attention(attention_mask, self.unpad)
         if mlm_labels is None:
-            logits, h = self.discriminate(input_ids, token_type_ids, attention_mask, position_ids)
+            logits, h = self.discriminate(
+                input_ids, token_type_ids, position_ids=position_ids, attn=attn
+            )
             return {"rtd_logits": logits, "hidden_states": h}
         masked = mlm_labels >= 0
         mlm_logits = self.generator_logits(
-            input_ids, token_type_ids, attention_mask, position_ids, where=masked
+            input_ids, token_type_ids, position_ids=position_ids, where=masked, attn=attn
         )
         with torch.no_grad():  # no gradient flows from the discriminator into the generator
             sampled = gumbel_sample(mlm_logits.detach().float())
             corrupted = input_ids.masked_scatter(masked, sampled.to(input_ids.dtype))
             original = torch.where(masked, mlm_labels, input_ids)
             rtd_labels = (corrupted != original).long()
-        logits, h = self.discriminate(corrupted, token_type_ids, attention_mask, position_ids)
+        logits, h = self.discriminate(
+            corrupted, token_type_ids, position_ids=position_ids, attn=attn
+        )
         return {
             "mlm_logits": mlm_logits,
             "rtd_logits": logits,

@@ -96,11 +96,7 @@ class GPT2(PretrainModel):
         # Dense [B,T,...] (causal kernel or mask), or with unpadding and documents each
         # document a causal sequence, all tokens in one row [1,B*T,...]: no [B,T,T] mask
         attn = decoder_attention(attention_mask, document_ids, self.unpad)
-        if position_ids is None:
-            positions = attn.positions(input_ids)
-        else:
-            positions = attn.pack(position_ids.expand_as(input_ids))
-        x = self.embed(attn.pack(input_ids), positions)
+        x = self.embed(attn.pack(input_ids), attn.positions(input_ids, position_ids))
         for block in self.blocks:
             x = self.run_layer(block, x, attn)
         return {k: attn.unpack(v) for k, v in self.head(x).items()}

@@ -102,15 +102,12 @@ class Roberta(PretrainModel):
             position_ids = roberta_position_ids(input_ids, cfg.pad_token_id)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
         attn = encoder_attention(attention_mask, self.unpad)
-        x = self.embeddings(
-            attn.pack(input_ids), attn.pack(token_type_ids), attn.pack(position_ids)
-        )
+        positions = attn.positions(input_ids, position_ids)
+        x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         for block in self.blocks:
             x = self.run_layer(block, x, attn)
-        labels = attn.pack(mlm_labels)
-        mlm_logits = self.mlm_head(x, self.embeddings.word.weight, self.pad_bias, labels)
-        if labels is None:
-            mlm_logits = attn.unpack(mlm_logits)
+        word = self.embeddings.word.weight
+        mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, mlm_labels)
         return {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}
 
     def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
