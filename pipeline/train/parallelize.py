@@ -9,7 +9,7 @@ import os
 
 import torch
 
-from pipeline.config import TrainSection
+from pipeline.config import ConfigError, TrainSection
 from pipeline.models.base import PretrainModel
 
 
@@ -18,7 +18,25 @@ def apply(model: PretrainModel, train: TrainSection) -> None:
     model.set_unpad(train.unpad)
     model.set_activation_checkpointing(train.activation_checkpointing)
     if train.compile:
+        check_compile(train)
         compile_layers(model)
+
+
+def check_compile(train: TrainSection) -> None:
+    """``train.compile`` without a GPU needs a C++ compiler (inductor generates C++ for the
+    CPU): a ConfigError now, not a traceback at the first step."""
+    if not train.compile or torch.cuda.is_available():
+        return
+    from torch._inductor import cpp_builder
+
+    try:
+        cpp_builder.get_cpp_compiler()
+    except Exception as err:  # InvalidCxxCompiler: none of the candidates runs
+        raise ConfigError(
+            f"train.compile=true: torch.compile on the CPU builds C++ and found no working "
+            f"compiler ({str(err).splitlines()[0]}); install g++ (or set CXX to one) or set "
+            "train.compile=false"
+        ) from None
 
 
 def compile_layers(model: PretrainModel) -> int:

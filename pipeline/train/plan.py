@@ -17,6 +17,7 @@ import torch
 from pipeline.config import ConfigError, ExperimentConfig
 from pipeline.data.shards import DataDir
 from pipeline.train import engine as ds_engine
+from pipeline.train import parallelize
 
 GiB = 1024**3
 
@@ -180,6 +181,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
                 raise ConfigError(f"{key}: {source.path.root} has no {split} shards")
     model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
     check_positions(cfg, model_cfg)
+    parallelize.check_compile(cfg.train)
     with torch.device("meta"):  # counts parameters without allocating them
         model = build_model(cfg.model.arch, model_cfg)
     n_params = sum(p.numel() for p in model.parameters())

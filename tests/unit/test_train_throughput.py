@@ -49,3 +49,21 @@ def test_cpu_threads_shared_by_the_ranks_of_a_machine(monkeypatch):
         assert set_cpu_threads() is None and torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_compile_without_a_cpu_compiler_is_a_config_error(monkeypatch):
+    """train.compile on the CPU needs a C++ compiler: one ConfigError naming the key and the
+    way out, before any model is built (the dry run calls the same check)."""
+    import torch._inductor.config as inductor
+
+    from pipeline.config import ConfigError, TrainSection
+    from pipeline.train.parallelize import apply, check_compile
+
+    monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/g++",))
+    with pytest.raises(ConfigError, match=r"train\.compile=true.*train\.compile=false"):
+        check_compile(TrainSection(compile=True))
+    model = tiny_model("bert")
+    with pytest.raises(ConfigError):
+        apply(model, TrainSection(compile=True))
+    assert all(layer._compiled_call_impl is None for layer in model.repeated_layers())
+    check_compile(TrainSection(compile=False))  # nothing asked, nothing checked
