@@ -182,6 +182,7 @@ class Finetuner:
     def _initialize(self):
         import deepspeed
 
+        from pipeline.train import engine as ds_engine
         from pipeline.train.schedule import scheduler_factory
 
         t = self.cfg.train
@@ -194,6 +195,7 @@ class Finetuner:
                 min_lr_ratio=0.0,
             )
         )
+        ds_engine.prepare_ops(self.ds_config)
         engine, _, _, _ = deepspeed.initialize(
             model=self.model,
             model_parameters=groups,

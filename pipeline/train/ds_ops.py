@@ -1,4 +1,4 @@
-"""DeepSpeed's environment in plm's processes, and its CPU shared-memory all-reduce op.
+"""DeepSpeed's environment in plm's processes, and the C++ ops DeepSpeed JIT-compiles.
 
 **The accelerator.** Without ``DS_ACCELERATOR`` DeepSpeed probes for one when it is
 imported and, finding no GPU, warns "Setting accelerator to CPU. If you have GPU or other
@@ -26,19 +26,34 @@ and always at world size 1 (no peers). When it is asked for (several ranks, CPU)
 - a missing compiler, ninja or Python headers, or a failed build, gives one ``plm:`` line
   and the run goes on with plain gloo (no traceback);
 - ``plm setup`` builds it ahead (Dockerfile.cpu runs it), so nothing compiles at run time.
+
+**CPU Adam.** With ``zero_optimization.offload_optimizer`` (configs/deepspeed/zero3-offload.json)
+DeepSpeed's optimizer is ``DeepSpeedCPUAdam``, whose op ``cpu_adam`` DeepSpeed JIT-compiles
+in ``deepspeed.initialize`` (2 min 11 s, 101 CPU s on this 2-core machine under load 2-4).
+There is no fallback (ZeRO-Offload refuses other optimizers), so plm builds it itself just
+before: into the same per-venv cache, announced with one ``plm:`` line the first time; a
+missing compiler or Python headers, or a failed build, is a ConfigError (one ``plm:`` line
+with the fix, exit 2), and ``--dry-run`` says the same, or that the run would build it.
+``plm setup`` builds it too.
+
+An op already in the cache loads without the build tools: torch's load then only warns that
+the compiler is missing, and that warning is kept out.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import sys
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-OP_NAME = "deepspeed_shm_comm"
+from pipeline.config import ConfigError
+
 # Torch plugins of other accelerators DeepSpeed probes for (real_accelerator.py): with one
 # installed, DeepSpeed's own detection decides.
 _OTHER_ACCELERATORS = ("torch_npu", "torch_sdaa", "torch_mlu", "torch_supa", "torch_xmlir",
@@ -88,6 +103,28 @@ def configure_environment() -> None:
         os.environ["TORCH_EXTENSIONS_DIR"] = str(default_extensions_dir())
 
 
+@dataclass(frozen=True)
+class Op:
+    """A C++ op DeepSpeed JIT-compiles, as plm builds and names it."""
+
+    builder: str  # DeepSpeed's OpBuilder class
+    name: str  # the extension's name: its folder in the cache
+    what: str  # for the plm: lines
+    minutes: str  # how long a first build takes (the announcement)
+    cpu_only: bool  # only the CPU accelerator has (and uses) it
+
+
+SHM = Op("ShareMemCommBuilder", "deepspeed_shm_comm",
+         "DeepSpeed's CPU shared-memory all-reduce op", "1-8", cpu_only=True)  # fmt: skip
+CPU_ADAM = Op("CPUAdamBuilder", "cpu_adam", "DeepSpeed's CPU Adam op", "2-5", cpu_only=False)
+OPS = (CPU_ADAM, SHM)
+
+
+class OpUnavailable(Exception):
+    """An op that is neither installed nor cached and cannot be built here (the message
+    says what is missing), or whose build or load failed."""
+
+
 def missing_build_tools() -> list[str]:
     """What torch's JIT build of a C++ op needs and this machine lacks (empty: nothing)."""
     from torch.utils.cpp_extension import is_ninja_available
@@ -107,21 +144,30 @@ def missing_build_tools() -> list[str]:
     return missing
 
 
-def _builder():
-    """DeepSpeed's builder of the op on this accelerator (None: it has none)."""
+def _builder(op: Op):
+    """DeepSpeed's builder of ``op`` on this accelerator (None: it has none)."""
     from deepspeed.accelerator import get_accelerator
 
-    if get_accelerator().device_name() != "cpu":
+    if op.cpu_only and get_accelerator().device_name() != "cpu":
         return None
-    return get_accelerator().create_op_builder("ShareMemCommBuilder")
+    return get_accelerator().create_op_builder(op.builder)
 
 
-def _library(name: str) -> Path:
-    return extensions_dir() / name / f"{name}.so"
+def _library(op: Op) -> Path:
+    return extensions_dir() / op.name / f"{op.name}.so"
 
 
-def is_built() -> bool:
-    return _library(OP_NAME).is_file()
+def _installed(op: Op) -> bool:
+    """Compiled into DeepSpeed's own install (``DS_BUILD_*=1 pip install deepspeed``)."""
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import accelerator_name, installed_ops
+
+    return bool(installed_ops.get(op.name)) and accelerator_name == get_accelerator()._name
+
+
+def is_built(op: Op = SHM) -> bool:
+    """Loadable without compiling: installed with DeepSpeed, or in the extension cache."""
+    return _installed(op) or _library(op).is_file()
 
 
 def _say(msg: str, announce: bool) -> None:
@@ -129,17 +175,38 @@ def _say(msg: str, announce: bool) -> None:
         print(f"plm: {msg}", file=sys.stderr, flush=True)
 
 
-def _build(builder, announce: bool) -> float:
-    """Build (or load the cached build of) the op in this process; seconds it took."""
-    if not is_built():
+def _load(op: Op, builder, announce: bool, verbose: bool = False) -> float:
+    """Load ``op`` in this process, building it into the cache first when needed (announced
+    with one plm: line); seconds it took. OpUnavailable: it cannot be built here, or the
+    build or load failed. Once loaded, DeepSpeed's own ``load()`` of the op returns it."""
+    cached = is_built(op)
+    missing = [] if cached else missing_build_tools()
+    if missing:
+        raise OpUnavailable(f"missing {'; '.join(missing)}")
+    if not cached:
         _say(
-            "building DeepSpeed's CPU shared-memory all-reduce op once for this venv (needs "
-            "g++ and Python headers, about 1-8 min); it is cached in "
-            f"{extensions_dir()} (`plm setup` builds it ahead of time)",
+            f"building {op.what} ({op.name}) once for this venv (needs g++ and Python "
+            f"headers, about {op.minutes} min); it is cached in {extensions_dir()} "
+            "(`plm setup` builds it ahead of time)",
             announce,
         )
+    # A cached op on a machine without the compiler: torch's load warns about it
+    # (ten lines), though nothing is compiled.
+    quiet = logging.getLogger("torch.utils.cpp_extension")
+    level = quiet.level
+    if cached and not verbose:
+        quiet.setLevel(logging.ERROR)
     t0 = time.perf_counter()
-    builder.load(verbose=False)
+    try:
+        builder.load(verbose=verbose)
+    except Exception as err:  # a compile or load error
+        first = next((x for x in str(err).splitlines() if x.strip()), type(err).__name__)
+        raise OpUnavailable(
+            f"its build or load failed ({type(err).__name__}: {first[:300]}); "
+            "`plm setup -v` shows the whole build"
+        ) from err
+    finally:
+        quiet.setLevel(level)
     return time.perf_counter() - t0
 
 
@@ -150,7 +217,7 @@ def prepare_shm_op(wanted: bool, world_size: int, announce: bool) -> bool:
     the per-venv cache, announced the first time) and loaded here, so DeepSpeed's own
     ``build_shm_op`` finds it loaded. ``announce``: this process prints the plm: lines
     (one per machine: local rank 0)."""
-    builder = _builder()
+    builder = _builder(SHM)
     if builder is None:
         return False
     import deepspeed.ops
@@ -159,63 +226,97 @@ def prepare_shm_op(wanted: bool, world_size: int, announce: bool) -> bool:
     if not wanted or world_size <= 1 or not compatible.get(builder.NAME, False):
         compatible[builder.NAME] = False
         return False
-    missing = missing_build_tools()
-    if missing:  # torch's load checks the compiler even when the op is built
-        compatible[builder.NAME] = False
-        _say(
-            "DeepSpeed's CPU shared-memory all-reduce op (train.cpu_shm_allreduce=true) "
-            f"cannot be built here: missing {'; '.join(missing)}. Training goes on with "
-            "plain gloo all-reduces; install them and run `plm setup`, or set "
-            "train.cpu_shm_allreduce=false",
-            announce,
-        )
-        return False
     try:
-        _build(builder, announce)
-    except Exception as err:  # a compile or load error: gloo does the same job
+        _load(SHM, builder, announce)
+    except OpUnavailable as err:  # gloo does the same job
         compatible[builder.NAME] = False
-        first = next((x for x in str(err).splitlines() if x.strip()), type(err).__name__)
         _say(
-            f"DeepSpeed's CPU shared-memory all-reduce op could not be built or loaded "
-            f"({type(err).__name__}: {first[:300]}); training goes on with plain gloo "
-            f"all-reduces. `plm setup` shows the whole build error",
+            f"{SHM.what} (train.cpu_shm_allreduce=true) cannot be built here: {err}. "
+            "Training goes on with plain gloo all-reduces; fix that and run `plm setup`, "
+            "or set train.cpu_shm_allreduce=false",
             announce,
         )
         return False
     return True
 
 
-def setup(verbose: bool = False) -> int:
-    """``plm setup``: build DeepSpeed's CPU ops that plm may JIT-compile into this venv's
-    cache now (at install or image build time), so no run compiles; exit 0 when built."""
-    configure_environment()
-    builder = _builder()
-    where = extensions_dir()
+def _cpu_adam_unavailable(reason: OpUnavailable | str) -> ConfigError:
+    return ConfigError(
+        f"{CPU_ADAM.what} ({CPU_ADAM.name}, the optimizer of ZeRO-Offload: "
+        f"zero_optimization.offload_optimizer in the DeepSpeed config) cannot be built "
+        f"here: {reason}. Fix that and run `plm setup` (or the run again), or train "
+        "without optimizer offload (e.g. deepspeed=configs/deepspeed/zero3.json)"
+    )
+
+
+def prepare_cpu_adam(announce: bool) -> None:
+    """Before ``deepspeed.initialize`` of a config that offloads the optimizer: build (the
+    first time, announced) and load DeepSpeed's CPU Adam op, so DeepSpeed finds it loaded.
+    ConfigError when it cannot be built here (there is no fallback)."""
+    builder = _builder(CPU_ADAM)
     if builder is None:
-        print("plm setup: nothing to build: DeepSpeed's accelerator here is not the CPU "
-              "(the shared-memory all-reduce op is a CPU op)")  # fmt: skip
-        return 0
+        return
+    try:
+        _load(CPU_ADAM, builder, announce)
+    except OpUnavailable as err:
+        raise _cpu_adam_unavailable(err) from None
+
+
+def plan_lines(offload: bool, cpu_shm_allreduce: bool, world_size: int) -> list[str]:
+    """``--dry-run``: the C++ ops the run would load, and whether it would build them
+    (ConfigError where it could not: the run would stop there)."""
+    lines = []
+    wanted = []
+    if offload:
+        wanted.append(CPU_ADAM)
+    if cpu_shm_allreduce and world_size > 1:
+        wanted.append(SHM)
+    for op in wanted:
+        if _builder(op) is None:
+            continue
+        if is_built(op):
+            lines.append(f"{op.name}: cached ({_where(op)})")
+            continue
+        missing = missing_build_tools()
+        if missing and op is CPU_ADAM:
+            raise _cpu_adam_unavailable(f"missing {'; '.join(missing)}")
+        if missing:
+            lines.append(f"{op.name}: cannot be built here (missing {'; '.join(missing)}); "
+                         "the run goes on with plain gloo all-reduces")  # fmt: skip
+            continue
+        lines.append(f"{op.name}: the run builds it first, once for this venv (about "
+                     f"{op.minutes} min; `plm setup` builds it now) into {extensions_dir()}")  # fmt: skip
+    return lines
+
+
+def _where(op: Op) -> str:
+    return "installed with DeepSpeed" if _installed(op) else str(_library(op))
+
+
+def setup(verbose: bool = False) -> int:
+    """``plm setup``: build the C++ ops plm may JIT-compile (DeepSpeed's CPU Adam and, on
+    the CPU accelerator, its shared-memory all-reduce) into this venv's cache now (at
+    install or image build time), so no run compiles; exit 0 when all are built."""
+    configure_environment()
+    where = extensions_dir()
     if where != default_extensions_dir() and "TORCH_EXTENSIONS_DIR" in os.environ:
         print(f"plm setup: extension cache {where} (TORCH_EXTENSIONS_DIR)")
     else:
         print(f"plm setup: extension cache {where} (this venv's)")
-    missing = missing_build_tools()
-    if missing:  # torch's load checks the compiler even when the op is built
-        print(f"plm: setup: cannot build DeepSpeed's CPU shared-memory all-reduce op: missing "
+    ops = [(op, b) for op in OPS if (b := _builder(op)) is not None]
+    todo = [op.name for op, _ in ops if not is_built(op)]
+    missing = missing_build_tools() if todo else []
+    if missing:  # one line for all of them
+        print(f"plm: setup: cannot build DeepSpeed's C++ ops ({', '.join(todo)}): missing "
               f"{'; '.join(missing)}", file=sys.stderr)  # fmt: skip
         return 2
-    already = is_built()
-    try:
-        if verbose:
-            builder.load(verbose=True)
-            seconds = 0.0
-        else:
-            seconds = _build(builder, announce=True)
-    except Exception as err:
-        print(f"plm: setup: building DeepSpeed's CPU shared-memory all-reduce op failed: "
-              f"{type(err).__name__}: {err}", file=sys.stderr)  # fmt: skip
-        return 2
-    state = "up to date" if already else f"built in {seconds:.0f} s"
-    print(f"plm setup: DeepSpeed's CPU shared-memory all-reduce op ({OP_NAME}) {state}: "
-          f"{_library(OP_NAME)}")  # fmt: skip
+    for op, builder in ops:
+        already = is_built(op)
+        try:
+            seconds = _load(op, builder, announce=not verbose, verbose=verbose)
+        except OpUnavailable as err:
+            print(f"plm: setup: {op.what} ({op.name}): {err.__cause__ or err}", file=sys.stderr)
+            return 2
+        state = "up to date" if already else f"built in {seconds:.0f} s"
+        print(f"plm setup: {op.what} ({op.name}) {state}: {_where(op)}")
     return 0

@@ -141,7 +141,7 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         "weight_decay": t.weight_decay,
     }
     if offloads_optimizer(ds):
-        # DeepSpeedCPUAdam (a C++ op, JIT-built with the system compiler on first use).
+        # DeepSpeedCPUAdam: a C++ op, built once per venv (prepare_ops, ds_ops.CPU_ADAM).
         params["adam_w_mode"] = True
     else:
         params["torch_adam"] = True
@@ -246,9 +246,11 @@ def _unlink_shm_allreduce_buffer() -> None:
     (Path("/dev/shm") / name).unlink(missing_ok=True)
 
 
-def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_factory):
-    """``deepspeed.initialize`` with our param groups and LambdaLR; returns the engine."""
-    import deepspeed
+def prepare_ops(ds_config: dict[str, Any]) -> None:
+    """Before ``deepspeed.initialize``: the checks and C++ ops its config needs. The
+    precision must suit the accelerator; an offloaded optimizer gets DeepSpeed's CPU Adam
+    op, built once per venv (announced by each machine's local rank 0) or a ConfigError
+    saying what is missing, instead of DeepSpeed's silent JIT build or its traceback."""
     from deepspeed.accelerator import get_accelerator
 
     accelerator = get_accelerator()
@@ -259,6 +261,15 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_fact
                 f"train.precision={precision}: the {accelerator.device_name()} accelerator "
                 f"here does not support {precision}; use train.precision=bf16 or fp32"
             )
+    if offloads_optimizer(ds_config):
+        ds_ops.prepare_cpu_adam(announce=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+
+
+def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_factory):
+    """``deepspeed.initialize`` with our param groups and LambdaLR; returns the engine."""
+    import deepspeed
+
+    prepare_ops(ds_config)
     wd = ds_config["optimizer"]["params"]["weight_decay"]
     engine, _, _, _ = deepspeed.initialize(
         model=model,

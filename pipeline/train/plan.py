@@ -16,8 +16,8 @@ import torch
 
 from pipeline.config import ConfigError, ExperimentConfig
 from pipeline.data.shards import DataDir
+from pipeline.train import ds_ops, parallelize
 from pipeline.train import engine as ds_engine
-from pipeline.train import parallelize
 
 GiB = 1024**3
 
@@ -200,6 +200,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
         cfg, CheckpointManager(cfg.train.out_dir, 1, 0, world), data.manifest.get("tokenizer", {})
     )
     stage, offload = ds_engine.zero_stage(ds), ds_engine.offloads_optimizer(ds)
+    ops = ds_ops.plan_lines(offload, cfg.train.cpu_shm_allreduce, world)
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum * world
     tokens = global_batch * cfg.data.seq_len * t.max_steps
@@ -230,6 +231,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
         f"{mem.grads / GiB:.3f} + optimizer {mem.optimizer / GiB:.3f} + activations ~"
         f"{mem.activations / GiB:.3f} (estimate; framework buffers not counted)",
         f"run dir         {t.out_dir}  (resume: {t.resume}; checkpoint every {t.save_every})",
+        *(f"{'c++ ops' if i == 0 else '':<16}{x}" for i, x in enumerate(ops)),
     ]
     print("\n".join(lines))
     print("dry run: config valid, nothing started")

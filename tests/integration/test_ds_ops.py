@@ -1,6 +1,8 @@
-"""DeepSpeed's CPU shared-memory all-reduce op (pipeline/train/ds_ops.py), with the real
-DeepSpeed: never built or loaded at world size 1, a per-venv extension cache, and a
-machine without a compiler gets one `plm:` line and trains on plain gloo."""
+"""DeepSpeed's C++ ops (pipeline/train/ds_ops.py), with the real DeepSpeed. The CPU
+shared-memory all-reduce op: never built or loaded at world size 1, a per-venv extension
+cache, and a machine without a compiler gets one `plm:` line and trains on plain gloo.
+The CPU Adam op of ZeRO-Offload: built for real once (announced, then cached; `--dry-run`
+says which), and without a compiler one `plm:` line and exit 2, in the run and the dry run."""
 
 from __future__ import annotations
 
@@ -14,6 +16,8 @@ from conftest import REPO, deepspeed_launch, plm
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 LINE = "plm: DeepSpeed's CPU shared-memory all-reduce op"
+ADAM_BUILD = "plm: building DeepSpeed's CPU Adam op"
+OFFLOAD = "deepspeed=configs/deepspeed/zero3-offload.json"
 
 
 def files_under(path: Path) -> list[Path]:
@@ -106,4 +110,66 @@ def test_no_compiler_one_plm_line_and_training_on_gloo(tiny_data, tmp_path, monk
     assert [x for x in setup.stderr.splitlines() if x.startswith("plm:")] == [
         x for x in setup.stderr.splitlines() if "C++ compiler" in x
     ]
+    assert not files_under(ext)
+
+
+def offload_train(data: Path, cwd: Path, out: str, *extra: str, env: dict, check: bool = True):
+    """2 steps of the tiny BERT under ZeRO-3 with the optimizer offloaded (DeepSpeedCPUAdam)."""
+    return plm("train", BERT, f"data.path={data}", f"train.out_dir={cwd / out}", OFFLOAD,
+               "train.max_steps=2", "train.eval_every=0", "train.save_every=0",
+               "mlflow.register=false", *extra, cwd=cwd, env=env, check=check)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_cpu_adam_is_built_once_announced_then_cached(tiny_data, tmp_path):
+    """A real build of the op into an empty cache: `--dry-run` says the run would build it,
+    the run says so in one plm: line and trains; then the dry run says cached, a second run
+    says nothing and builds nothing, and `plm setup` finds it up to date (and builds the
+    shm op, announced)."""
+    ext = tmp_path / "ext"
+    env = {"TORCH_EXTENSIONS_DIR": str(ext)}
+    dry = offload_train(tiny_data, tmp_path, "dry", "--dry-run", env=env)
+    assert "c++ ops         cpu_adam: the run builds it first, once for this venv" in dry.stdout
+    assert not files_under(ext)
+
+    first = offload_train(tiny_data, tmp_path, "first", env=env)
+    built = [x for x in first.stderr.splitlines() if x.startswith("plm:")]
+    assert len(built) == 1 and built[0].startswith(ADAM_BUILD), first.stderr[-4000:]
+    assert "needs g++ and Python headers" in built[0] and str(ext) in built[0]
+    assert "Traceback" not in first.stderr
+    library = ext / "cpu_adam" / "cpu_adam.so"
+    assert library.is_file() and (tmp_path / "first" / "checkpoints" / "latest").exists()
+    built_at = library.stat().st_mtime_ns
+
+    dry = offload_train(tiny_data, tmp_path, "dry", "--dry-run", env=env)
+    assert f"c++ ops         cpu_adam: cached ({library})" in dry.stdout
+    again = offload_train(tiny_data, tmp_path, "again", env=env)
+    assert "plm:" not in again.stderr and "Traceback" not in again.stderr
+    assert library.stat().st_mtime_ns == built_at
+
+    setup = plm("setup", cwd=tmp_path, env=env)
+    assert f"(cpu_adam) up to date: {library}" in setup.stdout
+    assert "(deepspeed_shm_comm) built in" in setup.stdout
+    assert (ext / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file()
+
+
+@pytest.mark.slow
+def test_cpu_adam_without_a_compiler_is_one_plm_line_and_exit_2(tiny_data, tmp_path):
+    """ZeRO-Offload on a machine whose compiler is missing (CXX points nowhere) and whose
+    cache lacks the op: the dry run and the run stop with the same plm: line (what is
+    missing, `plm setup`, a config without offload), no traceback, nothing built."""
+    ext = tmp_path / "ext"
+    env = {"TORCH_EXTENSIONS_DIR": str(ext), "CXX": "/nonexistent/g++"}
+    said = []
+    for extra in (["--dry-run"], []):
+        proc = offload_train(tiny_data, tmp_path, "run", *extra, env=env, check=False)
+        assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+        assert "Traceback" not in proc.stderr
+        lines = [x for x in proc.stderr.splitlines() if x.startswith("plm:")]
+        assert len(lines) == 1, proc.stderr[-4000:]
+        said.append(lines[0])
+    assert said[0] == said[1]
+    assert said[0].startswith("plm: DeepSpeed's CPU Adam op (cpu_adam, the optimizer of ZeRO")
+    assert "cannot be built here: missing a C++ compiler (CXX=/nonexistent/g++" in said[0]
+    assert "`plm setup`" in said[0] and "deepspeed=configs/deepspeed/zero3.json" in said[0]
     assert not files_under(ext)
