@@ -344,6 +344,7 @@ def check_tracking(server: MlflowServer, name: str, run_dir: Path) -> dict:
     version = server.get("registered-models/alias", name=name, alias="current")
     return {
         "run_id": run_id,
+        "experiment_id": run["info"]["experiment_id"],
         "status": run["info"]["status"],
         "metrics": metrics,
         "step_loss": [m["value"] for m in sorted(history["metrics"], key=lambda m: m["step"])],
@@ -409,6 +410,9 @@ def main(argv: list[str] | None = None) -> int:
             f"run {result['run_id']} {result['status']}: step_loss {result['step_loss']}; "
             f"registered models:/{result['model']}@current = version {result['version']}"
         )
+        from pipeline.train.tracking import ui_link
+
+        say(f"MLflow UI, model-training view: {ui_link(server.url, result['experiment_id'])}")
         done = True
         if args.keep:
             say("--keep: Ray and MLflow stay up; Ctrl-C stops them")

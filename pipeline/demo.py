@@ -163,10 +163,10 @@ def run_demo(
     print(f"[demo] look at it:    mlflow ui --backend-store-uri {uri}")
     experiment_id = _experiment_id(uri, result.run_id)
     if experiment_id:
-        print(
-            f"[demo]                then http://127.0.0.1:5000/#/experiments/{experiment_id}"
-            "?workflowType=machine_learning (the UI's model-training view)"
-        )
+        from pipeline.train.tracking import ui_link
+
+        link = ui_link("http://127.0.0.1:5000", experiment_id)
+        print(f"[demo]                then {link} (the UI's model-training view)")
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"[demo] summary:       {workdir / 'summary.json'}")
     return 0 if end < start else 1

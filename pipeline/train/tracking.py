@@ -34,6 +34,14 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
+def ui_link(base_url: str, experiment_id: str) -> str:
+    """An experiment's page in the MLflow UI's model-training view. MLflow 3.17's UI opens
+    its GenAI view unless the URL asks for another (or the browser remembers the sidebar
+    switch): the experiment's kind tag does not choose it, and the server has no setting
+    for it (README section 4)."""
+    return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
+
+
 def default_tracking_uri() -> str:
     """What ``mlflow ui`` run in the same directory shows: sqlite:///mlflow.db in the cwd."""
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"

@@ -892,10 +892,24 @@ class Trainer:
         # Per-step loss too, so a resumed run can be compared step by step.
         m["step_loss"] = window[-1]["loss"]
         self.tracker.log_metrics(m, self.step)
+        total = self.cfg.train.max_steps
+        left = total - self.step  # at this window's pace, for a person watching
+        eta = f", {self.step}/{total}, {_duration(left * seconds / len(window))} left"
         self.log(
             f"step {self.step}: loss {m['loss']:.4f} lr {m['lr']:.3g} grad_norm "
             f"{m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f} skipped {self.skipped}"
+            + (eta if left > 0 else "")
         )
+
+
+def _duration(seconds: float) -> str:
+    """About how long, for a person: "40 s", "3 min 05 s", "2 h 07 min"."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
 def train(cfg: ExperimentConfig, stop_after: int | None = None) -> RunResult:

@@ -123,6 +123,9 @@ def test_all_in_one_data_training_tracking(tmp_path):
     # Stopped cleanly: every process exited on SIGTERM (none needed SIGKILL), no process of
     # our head left, the MLflow port closed.
     assert "[all-in-one] stopped\n" in out, out[-2000:]
+    # the UI link it prints opens the model-training view (MLflow's UI defaults to GenAI)
+    link = f"{mlflow}/#/experiments/{result['experiment_id']}?workflowType=machine_learning"
+    assert f"MLflow UI, model-training view: {link}" in out
     assert aio.processes_with(result["ray_temp_dir"]) == []
     # ... the Ray client server too (its command line names the GCS, not the temp dir),
     # and no socket of theirs still listens.

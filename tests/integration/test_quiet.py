@@ -3,6 +3,8 @@ notice; `-v` (before or after the subcommand) shows them again."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import REPO, plm
 
@@ -19,6 +21,9 @@ def test_training_is_quiet_by_default_and_chatty_with_v(tiny_data, tmp_path):
     out = quiet.stdout + quiet.stderr
     assert "FutureWarning" not in out and " INFO mlflow" not in out, out[-3000:]
     assert "[plm train] step 2: loss" in out and "MLflow run" in out  # our own lines stay
+    # progress: where the run is and about how long it has left (not on the last step)
+    assert re.search(r"\[plm train\] step 1: loss .*, 1/2, \d+ s left\n", out), out[-3000:]
+    assert not re.search(r"step 2: loss .* left", out)
     loud = plm("train", "-v", *args, f"train.out_dir={tmp_path / 'v'}", cwd=tmp_path)
     out = loud.stdout + loud.stderr
     assert "FutureWarning" in out and " INFO mlflow" in out
