@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# A line while a test runs for minutes: `pytest -q` is never silent that long.
+pytest_plugins = ["heartbeat"]
 
 _SUBJECTS = [
     "the cat",

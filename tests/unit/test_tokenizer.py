@@ -1,4 +1,5 @@
 import json
+import re
 from pydoc_data.topics import topics
 
 import pytest
@@ -140,7 +141,12 @@ def test_cli_end_to_end(corpus, tmp_path, capsys):
     argv += ["--kind", "unigram", "--vocab-size", "1000", "--output", str(out)]
     argv += ["--sample-docs", "40", "--seed", "7", "--text-field", "body"]
     assert main(argv) == 0
-    assert str(out) in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert str(out) in said.out
+    # never silent: a line per stage on stderr, with the time since the start
+    stages = [x for x in said.err.splitlines() if x.startswith("tokenizer: ")]
+    assert [x.split(" ")[1] for x in stages] == ["sampling", "training", "rescoring"], said.err
+    assert all(re.search(r"\(\d+ s\)$", x) for x in stages), stages
     tok, meta = load_tokenizer(out)
     assert meta["spec"]["seed"] == 7 and meta["spec"]["sample_docs"] == 40
     assert tok.encode("西湖").ids
