@@ -381,6 +381,8 @@ class Finetuner:
                             "source_model_version": s.model_version or "",
                             f"valid_{cfg.metric}": str(best and best[cfg.metric]),
                         },
+                        bundle_dir=model_dir,  # a LoggedModel whose pyfunc predicts rows
+                        finetuned=True,
                     )
             dist.barrier()
             status = "FINISHED"

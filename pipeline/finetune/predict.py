@@ -22,26 +22,38 @@ from pipeline.finetune.infer import row_predictions, run_model
 from pipeline.finetune.source import load_finetuned, resolve_source
 
 
-def predict_rows(model_dir: Path, rows: list[dict[str, Any]], where: str, batch_size: int = 64):
-    from pipeline.data.tokenizer import load_tokenizer
+class Predictor:
+    """A fine-tuned model loaded once, predicting rows of its task's columns (`plm predict`,
+    and the pyfunc model a fine-tuning run logs: pipeline/models/pyfunc.py)."""
 
-    model, meta, backbone_dir = load_finetuned(model_dir)
-    task = TaskSection.model_validate(meta["task"])
-    check_columns(rows, task, where, labelled=False)
-    tokenizer, tok_meta = load_tokenizer(backbone_dir)
-    causal = bool(getattr(model.backbone, "causal", False))
-    encoder = Encoder(tokenizer, tok_meta["roles"], causal, task, meta.get("arch"))
-    examples = encoder.encode(rows, meta["labels"], where, labelled=False)
-    raw = run_model(
-        lambda b: model(b),
-        examples,
-        task,
-        int(meta["pad_id"]),
-        batch_size,
-        torch.device("cpu"),
-        decode_tags=model.decode_tags,
-    )
-    return row_predictions(raw, examples, rows, task, meta["labels"])
+    def __init__(self, model_dir: Path):
+        from pipeline.data.tokenizer import load_tokenizer
+
+        self.model, self.meta, backbone_dir = load_finetuned(model_dir)
+        self.task = TaskSection.model_validate(self.meta["task"])
+        tokenizer, tok_meta = load_tokenizer(backbone_dir)
+        causal = bool(getattr(self.model.backbone, "causal", False))
+        self.encoder = Encoder(
+            tokenizer, tok_meta["roles"], causal, self.task, self.meta.get("arch")
+        )
+
+    def predict(self, rows: list[dict[str, Any]], where: str, batch_size: int = 64):
+        check_columns(rows, self.task, where, labelled=False)
+        examples = self.encoder.encode(rows, self.meta["labels"], where, labelled=False)
+        raw = run_model(
+            lambda b: self.model(b),
+            examples,
+            self.task,
+            int(self.meta["pad_id"]),
+            batch_size,
+            torch.device("cpu"),
+            decode_tags=self.model.decode_tags,
+        )
+        return row_predictions(raw, examples, rows, self.task, self.meta["labels"])
+
+
+def predict_rows(model_dir: Path, rows: list[dict[str, Any]], where: str, batch_size: int = 64):
+    return Predictor(model_dir).predict(rows, where, batch_size)
 
 
 def write_rows(path: Path, rows: list[dict[str, Any]]) -> None:

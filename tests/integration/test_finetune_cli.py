@@ -130,6 +130,21 @@ def test_finetune_from_registry_then_predict(pretrained, tmp_path):
     # same model, same rows: the same predictions whichever way it was loaded
     assert [g["prediction"] for g in got] == [p["prediction"] for p in preds]
 
+    # The registered version is an MLflow LoggedModel (the UI's "Logged models") whose
+    # pyfunc flavour predicts what `plm predict` does, from a DataFrame or a list of rows.
+    import mlflow
+    import pandas as pd
+
+    [logged] = client.search_logged_models(experiment_ids=[run.info.experiment_id],
+                                           filter_string="name = 'bert-tiny-verb'")  # fmt: skip
+    assert logged.source_run_id == run.info.run_id and mv.source == f"models:/{logged.model_id}"
+    mlflow.set_tracking_uri(f"sqlite:///{cwd / 'mlflow.db'}")
+    model = mlflow.pyfunc.load_model("models:/bert-tiny-verb@current")
+    frame = model.predict(pd.DataFrame(rows))
+    assert list(frame["prediction"]) == [p["prediction"] for p in preds]
+    assert frame["probability"].tolist() == pytest.approx([float(p["probability"]) for p in preds])
+    assert list(model.predict(rows)["prediction"]) == list(frame["prediction"])
+
 
 def test_finetune_bad_source_and_predict_bad_input_exit_2(pretrained, tmp_path):
     cwd, _ = pretrained
