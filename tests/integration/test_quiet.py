@@ -42,6 +42,8 @@ def test_prepare_is_quiet_about_token_authentication(tmp_path):
     quiet = plm(*args, "--output", str(tmp_path / "d1"), cwd=tmp_path)
     assert "Token authentication" not in quiet.stderr, quiet.stderr[-3000:]
     assert "WARNING" not in quiet.stderr, quiet.stderr[-3000:]
+    # nor Ray's C++ "E ... core_worker.cc" line (the Ray Data actor version printed it)
+    assert "core_worker" not in quiet.stdout + quiet.stderr
 
 
 def test_v_leaves_rays_notice_alone():
