@@ -328,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback
-        print(f"plm: {err}", file=sys.stderr)
+        if not getattr(err, "machine_wide", False) or os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"plm: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside training's own stop (which checkpoints first)
         print(

@@ -31,7 +31,14 @@ def config_file(path: str | Path) -> Path:
 
 
 class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key or file and the fix."""
+    """A config that cannot be used; the message names the key or file and the fix.
+
+    ``machine_wide``: every rank of a machine meets it alike (its toolchain, say), so under a
+    launcher only local rank 0 prints it: one `plm:` line per machine, not one per rank."""
+
+    def __init__(self, message: str, machine_wide: bool = False):
+        super().__init__(message)
+        self.machine_wide = machine_wide
 
 
 class Strict(BaseModel):

@@ -245,7 +245,8 @@ def _cpu_adam_unavailable(reason: OpUnavailable | str) -> ConfigError:
         f"{CPU_ADAM.what} ({CPU_ADAM.name}, the optimizer of ZeRO-Offload: "
         f"zero_optimization.offload_optimizer in the DeepSpeed config) cannot be built "
         f"here: {reason}. Fix that and run `plm setup` (or the run again), or train "
-        "without optimizer offload (e.g. deepspeed=configs/deepspeed/zero3.json)"
+        "without optimizer offload (e.g. deepspeed=configs/deepspeed/zero3.json)",
+        machine_wide=True,  # the toolchain: one line per machine, not per rank
     )
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, deepspeed_launch, plm
+from conftest import REPO, deepspeed_launch, free_port, plm
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 LINE = "plm: DeepSpeed's CPU shared-memory all-reduce op"
@@ -173,3 +173,15 @@ def test_cpu_adam_without_a_compiler_is_one_plm_line_and_exit_2(tiny_data, tmp_p
     assert "cannot be built here: missing a C++ compiler (CXX=/nonexistent/g++" in said[0]
     assert "`plm setup`" in said[0] and "deepspeed=configs/deepspeed/zero3.json" in said[0]
     assert not files_under(ext)
+
+    # 2 ranks on the machine: the same line once (local rank 0), not once per rank
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
+           "--master_port", str(free_port()), "--module", "pipeline.cli", "train", BERT,
+           f"data.path={tiny_data}", f"train.out_dir={tmp_path / 'two'}", OFFLOAD,
+           "train.max_steps=2", "mlflow.register=false"]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **env, "DS_ACCELERATOR": "cpu"})  # fmt: skip
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = proc.stdout + proc.stderr
+    assert [x for x in out.splitlines() if x.startswith("plm:")] == [said[0]], out[-4000:]
+    assert "Traceback" not in out and not files_under(ext)
