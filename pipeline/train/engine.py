@@ -102,7 +102,8 @@ def load_base_config(spec: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 # ``deepspeed: auto`` (the default): ZeRO-0 on one rank, ZeRO-2 on more. ZeRO 1-2 shard the
 # optimizer state and gradients over the ranks; on one rank there is nothing to shard and
-# they only add fp32 partitions and buckets (+1.43 GB at bert-base, bench/bench_zero_memory.py).
+# they only add a second fp32 copy of the weights (+419 MiB of tensors at bert-base fp32,
+# `bench/bench_zero_memory.py --ranks 1 --stages 0,2`) and their buckets.
 AUTO = "auto"
 AUTO_STAGE = {True: 0, False: 2}  # one rank? -> stage
 
