@@ -167,7 +167,6 @@ class Finetuner:
         self.total_steps = self.steps_per_epoch * t.epochs
         if t.max_steps:
             self.total_steps = min(self.total_steps, t.max_steps)
-        cfg = ds_engine.resolve_auto(cfg, self.world)
         self.ds_config = ds_engine.build_ds_config(cfg, self.world)  # reads .deepspeed, .train
         self.engine = self._initialize()
 

@@ -129,8 +129,9 @@ def offloads_optimizer(ds: dict[str, Any]) -> bool:
 
 
 def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
-    """The full DeepSpeed config for ``world_size`` data-parallel ranks."""
-    base, source = load_base_config(cfg.deepspeed)
+    """The full DeepSpeed config for ``world_size`` data-parallel ranks (``deepspeed: auto``
+    by the world size; the trainer resolves it first when it resumes a checkpoint)."""
+    base, source = load_base_config(resolve_auto(cfg, world_size).deepspeed)
     check_top_level_keys(base, source)
     t = cfg.train
     wanted: dict[str, Any] = {
@@ -166,8 +167,9 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         params["adam_w_mode"] = True
     else:
         params["torch_adam"] = True
-        if torch.cuda.is_available():
-            params["fused"] = True  # one kernel for all parameters
+        # One kernel for all parameters, on the GPU and on the CPU (torch's fused CPU AdamW:
+        # 0.07 vs 0.29-0.46 CPU s a step for bert-base's parameters on one thread).
+        params["fused"] = True
     ds["optimizer"] = {"type": "AdamW", "params": params}
     zero = ds.setdefault("zero_optimization", {"stage": 0})
     if zero.get("stage", 0) == 3:
