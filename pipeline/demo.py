@@ -127,7 +127,9 @@ def run_demo(
             f"mlflow.run_name=pretrain-{objective}-seed{seed}",
         ],
     )
-    print(f"[demo] training {NAME}: {steps} steps, DeepSpeed ZeRO-0 (deepspeed: auto), world size 1")
+    print(
+        f"[demo] training {NAME}: {steps} steps, DeepSpeed ZeRO-0 (deepspeed: auto), world size 1"
+    )
     from pipeline.train.tracking import resolve_tracking_uri
     from pipeline.train.trainer import train
 
