@@ -229,7 +229,7 @@ def run_preset(args, preset: str, data: Path, meta: dict, tmp: Path, dev, has_un
         "params": {"ours": n_ours, "hf": n_hf}, "hf_attention": attn,
         "padding_fraction": 1 - sum(r.tokens) / sum(r.slots),
         "hf_padding_fraction": sum(hf.padded[-rounds:]) / max(sum(hf.slots[-rounds:]), 1),
-        "real_tokens_per_round": r.tokens, "model_flops_per_round": r.flops,
+        "real_tokens_per_round": r.tokens, "loader_cost_per_round": r.loader, "model_flops_per_round": r.flops,
         "load_start": load_start, "load_end": load1(),
         "torch_threads": torch.get_num_threads(),
         "cost_metric": "wall_s" if dev.type == "cuda" else "cpu_s",
