@@ -44,34 +44,24 @@ the CPU. A markdown table is printed; --json PATH writes everything.
 from __future__ import annotations
 
 import argparse
-import json
-import shutil
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchlib import (
-    Clock,
     DeviceMemory,
     Ours,
     PlainLoop,
-    add_data_args,
-    alternate,
+    add_common_args,
     data_info,
-    deny_imports,
     experiment_config,
     load1,
-    machine_info,
+    measure,
     mib,
     pct,
-    pick_device,
-    prepare_data,
-    side_report,
+    session,
     speedup,
-    third_party_modules,
 )
 
 PRESETS: dict[str, dict[str, int]] = {
@@ -145,24 +135,17 @@ def run(args, data: Path, tmp: Path, dev, peak: float | None) -> dict[str, Any]:
     memory = DeviceMemory(dev)
     sides = build_sides(args, data, tmp, dev, memory)
     torch.set_num_threads(args.threads_wanted)  # the Trainer may have changed it
-    first = next(s for n, s in sides.items() if n.startswith("ours"))
     params = {n: sum(p.numel() for p in s.model.parameters()) for n, s in sides.items()}
     print(f"\n== {args.preset}: {PRESETS[args.preset]}, batch {args.batch} x seq {args.seq}, "
           f"{args.precision}, {dev.type}; params {', '.join(f'{n} {v / 1e6:.2f}M' for n, v in params.items())}; "
           f"warmup {args.warmup}, rounds {args.rounds}; load {load1():.2f}", flush=True)  # fmt: skip
-    load_start = load1()
-    # every side trains on the batches of the first ours side's loader
-    r = alternate(sides, iter(first.trainer.stream), args.warmup, args.rounds, Clock(dev),
-                  memory, first.flops)  # fmt: skip
+    r, measured = measure(sides, memory, dev, args.warmup, args.rounds, peak)
     result: dict[str, Any] = {
         "preset": args.preset, "shape": PRESETS[args.preset], "batch": args.batch,
-        "seq": args.seq, "precision": args.precision, "device": dev.type,
-        "rounds": args.rounds, "warmup": args.warmup, "dropout": args.dropout, "params": params,
+        "seq": args.seq, "precision": args.precision, "dropout": args.dropout, "params": params,
         "flops_per_token": r.flops[0] / r.tokens[0],
         "flops_formula": "GPT2.flops_per_token: 6 (N + H Vpad) + 12 L H T, T = seq",
-        "tokens_per_round": r.tokens, "loader_cost_per_round": r.loader, "load_start": load_start, "load_end": load1(),
-        "cost_metric": "wall_s" if dev.type == "cuda" else "cpu_s",
-        "sides": {name: side_report(r, name, side, memory, peak) for name, side in sides.items()},
+        **measured,
     }  # fmt: skip
     baselines = [n for n in sides if n.startswith("baseline")]
     for name in sides:
@@ -171,8 +154,6 @@ def run(args, data: Path, tmp: Path, dev, peak: float | None) -> dict[str, Any]:
                 b: dict(zip(("ratio", "rounds"), speedup(r, name, b), strict=True))
                 for b in baselines
             }
-    for side in sides.values():
-        side.close()
     return result
 
 
@@ -211,17 +192,10 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, help="untimed rounds (gpt2-124m: 3; gpt2-tiny: 1)")
     ap.add_argument("--sides", default=",".join(SIDES),
                     help=f"comma-separated, at least one ours side (default: {','.join(SIDES)})")  # fmt: skip
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's, i.e. OMP_NUM_THREADS)")  # fmt: skip
     ap.add_argument("--lr", type=float, default=6e-4)
     ap.add_argument("--dropout", type=float, default=0.0, help="ours' dropout (the baseline has none)")  # fmt: skip
-    add_data_args(ap, docs=12000, words=60000, vocab_size=50257)
-    ap.add_argument("--deny-import", action="append", default=[], metavar="PACKAGE",
-                    help="run as if PACKAGE were not installed (repeatable: ray, mlflow)")  # fmt: skip
-    ap.add_argument("--json", help="write the results here")
+    add_common_args(ap, docs=12000, words=60000, vocab_size=50257)
     args = ap.parse_args()
-    deny_imports(args.deny_import)
     for key, value in DEFAULTS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -231,41 +205,13 @@ def main() -> int:
         ap.error(f"--sides: {', '.join(unknown) or 'no ours side'}; choose from {', '.join(SIDES)}")
     if args.dropout and any(s.startswith("baseline") for s in args.sides):
         ap.error("--dropout: the baseline has no dropout; run it with --sides ours,...")
-    dev = pick_device(args.device)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.threads_wanted = torch.get_num_threads()
-
-    t_start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-gpt-"))
-    try:
-        if args.data_dir:
-            data = Path(args.data_dir)
-        else:
-            work = Path(args.work_dir) if args.work_dir else tmp / "work"
-            data = prepare_data(work, "bpe", args)
-        info = {**machine_info(dev, args.precision), **data_info(data)}
-        print(f"machine: {info['platform']}, {info['processor']}, {info['cpu_count']} cpus; "
-              f"torch {info['torch']} ({info['torch_threads']} threads); "
-              f"{info['cuda_device'] or 'cpu'}, peak {info['peak_flops'] or 0:.3g} FLOP/s "
-              f"({args.precision}); data {data}: {info['documents']:,} documents, "
-              f"{info['tokens']:,} tokens, {info['tokenizer']} vocabulary {info['vocab_size']:,}")  # fmt: skip
-        result = run(args, data, tmp, dev, info["peak_flops"])
-        info["elapsed_s"] = time.perf_counter() - t_start
-        info["denied_imports"] = args.deny_import
-        info["imported"] = third_party_modules()
+    with session(args, "bpe") as run_:
+        result = run(args, run_.data, run_.tmp, run_.dev, run_.info["peak_flops"])
         print(f"\n{markdown(result)}\n")
         loader = statistics.median(result["loader_cost_per_round"]) / args.batch / args.seq
         print(f"FLOPs per token {result['flops_per_token']:.4g} ({result['flops_formula']}); "
-              f"the loader, in ours' cost: {loader * 1e3:.4f} s / 1k tokens (median); "
-              f"whole run {info['elapsed_s']:.0f} s")  # fmt: skip
-        if args.json:
-            Path(args.json).write_text(json.dumps({"info": info, "result": result}, indent=1))
-            print(f"wrote {args.json}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+              f"the loader, in ours' cost: {loader * 1e3:.4f} s / 1k tokens (median)")  # fmt: skip
+        run_.finish({"result": result})
     return 0
 
 

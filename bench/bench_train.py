@@ -66,32 +66,22 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchlib import (
-    Clock,
     DeviceMemory,
     Ours,
     PlainLoop,
-    add_data_args,
-    alternate,
-    data_info,
-    deny_imports,
+    add_common_args,
     experiment_config,
     load1,
-    machine_info,
+    measure,
     mib,
     pct,
-    pick_device,
-    prepare_data,
-    side_report,
+    session,
     speedup,
-    third_party_modules,
 )
 
 # Model shapes: layers, hidden, heads, feed-forward (the bert-tiny here is Google's
@@ -209,38 +199,27 @@ def run_preset(args, preset: str, data: Path, meta: dict, tmp: Path, dev, has_un
     # The Trainer may set torch's threads (cores per rank when OMP_NUM_THREADS is unset):
     # both sides run with the count this process started with (or --threads).
     torch.set_num_threads(args.threads_wanted)
-    first = sides[variants[0][0]]
-    n_ours = sum(p.numel() for p in first.model.parameters())
-    n_hf = sum(p.numel() for p in sides["hf"].model.parameters())
-    attn = getattr(sides["hf"].model.config, "_attn_implementation", "?")
+    n_ours = sum(p.numel() for p in sides[variants[0][0]].model.parameters())
+    hf = sides["hf"]
+    n_hf = sum(p.numel() for p in hf.model.parameters())
+    attn = getattr(hf.model.config, "_attn_implementation", "?")
     B = args.batch_of[preset]
     warmup, rounds = args.warmup_of[preset], args.rounds_of[preset]
     print(f"\n== {preset}: {PRESETS[preset]}, batch {B} x seq {args.seq}, {args.precision}, "
           f"{dev.type}; params ours {n_ours / 1e6:.2f}M, hf {n_hf / 1e6:.2f}M (attention "
           f"{attn}); warmup {warmup}, rounds {rounds}; load {load1():.2f}", flush=True)  # fmt: skip
-    load_start = load1()
-    # every side trains on the batches of the first ours side's loader
-    r = alternate(sides, iter(first.trainer.stream), warmup, rounds, Clock(dev), memory,
-                  first.flops)  # fmt: skip
-    hf = sides["hf"]
+    r, measured = measure(sides, memory, dev, warmup, rounds, peak)
     result: dict[str, Any] = {
         "preset": preset, "shape": PRESETS[preset], "batch": B, "seq": args.seq,
-        "precision": args.precision, "device": dev.type, "rounds": rounds, "warmup": warmup,
-        "params": {"ours": n_ours, "hf": n_hf}, "hf_attention": attn,
-        "padding_fraction": 1 - sum(r.tokens) / sum(r.slots),
+        "precision": args.precision, "params": {"ours": n_ours, "hf": n_hf},
+        "hf_attention": attn, "padding_fraction": 1 - sum(r.tokens) / sum(r.slots),
         "hf_padding_fraction": sum(hf.padded[-rounds:]) / max(sum(hf.slots[-rounds:]), 1),
-        "real_tokens_per_round": r.tokens, "loader_cost_per_round": r.loader, "model_flops_per_round": r.flops,
-        "load_start": load_start, "load_end": load1(),
-        "torch_threads": torch.get_num_threads(),
-        "cost_metric": "wall_s" if dev.type == "cuda" else "cpu_s",
-        "sides": {name: side_report(r, name, side, memory, peak) for name, side in sides.items()},
+        "torch_threads": torch.get_num_threads(), **measured,
     }  # fmt: skip
     for name, _ in variants:
         ours = result["sides"][name]
         ours["hf_over_ours"], ours["hf_over_ours_rounds"] = speedup(r, name, "hf")
-    for side in sides.values():
-        side.close()
-    del sides, first
+    del sides, hf
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -303,71 +282,35 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--rounds", type=int, help="timed rounds (CPU: 20 / 10 / 3; CUDA: 20)")
     ap.add_argument("--warmup", type=int, help="untimed rounds (CPU: 2, 1 for bert-base; CUDA: 3)")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's, i.e. OMP_NUM_THREADS)")  # fmt: skip
     ap.add_argument("--lr", type=float, default=1e-4)
-    add_data_args(ap, docs=8000, words=20000, vocab_size=30522)
-    ap.add_argument("--deny-import", action="append", default=[], metavar="PACKAGE",
-                    help="run as if PACKAGE were not installed (repeatable: ray, mlflow)")  # fmt: skip
-    ap.add_argument("--json", help="write the results here")
+    add_common_args(ap, docs=8000, words=20000, vocab_size=30522)
     args = ap.parse_args()
-    deny_imports(args.deny_import)
     presets = args.preset or list(PRESETS)
     defaults = DEFAULTS[args.device]
     args.batch_of = {p: args.batch or defaults[p][0] for p in presets}
     args.rounds_of = {p: args.rounds or defaults[p][1] for p in presets}
     args.warmup_of = {p: defaults[p][2] if args.warmup is None else args.warmup for p in presets}
-    dev = pick_device(args.device)
-    import torch
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.threads_wanted = torch.get_num_threads()
-
-    t_start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
-    try:
-        if args.data_dir:
-            data = Path(args.data_dir)
-        else:
-            work = Path(args.work_dir) if args.work_dir else tmp / "work"
-            data = prepare_data(work, "wordpiece", args)
-        meta = json.loads((data / "tokenizer" / "tokenizer_meta.json").read_text())
-        padding = window_padding(data, args.seq, 32)
+    with session(args, "wordpiece") as run:
+        meta = json.loads((run.data / "tokenizer" / "tokenizer_meta.json").read_text())
+        padding = window_padding(run.data, args.seq, 32)
         has_unpad = "unpad" in train_section_fields()
-        info = {**machine_info(dev, args.precision), **data_info(data),
-                "window_padding_first_64_batches": padding, "train_unpad_key": has_unpad}  # fmt: skip
+        info = run.info
+        info.update(window_padding_first_64_batches=padding, train_unpad_key=has_unpad)
         try:
             import transformers
 
             info["transformers"] = transformers.__version__
         except ImportError:
             info["transformers"] = None
-        print(f"machine: {info['platform']}, {info['processor']}, {info['cpu_count']} cpus; "
-              f"torch {info['torch']} ({info['torch_threads']} threads), transformers "
-              f"{info['transformers']}; {info['cuda_device'] or 'cpu'}, peak "
-              f"{info['peak_flops'] or 0:.3g} FLOP/s ({args.precision}); load {load1():.2f}")  # fmt: skip
-        print(f"data: {data}: {info['documents']:,} documents, {info['tokens']:,} tokens, "
-              f"vocabulary {meta['vocab_size']:,}; MLM windows at seq {args.seq}: "
+        print(f"transformers {info['transformers']}; MLM windows at seq {args.seq}: "
               f"{padding:.1%} padding (first 64 batches of 32)")  # fmt: skip
         print(f"train.unpad in the config: {'yes: ours runs with true and false' if has_unpad else 'no'}")  # fmt: skip
         results = [
-            run_preset(args, p, data, meta, tmp, dev, has_unpad, info["peak_flops"])
+            run_preset(args, p, run.data, meta, run.tmp, run.dev, has_unpad, info["peak_flops"])
             for p in presets
         ]
-        info["elapsed_s"] = time.perf_counter() - t_start
-        info["denied_imports"] = args.deny_import
-        info["imported"] = third_party_modules()
-        table = markdown(results, info)
-        print(f"\n{table}\n")
-        print(f"{info['torch_threads']} torch threads, {info['cpu_count']} cpus, "
-              f"{info['processor']}; whole run {info['elapsed_s']:.0f} s")  # fmt: skip
-        if args.json:
-            Path(args.json).write_text(json.dumps({"info": info, "results": results}, indent=1))
-            print(f"wrote {args.json}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        print(f"\n{markdown(results, info)}\n")
+        run.finish({"results": results})
     return 0
 
 

@@ -23,9 +23,11 @@ import importlib.abc
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,8 +156,12 @@ def plm_cli(*args: str) -> None:
         print(f"  | {line}")
 
 
-def add_data_args(ap, *, docs: int, words: int, vocab_size: int) -> None:
-    """The corpus / tokenizer / prepare options of a bench (defaults per bench)."""
+def add_common_args(ap, *, docs: int, words: int, vocab_size: int) -> None:
+    """The options every bench has: device, precision, threads, the corpus / tokenizer /
+    prepare knobs (defaults per bench), --deny-import and --json."""
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    ap.add_argument("--threads", type=int, help="torch threads (default: torch's, i.e. OMP_NUM_THREADS)")  # fmt: skip
     ap.add_argument("--work-dir", help="keep the corpus, tokenizer and shards here (reused)")
     ap.add_argument("--data-dir", help="a data dir prepared earlier: skip the data stage")
     ap.add_argument("--docs", type=int, default=docs, help="documents in the corpus")
@@ -164,6 +170,9 @@ def add_data_args(ap, *, docs: int, words: int, vocab_size: int) -> None:
     ap.add_argument("--vocab-size", type=int, default=vocab_size, help="tokenizer vocabulary")
     ap.add_argument("--prepare-cpus", type=int, default=1, help="plm data prepare --num-cpus")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--deny-import", action="append", default=[], metavar="PACKAGE",
+                    help="run as if PACKAGE were not installed (repeatable: ray, mlflow)")  # fmt: skip
+    ap.add_argument("--json", help="write the results here")
 
 
 def prepare_data(work: Path, kind: str, args) -> Path:
@@ -199,6 +208,63 @@ def data_info(data: Path) -> dict[str, Any]:
     manifest = json.loads((data / "manifest.json").read_text())
     return {"data_dir": str(data), "tokenizer": meta["kind"], "vocab_size": meta["vocab_size"],
             "documents": manifest["totals"]["n_docs"], "tokens": manifest["totals"]["n_tokens"]}  # fmt: skip
+
+
+@dataclass
+class Session:
+    """A bench run's setting (``session``): the device, the data dir, a temp dir, and
+    ``info`` (the machine, torch, the device's peak FLOP/s, the data)."""
+
+    args: Any
+    dev: Any
+    data: Path
+    tmp: Path
+    info: dict[str, Any]
+    started: float = field(default_factory=time.perf_counter)
+
+    def finish(self, payload: dict[str, Any]) -> None:
+        """Complete ``info`` (elapsed time, the imports denied and the third-party modules
+        loaded), print the closing line, write ``{"info": ..., **payload}`` to --json."""
+        info = self.info
+        info["elapsed_s"] = time.perf_counter() - self.started
+        info["denied_imports"] = self.args.deny_import
+        info["imported"] = third_party_modules()
+        print(f"{info['torch_threads']} torch threads, {info['cpu_count']} cpus, "
+              f"{info['processor']}; whole run {info['elapsed_s']:.0f} s")  # fmt: skip
+        if self.args.json:
+            Path(self.args.json).write_text(json.dumps({"info": info, **payload}, indent=1))
+            print(f"wrote {self.args.json}")
+
+
+@contextlib.contextmanager
+def session(args, kind: str):
+    """Start a bench run: ``--deny-import`` first, then the device (CUDA hidden on the CPU),
+    torch's threads (--threads, else what the process started with: ``threads_wanted``,
+    which the sides run with), a temp dir (removed at the end) and the data dir: --data-dir,
+    or one prepared with a ``kind`` tokenizer under --work-dir (else the temp dir)."""
+    deny_imports(args.deny_import)
+    dev = pick_device(args.device)
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.threads_wanted = torch.get_num_threads()
+    tmp = Path(tempfile.mkdtemp(prefix=f"bench-{kind}-"))
+    try:
+        if args.data_dir:
+            data = Path(args.data_dir)
+        else:
+            data = prepare_data(Path(args.work_dir) if args.work_dir else tmp / "work", kind, args)
+        info = {**machine_info(dev, args.precision), **data_info(data)}
+        print(f"machine: {info['platform']}, {info['processor']}, {info['cpu_count']} cpus; "
+              f"torch {info['torch']} ({info['torch_threads']} threads); "
+              f"{info['cuda_device'] or 'cpu'}, peak {info['peak_flops'] or 0:.3g} FLOP/s "
+              f"({args.precision}); load {load1():.2f}\ndata: {data}: {info['documents']:,} "
+              f"documents, {info['tokens']:,} tokens, {info['tokenizer']} vocabulary "
+              f"{info['vocab_size']:,}")  # fmt: skip
+        yield Session(args, dev, data, tmp, info)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- our side -----------------------------------------------------------------------------
@@ -448,6 +514,27 @@ def side_report(r: Rounds, name: str, side, memory: DeviceMemory, peak: float | 
         "peak_memory_bytes": memory.peak.get(name),
         "loss_first": side.losses[0], "loss_last": side.losses[-1],
     }  # fmt: skip
+
+
+def measure(sides: dict, memory: DeviceMemory, dev, warmup: int, rounds: int,
+            peak: float | None) -> tuple[Rounds, dict[str, Any]]:  # fmt: skip
+    """``alternate`` over the batches of the first ``Ours`` side's loader (every side trains
+    on them; its ``flops`` counts them), then close the sides. Returns the rounds and the
+    result fields every bench reports, ``sides`` (``side_report``) among them."""
+    first = next(side for side in sides.values() if isinstance(side, Ours))
+    load_start = load1()
+    r = alternate(sides, iter(first.trainer.stream), warmup, rounds, Clock(dev), memory,
+                  first.flops)  # fmt: skip
+    result = {
+        "device": dev.type, "warmup": warmup, "rounds": rounds,
+        "cost_metric": "wall_s" if dev.type == "cuda" else "cpu_s",
+        "real_tokens_per_round": r.tokens, "model_flops_per_round": r.flops,
+        "loader_cost_per_round": r.loader, "load_start": load_start, "load_end": load1(),
+        "sides": {name: side_report(r, name, side, memory, peak) for name, side in sides.items()},
+    }  # fmt: skip
+    for side in sides.values():
+        side.close()
+    return r, result
 
 
 def speedup(r: Rounds, fast: str, slow: str) -> tuple[float, list[float]]:
