@@ -19,7 +19,6 @@ before anything else is imported.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
 import json
 import os
 import platform
@@ -38,34 +37,24 @@ DATA_VERSION = 2  # bump when the corpus generator or the stamp changes (invalid
 # --- imports ------------------------------------------------------------------------------
 
 
-class _Denied(importlib.abc.MetaPathFinder):
-    def __init__(self, names: set[str]):
-        self.names = names
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname.partition(".")[0] in self.names:
-            raise ModuleNotFoundError(
-                f"No module named {fullname!r} (--deny-import)", name=fullname
-            )
-        return None
-
-
 def deny_imports(names: list[str]) -> None:
     """Make ``names`` unimportable in this process, as if they were not installed (on the
-    GPU machine Ray and MLflow are not). Optional imports elsewhere (DeepSpeed's autotuner
-    tries ``import mlflow``) then take their not-installed path; a required one fails."""
-    if not names:
-        return
-    loaded = sorted(n for n in names if n in sys.modules)
+    GPU machine Ray and MLflow are not): ``None`` in ``sys.modules`` makes ``import``
+    raise ModuleNotFoundError and ``importlib.util.find_spec`` return None, so optional
+    imports elsewhere (DeepSpeed's autotuner tries ``import mlflow``, torch probes for
+    zstandard) take their not-installed path, and a required one fails."""
+    loaded = sorted(n for n in names if sys.modules.get(n) is not None)
     if loaded:
         raise SystemExit(f"--deny-import: {', '.join(loaded)} already imported")
-    sys.meta_path.insert(0, _Denied(set(names)))
+    for name in names:
+        sys.modules[name] = None  # type: ignore[assignment]
 
 
 def third_party_modules() -> list[str]:
-    """Top-level packages imported so far, outside the standard library."""
+    """Top-level packages imported so far, outside the standard library (a denied one,
+    None in ``sys.modules``, is not imported)."""
     std = set(sys.stdlib_module_names)
-    tops = {m.partition(".")[0] for m in list(sys.modules)}
+    tops = {m.partition(".")[0] for m, mod in list(sys.modules.items()) if mod is not None}
     return sorted(m for m in tops if m not in std and not m.startswith("_"))
 
 
