@@ -5,7 +5,7 @@
 #    sends that one), a few minutes:
 #        PYTHONPATH=. OMP_NUM_THREADS=1 python bench/gpu_bundle.py
 #    It writes bench/gpu_carry/ (git-ignored, ~14 MiB: wheels, two data dirs, manifest).
-# 2. The device tool, one call (about 6-8 min expected; the limit is 10):
+# 2. The device tool, one call (not timed yet; expected under its 10 min limit):
 #        run  command:   bash bench/gpu_run.sh all
 #             carry:     ["bench/gpu_carry"]
 #             timeout_s: 600
