@@ -219,6 +219,7 @@ def run_preset(args, preset: str, data: Path, meta: dict, tmp: Path, dev, has_un
     for name, _ in variants:
         ours = result["sides"][name]
         ours["hf_over_ours"], ours["hf_over_ours_rounds"] = speedup(r, name, "hf")
+        ours["hf_over_ours_step_only"] = speedup(r, name, "hf", step_only=True)[0]
     del sides, hf
     gc.collect()
     if torch.cuda.is_available():
@@ -226,10 +227,20 @@ def run_preset(args, preset: str, data: Path, meta: dict, tmp: Path, dev, has_un
     return result
 
 
+def step_only(side: dict) -> str:
+    """Ours' step alone (the loader runs in this process here; ``plm train`` runs it in
+    ``data.workers`` processes): tokens/s, MFU, hf / this."""
+    if "step_only" not in side:
+        return ""
+    s = side["step_only"]
+    return (f"{s['real_tokens_per_s_wall']:,.0f} tokens/s, MFU {pct(s['mfu'])}, "
+            f"{side['hf_over_ours_step_only']:.2f}x")  # fmt: skip
+
+
 def markdown(results: list[dict], info: dict) -> str:
     cuda = info["device"] == "cuda"
     unit = "GPU wall s" if cuda else "CPU s"
-    gpu_cols = (" MFU | peak MiB |", "---|---|") if cuda else ("", "")
+    gpu_cols = (" MFU | peak MiB | ours without the loader |", "---|---|---|") if cuda else ("", "")
     head = (
         f"| preset | batch x seq | window padding (hf batches) | side | {unit} / 1k real tokens "
         f"| real tokens/s (wall) | hf / this | per-round hf / this |{gpu_cols[0]} loss first -> "
@@ -243,10 +254,14 @@ def markdown(results: list[dict], info: dict) -> str:
             if "hf_over_ours" in s:
                 ratio = f"**{s['hf_over_ours']:.2f}x**"
                 rng = f"{s['hf_over_ours_rounds'][0]:.2f}-{s['hf_over_ours_rounds'][1]:.2f}"
-            gpu = f" {pct(s['mfu'])} | {mib(s['peak_memory_bytes'])} |" if cuda else ""
+            gpu = (
+                f" {pct(s['mfu'])} | {mib(s['peak_memory_bytes'])} | {step_only(s)} |"
+                if cuda
+                else ""
+            )
             out.append(
                 f"| {res['preset']} | {res['batch']} x {res['seq']} | {pad} | {name} | "
-                f"{s['cost_per_1k_real_tokens']:.4f} | {s['real_tokens_per_s_wall']:,.0f} | "
+                f"{s['cost_per_1k_real_tokens']:.4g} | {s['real_tokens_per_s_wall']:,.0f} | "
                 f"{ratio} | {rng} |{gpu} {s['loss_first']:.2f} -> {s['loss_last']:.2f} | "
                 f"{res['load_start']:.2f} -> {res['load_end']:.2f} |"
             )

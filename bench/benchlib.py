@@ -439,8 +439,10 @@ class DeviceMemory:
 class Rounds:
     """What ``alternate`` measured, per timed round."""
 
-    cost: dict[str, list[float]]  # per side: CPU s (cpu) or wall s (cuda) of its step
-    wall: dict[str, list[float]]
+    cost: dict[str, list[float]]  # per side: CPU s (cpu) or wall s (cuda), loader included
+    wall: dict[str, list[float]]  # (for the sides that pay it)
+    step_cost: dict[str, list[float]]  # the same for the step alone
+    step_wall: dict[str, list[float]]
     tokens: list[int] = field(default_factory=list)  # real (non-padding) tokens
     slots: list[int] = field(default_factory=list)  # positions, padding included
     flops: list[float] = field(default_factory=list)  # model FLOPs of the batch
@@ -454,7 +456,7 @@ def alternate(sides: dict, stream, warmup: int, rounds: int, clock: Clock,
     order of ``sides`` on even rounds and reversed on odd ones, so a busy phase of a
     shared machine hits each side alike. ``flops_of(batch)``: its model FLOPs."""
     order = list(sides)
-    out = Rounds(cost={n: [] for n in order}, wall={n: [] for n in order})
+    out = Rounds(*({n: [] for n in order} for _ in range(4)))
     for r in range(warmup + rounds):
         t0 = clock.now()
         batch = next(stream)
@@ -468,14 +470,17 @@ def alternate(sides: dict, stream, warmup: int, rounds: int, clock: Clock,
             with memory.step(name, timed):
                 t0 = clock.now()
                 side.step(arg)
-                c, w = clock.cost(t0, clock.now())
+                step = clock.cost(t0, clock.now())
                 side.read_loss()
+            c, w = step
             if side.pays_loader:
                 c, w = c + loader_cost, w + loader_wall
-            line.append(f"{name} {c / n_real * 1e3:.4f}")
+            line.append(f"{name} {c / n_real * 1e3:.4g}")
             if timed:
                 out.cost[name].append(c)
                 out.wall[name].append(w)
+                out.step_cost[name].append(step[0])
+                out.step_wall[name].append(step[1])
         if timed:
             out.tokens.append(n_real)
             out.slots.append(n_slots)
@@ -491,18 +496,28 @@ def alternate(sides: dict, stream, warmup: int, rounds: int, clock: Clock,
 def side_report(r: Rounds, name: str, side, memory: DeviceMemory, peak: float | None) -> dict:
     """One side's figures over the timed rounds. ``mfu``: model FLOPs per wall second over
     ``peak`` (None where the peak is unknown, e.g. on the CPU); ``peak_memory_bytes``: its
-    own peak of allocated GPU memory (None on the CPU)."""
-    per_1k = [c / n * 1e3 for c, n in zip(r.cost[name], r.tokens, strict=True)]
-    wall = sum(r.wall[name])
-    flops_per_s = sum(r.flops) / wall
-    return {
+    own peak of allocated GPU memory (None on the CPU). A side that pays the loader also
+    gets ``step_only``: the same figures for its step alone (``plm train`` runs the loader
+    in ``data.workers`` processes beside the step; here it runs in this process)."""
+
+    def figures(cost: list[float], wall: list[float]) -> dict[str, Any]:
+        flops_per_s = sum(r.flops) / sum(wall)
+        return {
+            "cost_per_1k_real_tokens": statistics.median(
+                c / n * 1e3 for c, n in zip(cost, r.tokens, strict=True)
+            ),
+            "real_tokens_per_s_wall": sum(r.tokens) / sum(wall),
+            "model_flops_per_s": flops_per_s, "mfu": flops_per_s / peak if peak else None,
+        }  # fmt: skip
+
+    out = {
         "cost_per_round": r.cost[name], "wall_per_round": r.wall[name],
-        "cost_per_1k_real_tokens": statistics.median(per_1k),
-        "real_tokens_per_s_wall": sum(r.tokens) / wall,
-        "model_flops_per_s": flops_per_s, "mfu": flops_per_s / peak if peak else None,
-        "peak_memory_bytes": memory.peak.get(name),
+        **figures(r.cost[name], r.wall[name]), "peak_memory_bytes": memory.peak.get(name),
         "loss_first": side.losses[0], "loss_last": side.losses[-1],
     }  # fmt: skip
+    if side.pays_loader:
+        out["step_only"] = figures(r.step_cost[name], r.step_wall[name])
+    return out
 
 
 def measure(sides: dict, memory: DeviceMemory, dev, warmup: int, rounds: int,
@@ -526,14 +541,15 @@ def measure(sides: dict, memory: DeviceMemory, dev, warmup: int, rounds: int,
     return r, result
 
 
-def speedup(r: Rounds, fast: str, slow: str) -> tuple[float, list[float]]:
+def speedup(r: Rounds, fast: str, slow: str, step_only: bool = False) -> tuple[float, list[float]]:
     """Real tokens per second of ``fast`` over ``slow``: the ratio of their median costs per
-    real token, and the range of the per-round ratios."""
+    real token, and the range of the per-round ratios; ``step_only``: without the loader."""
+    costs = r.step_cost if step_only else r.cost
 
     def median_per_token(name: str) -> float:
-        return statistics.median(c / n for c, n in zip(r.cost[name], r.tokens, strict=True))
+        return statistics.median(c / n for c, n in zip(costs[name], r.tokens, strict=True))
 
-    per_round = [s / f for s, f in zip(r.cost[slow], r.cost[fast], strict=True)]
+    per_round = [s / f for s, f in zip(costs[slow], costs[fast], strict=True)]
     return median_per_token(slow) / median_per_token(fast), [min(per_round), max(per_round)]
 
 

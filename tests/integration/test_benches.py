@@ -37,7 +37,7 @@ def bench(script: str, data: Path, device: str, out: Path, *args: str) -> dict:
     return report
 
 
-def check_side(side: dict, device: str) -> None:
+def check_side(side: dict, device: str, ours: bool) -> None:
     assert side["real_tokens_per_s_wall"] > 0 and side["cost_per_1k_real_tokens"] > 0
     assert side["model_flops_per_s"] > 0
     assert side["loss_first"] == side["loss_first"] and side["loss_last"] == side["loss_last"]
@@ -45,6 +45,12 @@ def check_side(side: dict, device: str) -> None:
         assert side["mfu"] is None and side["peak_memory_bytes"] is None
     else:
         assert 0 < side["mfu"] < 1 and side["peak_memory_bytes"] > 0
+    # ours pays its loader (in the bench's process); its step alone is reported too
+    assert ("step_only" in side) == ours
+    if ours:
+        alone = side["step_only"]
+        assert alone["real_tokens_per_s_wall"] >= side["real_tokens_per_s_wall"] > 0
+        assert (alone["mfu"] is None) == (device == "cpu")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -55,9 +61,10 @@ def test_bench_train_tiny(tiny_data, tmp_path, device):
     assert set(res["sides"]) == {"ours unpad", "ours padded", "hf"}
     assert len(res["real_tokens_per_round"]) == 2 and 0 < res["padding_fraction"] < 1
     for name, side in res["sides"].items():
-        check_side(side, device)
+        check_side(side, device, ours=name != "hf")
         if name != "hf":
             assert side["hf_over_ours"] > 0 and len(side["hf_over_ours_rounds"]) == 2
+            assert side["hf_over_ours_step_only"] > 0
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -68,7 +75,7 @@ def test_bench_gpt_tiny(tiny_bpe_data, tmp_path, device):
     assert set(res["sides"]) == {"ours", "baseline"}
     assert res["params"]["ours"] == res["params"]["baseline"]  # the same model, twice
     assert res["real_tokens_per_round"] == [4 * 64] * 2 and res["flops_per_token"] > 0
-    for side in res["sides"].values():
-        check_side(side, device)
+    for name, side in res["sides"].items():
+        check_side(side, device, ours=name == "ours")
     over = res["sides"]["ours"]["over"]["baseline"]
-    assert over["ratio"] > 0 and len(over["rounds"]) == 2
+    assert over["ratio"] > 0 and len(over["rounds"]) == 2 and over["ratio_step_only"] > 0
