@@ -32,7 +32,8 @@ Reported per side, over the timed rounds: real tokens/s (wall; every token is re
 the cost per 1k tokens (CPU s on the CPU, synchronised wall s on CUDA, median), MFU, peak
 GPU memory (its own, resident weights and optimizer state included: benchlib.DeviceMemory),
 first and last loss; for each ours side, its tokens/s over each baseline's (ratio of the
-median costs, and the per-round range). MFU = model FLOPs per wall second / the device's
+median costs, and the per-round range), and its step alone (``step_only``: without the
+loader, which ``plm train`` runs in data.workers processes beside the step). MFU = model FLOPs per wall second / the device's
 dense peak for --precision (pipeline.train.metrics.device_peak_flops: H100 SXM bf16 989.5
 TFLOP/s). Model FLOPs per token = ``GPT2.flops_per_token`` (pipeline/models/gpt2.py):
 6 (N + H Vpad) + 12 L H T, N the non-embedding parameters, H Vpad the tied LM head, T =

@@ -50,6 +50,8 @@ On CUDA each side also gets its MFU and its peak memory (null on the CPU):
   position gets no credit for it.
 - peak memory: the side's own peak of ``torch.cuda.max_memory_allocated`` over its timed
   steps, its resident weights and optimizer state included (``benchlib.DeviceMemory``).
+- ours' step alone (``step_only``, ``hf_over_ours_step_only``): without the loader, which
+  runs in this process here and in data.workers processes under ``plm train``.
 
 On CUDA the defaults are batch 128, 3 warm-up and 20 timed rounds for every preset.
 
