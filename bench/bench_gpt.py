@@ -19,10 +19,10 @@ D C B A, ...). The sides (--sides, default all four):
   the project's gpt2 model and the clm objective (chunked cross-entropy), DeepSpeed ZeRO-0,
   world size 1, ``data.workers: 0`` (the loader's cost is included), train.precision
   (bf16: DeepSpeed keeps bf16 weights and fp32 master weights in the optimizer), AdamW
-  fused on CUDA, grad clipping 1.0; ``train.compile`` false / true (regional: each block).
+  fused, grad clipping 1.0; ``train.compile`` false / true (regional: each block).
 - ``baseline`` / ``baseline compiled``: bench/baseline_gpt.py, the same shape; fp32
   weights and ``torch.autocast`` bf16, the cross-entropy over the whole logits,
-  ``torch.optim.AdamW`` (fused on CUDA), grad clipping 1.0; eager / ``torch.compile`` of
+  ``torch.optim.AdamW`` (fused), grad clipping 1.0; eager / ``torch.compile`` of
   the whole model (default mode).
 
 Both: lr 6e-4 constant, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices only,

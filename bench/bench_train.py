@@ -28,7 +28,7 @@ Per preset, on the same windows (batches of our loader, objective mlm, packing w
   on the same rows (each row's real tokens, padding stripped by attention_mask, the
   original ids before our masking), which pads to the longest row of the batch (its
   default), a plain loop: forward, ``loss.backward()``, grad clipping 1.0,
-  ``torch.optim.AdamW`` (fused on CUDA), fp32 or ``torch.autocast`` bf16. Timed: the
+  ``torch.optim.AdamW`` (fused, as ours), fp32 or ``torch.autocast`` bf16. Timed: the
   collator + the step.
 
 The sides alternate (ours, hf, hf, ours, ...; with two ours variants A B C, C B A, ...), so

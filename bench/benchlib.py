@@ -325,7 +325,7 @@ class Ours:
 class PlainLoop:
     """A baseline's step, a plain PyTorch loop: ``inputs`` (untimed hooks aside, part of
     the step: collating, moving to the device), the loss under ``torch.autocast`` bf16 (or
-    fp32), ``backward``, grad clipping 1.0, ``torch.optim.AdamW`` (fused on CUDA), gradients
+    fp32), ``backward``, grad clipping 1.0, ``torch.optim.AdamW`` (fused, as ours), gradients
     set to None. Subclasses give ``arg``, ``inputs`` and ``loss``."""
 
     pays_loader = False
@@ -335,8 +335,8 @@ class PlainLoop:
         import torch
 
         self.model = model
-        fused = {"fused": True} if dev.type == "cuda" else {}
-        self.opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **fused)
+        # fused on the GPU and on the CPU, as the Trainer's (pipeline/train/engine.py)
+        self.opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
         self.dev, self.bf16 = dev, precision == "bf16"
         self.losses: list[float] = []
 
