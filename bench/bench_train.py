@@ -4,7 +4,8 @@
     python bench/bench_train.py --preset bert-tiny --preset 4x256 --json out.json
     python bench/bench_train.py --work-dir /tmp/bt               # keep (and reuse) the data
     python bench/bench_train.py --data-dir /tmp/bt/data          # reuse it: no Ray, no prepare
-    python bench/bench_train.py --device cuda --precision bf16    # GPU machine (not run here)
+    python bench/bench_train.py --device cuda --precision bf16    # GPU machine: bench/gpu_run.sh
+    python bench/bench_train.py --data-dir D --deny-import ray --deny-import mlflow  # as there
 
 Data (once per run, or cached under --work-dir): a generated short-document English-like
 corpus (sentences of 4-18 words: about 45% common English words, the rest pseudo-words of
@@ -27,7 +28,7 @@ Per preset, on the same windows (batches of our loader, objective mlm, packing w
   on the same rows (each row's real tokens, padding stripped by attention_mask, the
   original ids before our masking), which pads to the longest row of the batch (its
   default), a plain loop: forward, ``loss.backward()``, grad clipping 1.0,
-  ``torch.optim.AdamW`` (fused on CUDA), fp32 or ``torch.autocast`` bf16. Timed: the
+  ``torch.optim.AdamW`` (fused, as ours), fp32 or ``torch.autocast`` bf16. Timed: the
   collator + the step.
 
 The sides alternate (ours, hf, hf, ours, ...; with two ours variants A B C, C B A, ...), so
@@ -38,10 +39,28 @@ that cost, real tokens per second (wall), the ratio hf / ours of the medians (an
 of the per-round ratios), the padding of the windows, torch threads, platform, cpu count
 and the load average. A markdown table is printed; --json PATH writes everything.
 
+On CUDA each side also gets its MFU and its peak memory (null on the CPU):
+
+- MFU = model FLOPs per wall second / the device's dense peak for --precision (the
+  project's table, ``pipeline.train.metrics.device_peak_flops``). Model FLOPs: the
+  project's formula (``BERT.flops_per_token``: 6 (N + f H Vpad) + 12 L H T per token, T
+  the mean real length a token attends to, f the labelled share), counted per batch as
+  the trainer counts them for its logged MFU. That is the useful work on the real tokens,
+  the same count for every side: a side that computes on padding or decodes every
+  position gets no credit for it.
+- peak memory: the side's own peak of ``torch.cuda.max_memory_allocated`` over its timed
+  steps, its resident weights and optimizer state included (``benchlib.DeviceMemory``).
+- ours' step alone (``step_only``, ``hf_over_ours_step_only``): without the loader, which
+  runs in this process here and in data.workers processes under ``plm train``.
+
+On CUDA the defaults are batch 128, 3 warm-up and 20 timed rounds for every preset.
+
 With --data-dir (a data dir prepared earlier, e.g. by a run with --work-dir) nothing
 imports Ray. MLflow is never contacted either way: the bench calls ``train_step`` only,
-and the config points ``mlflow.tracking_uri`` at a sqlite file in a temp dir. Run it
-with ``OMP_NUM_THREADS=1`` on a shared machine (README: one torch thread).
+and the config points ``mlflow.tracking_uri`` at a sqlite file in a temp dir (DeepSpeed
+itself tries ``import mlflow`` when it is installed: ``--deny-import mlflow`` runs as on
+the GPU machine, where it is not). Run it with ``OMP_NUM_THREADS=1`` on a shared machine
+(README: one torch thread). Shared parts: bench/benchlib.py.
 """
 
 from __future__ import annotations
@@ -49,16 +68,23 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
-import platform
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
+
+from benchlib import (
+    DeviceMemory,
+    Ours,
+    PlainLoop,
+    add_common_args,
+    experiment_config,
+    load1,
+    measure,
+    mib,
+    pct,
+    session,
+    speedup,
+)
 
 # Model shapes: layers, hidden, heads, feed-forward (the bert-tiny here is Google's
 # 2 x 128 BERT-Tiny, not the project's 2 x 64 configs/models/bert-tiny.yaml).
@@ -67,122 +93,12 @@ PRESETS: dict[str, dict[str, int]] = {
     "4x256": {"num_layers": 4, "hidden_size": 256, "num_heads": 4, "intermediate_size": 1024},
     "bert-base": {"num_layers": 12, "hidden_size": 768, "num_heads": 12, "intermediate_size": 3072},
 }
-DEFAULT_BATCH = {"bert-tiny": 32, "4x256": 32, "bert-base": 16}
-DEFAULT_ROUNDS = {"bert-tiny": 20, "4x256": 10, "bert-base": 3}
-DEFAULT_WARMUP = {"bert-tiny": 2, "4x256": 2, "bert-base": 1}
+# (batch, timed rounds, warm-up rounds) per preset, on the CPU and on CUDA
+DEFAULTS = {
+    "cpu": {"bert-tiny": (32, 20, 2), "4x256": (32, 10, 2), "bert-base": (16, 3, 1)},
+    "cuda": {p: (128, 20, 3) for p in PRESETS},
+}
 MAX_POSITIONS = 512
-DATA_VERSION = 1  # bump when the corpus generator changes (invalidates --work-dir caches)
-
-# --- corpus -------------------------------------------------------------------------------
-
-COMMON = """the of and to a in is that it was for on are as with his they at be this from
-have or by one had not but what all were when we there can an your which their said if do
-will each about how up out them then she many some so these would other into has more her
-two like him see time could no make than first been its who now people my made over did
-down only way find use may water long little very after words called just where most know
-get through back much before go good new write our used me man too any day same right look
-think also around another came come work three word must because does part even place well
-such here take why things help put years different away again off went old number great
-tell men say small every found still between name should home big give air line set own
-under read last never us left end along while might next sound below saw something thought
-both few those always looked show large often together asked house world going want school
-important until form food keep children feet land side without boy once animals life enough
-took sometimes four head above kind began almost live page got earth need far hand high year
-mother light parts country father let night following picture being study second eyes soon
-times story boys since white days ever paper hard near sentence better best across during
-today others however sure means knew its try told young miles sun ways thing whole hear
-example heard several change answer room sea against top turned learn point city play toward
-five using himself usually""".split()
-ONSETS = ["", "", "b", "c", "d", "f", "g", "h", "j", "k", "l", "m", "n", "p", "r", "s", "t",
-          "v", "w", "br", "cl", "cr", "dr", "fl", "gr", "pl", "pr", "sh", "sl", "st", "str",
-          "th", "tr", "ch", "sp", "wh"]  # fmt: skip
-VOWELS = ["a", "e", "i", "o", "u", "ai", "ea", "ee", "oo", "ou", "io", "y", "ie", "oa"]
-CODAS = ["", "", "", "n", "r", "s", "t", "l", "m", "nd", "ng", "st", "ck", "rt", "ld", "ss"]
-SUFFIXES = ["", "", "", "", "s", "ed", "ing", "er", "ly", "tion", "ness", "ment", "able", "al"]
-
-
-def pseudo_words(n: int, rng) -> list[str]:
-    """``n`` distinct words of 1-4 English-like syllables, shortest first (Zipf rank 1
-    is the shortest word, as in English)."""
-    common = set(COMMON)
-    out: list[str] = []
-    seen: set[str] = set()
-    while len(out) < n:
-        k = int(rng.choice(4, p=[0.35, 0.4, 0.2, 0.05])) + 1
-        w = "".join(
-            str(rng.choice(ONSETS)) + str(rng.choice(VOWELS)) + str(rng.choice(CODAS))
-            for _ in range(k)
-        ) + str(rng.choice(SUFFIXES))
-        if len(w) > 2 and w not in seen and w not in common:
-            seen.add(w)
-            out.append(w)
-    return sorted(out, key=len)
-
-
-def write_corpus(path: Path, n_docs: int, max_sentences: int, n_words: int, seed: int) -> None:
-    """Blank-line separated documents of 1..max_sentences sentences of 4-18 words; about
-    45% of the words from COMMON (uniform), the rest pseudo-words with Zipf frequencies."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    content = np.array(pseudo_words(n_words, rng))
-    cdf = np.cumsum(1.0 / np.arange(1, n_words + 1))
-    cdf /= cdf[-1]
-    common = np.array(COMMON)
-    ends = np.array([".", ".", ".", ".", "?", "!"])
-    with open(path, "w", encoding="utf-8") as f:
-        for _ in range(n_docs):
-            sents = []
-            for _ in range(int(rng.integers(1, max_sentences + 1))):
-                n = int(rng.integers(4, 19))
-                picks = np.minimum(np.searchsorted(cdf, rng.random(n)), n_words - 1)
-                words = np.where(
-                    rng.random(n) < 0.45, common[rng.integers(0, len(common), n)], content[picks]
-                ).tolist()
-                if n > 8 and rng.random() < 0.3:  # a comma now and then
-                    words[int(rng.integers(2, n - 2))] += ","
-                sents.append(" ".join(words).capitalize() + str(rng.choice(ends)))
-            f.write(" ".join(sents) + "\n\n")
-
-
-def plm_cli(*args: str) -> None:
-    """``plm ARGS`` in a fresh process: the CLI a user runs (this checkout's code when it
-    is on PYTHONPATH, as for this script)."""
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=env,
-                          capture_output=True, text=True)  # fmt: skip
-    if proc.returncode:
-        raise SystemExit(
-            f"plm {' '.join(args[:2])} failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
-        )
-    lines = [x for x in proc.stdout.splitlines() if x.strip()]
-    for line in lines[-2:]:
-        print(f"  | {line}")
-
-
-def prepare_data(work: Path, args) -> Path:
-    """Corpus -> tokenizer -> shards under ``work`` (reused when made with the same knobs)."""
-    knobs = {"version": DATA_VERSION, "docs": args.docs, "max_sentences": args.max_sentences,
-             "words": args.words, "vocab_size": args.vocab_size, "seed": args.seed}  # fmt: skip
-    stamp, data = work / "bench_train_data.json", work / "data"
-    if (data / "manifest.json").is_file() and stamp.is_file():
-        if json.loads(stamp.read_text()) == knobs:
-            print(f"data: reusing {data} ({stamp.name} matches)")
-            return data
-    work.mkdir(parents=True, exist_ok=True)
-    stamp.unlink(missing_ok=True)
-    corpus, tok = work / "corpus.txt", work / "tokenizer"
-    t0 = time.perf_counter()
-    write_corpus(corpus, args.docs, args.max_sentences, args.words, args.seed)
-    print(f"data: corpus {corpus.stat().st_size / 1e6:.1f} MB, {args.docs:,} documents "
-          f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-    plm_cli("data", "tokenizer", "--input", str(corpus), "--kind", "wordpiece", "--lowercase",
-            "--vocab-size", str(args.vocab_size), "--output", str(tok), "--seed", str(args.seed))  # fmt: skip
-    plm_cli("data", "prepare", "--input", str(corpus), "--tokenizer", str(tok), "--output",
-            str(data), "--valid-fraction", "0.01", "--num-cpus", str(args.prepare_cpus),
-            "--force")  # fmt: skip
-    stamp.write_text(json.dumps(knobs))
-    return data
 
 
 # --- the two sides ------------------------------------------------------------------------
@@ -196,58 +112,20 @@ def train_section_fields() -> set[str]:
     return set(section.model_fields)
 
 
-def experiment_config(args, preset: str, data: Path, run_dir: Path, unpad: bool | None):
-    from pipeline.config import validate_dict
-
+def bert_config(args, preset: str, data: Path, run_dir: Path, unpad: bool | None):
+    model = {"arch": "bert", "preset": "bert-base", **PRESETS[preset],
+             "max_positions": MAX_POSITIONS, "dropout": 0.1, "attention_dropout": 0.1}  # fmt: skip
     train: dict[str, Any] = {
-        "max_steps": 1_000_000, "micro_batch_size": args.batch_of[preset], "grad_accum": 1,
-        "lr": args.lr, "weight_decay": 0.01, "betas": [0.9, 0.999], "eps": 1e-6,
-        "grad_clip": 1.0, "warmup_steps": 0, "schedule": "constant", "seed": args.seed,
-        "precision": args.precision, "eval_every": 0, "save_every": 0, "log_every": 1_000_000,
-        "resume": "never", "out_dir": str(run_dir),
+        "micro_batch_size": args.batch_of[preset], "lr": args.lr, "weight_decay": 0.01,
+        "betas": [0.9, 0.999], "eps": 1e-6, "seed": args.seed, "precision": args.precision,
     }  # fmt: skip
     if unpad is not None:
         train["unpad"] = unpad
-    raw = {
-        "name": f"bench-train-{preset}",
-        "model": {"arch": "bert", "preset": "bert-base", **PRESETS[preset],
-                  "max_positions": MAX_POSITIONS, "dropout": 0.1, "attention_dropout": 0.1},
-        "objective": {"kind": "mlm"},
-        "data": {"path": str(data), "seq_len": args.seq, "workers": 0},
-        "train": train,
-        "deepspeed": "configs/deepspeed/zero0.json",
-        "mlflow": {"tracking_uri": f"sqlite:///{run_dir.parent / 'mlflow.db'}", "register": False},
-    }  # fmt: skip
-    return validate_dict(raw, f"bench_train {preset}")
+    return experiment_config(f"bench-train-{preset}", model, {"kind": "mlm"}, data, args.seq,
+                             train, run_dir)  # fmt: skip
 
 
-class Ours:
-    """The project's Trainer; ``step`` runs ``train_step`` on a batch the caller made."""
-
-    def __init__(self, cfg):
-        from pipeline.train.trainer import Trainer
-
-        self.trainer = Trainer(cfg)
-        self.model = self.trainer.engine.module
-        self.losses: list[float] = []
-        self.out: Any = None
-
-    def step(self, batch: dict) -> None:
-        self.out = self.trainer.train_step(iter([batch]))
-        self.trainer.step += 1  # as Trainer.run does (the dropout seed follows it)
-
-    def read_loss(self) -> None:
-        """After the timed part: ``train_step`` returns a dict of floats, or (since the
-        metrics stay on the device) a record whose ``values`` start with the loss."""
-        out, self.out = self.out, None
-        if out is not None:
-            self.losses.append(float(out["loss"] if isinstance(out, dict) else out.values[0]))
-
-    def close(self) -> None:
-        self.trainer.stream.close()
-
-
-class HF:
+class HF(PlainLoop):
     """``BertForMaskedLM`` + ``DataCollatorForLanguageModeling``, a plain PyTorch loop."""
 
     def __init__(self, args, preset: str, data: Path, meta: dict, dev):
@@ -270,36 +148,28 @@ class HF:
             layer_norm_eps=1e-12, pad_token_id=int(roles["pad"]),
         )  # fmt: skip
         torch.manual_seed(args.seed)
-        self.model = BertForMaskedLM(config).to(dev).train()
+        model = BertForMaskedLM(config).to(dev).train()
+        groups = [{"params": list(model.parameters()), "weight_decay": 0.01}]
+        super().__init__(model, groups, dev, args.precision, args.lr, (0.9, 0.999), 1e-6)
         self.collator = DataCollatorForLanguageModeling(tokenizer=tok, mlm_probability=0.15)
-        extra = {"fused": True} if dev.type == "cuda" else {}
-        self.opt = torch.optim.AdamW(self.model.parameters(), lr=args.lr, betas=(0.9, 0.999),
-                                     eps=1e-6, weight_decay=0.01, **extra)  # fmt: skip
-        self.dev, self.bf16 = dev, args.precision == "bf16"
-        self.losses: list[float] = []
-        self.padded = self.slots = 0  # what the collator's dynamic padding left
+        self.padded: list[int] = []  # per step: what the collator's dynamic padding left
+        self.slots: list[int] = []
 
-    def step(self, rows: list[list[int]]) -> None:
-        import torch
+    def arg(self, batch: dict) -> list[list[int]]:
+        return real_rows(batch)
 
+    def inputs(self, rows: list[list[int]]) -> dict:
         batch = self.collator([{"input_ids": r} for r in rows])
         self.mask = batch["attention_mask"]  # counted after the timed part
-        batch = {k: v.to(self.dev, non_blocking=True) for k, v in batch.items()}
-        with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.bf16):
-            loss = self.model(**batch).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.loss = loss.detach()
+        return {k: v.to(self.dev, non_blocking=True) for k, v in batch.items()}
+
+    def loss(self, batch: dict):
+        return self.model(**batch).loss
 
     def read_loss(self) -> None:
-        self.losses.append(float(self.loss))
-        self.padded += int(self.mask.numel() - self.mask.sum())
-        self.slots += self.mask.numel()
-
-    def close(self) -> None:
-        pass
+        super().read_loss()
+        self.padded.append(int(self.mask.numel() - self.mask.sum()))
+        self.slots.append(self.mask.numel())
 
 
 def real_rows(batch: dict) -> list[list[int]]:
@@ -313,134 +183,70 @@ def real_rows(batch: dict) -> list[list[int]]:
 # --- measuring ----------------------------------------------------------------------------
 
 
-class Clock:
-    """(cpu, wall) readings: process CPU seconds on the CPU; on CUDA the device is
-    synchronised first and the cost is the wall time (CPU seconds then mean little)."""
-
-    def __init__(self, dev):
-        import torch
-
-        self.cuda = dev.type == "cuda"
-        self.sync = torch.cuda.synchronize if self.cuda else (lambda: None)
-
-    def now(self) -> tuple[float, float]:
-        self.sync()
-        return time.process_time(), time.perf_counter()
-
-    def cost(self, start: tuple[float, float], end: tuple[float, float]) -> tuple[float, float]:
-        cpu, wall = end[0] - start[0], end[1] - start[1]
-        return (wall if self.cuda else cpu), wall
-
-
-def load1() -> float:
-    return os.getloadavg()[0]
-
-
-def run_preset(args, preset: str, data: Path, meta: dict, tmp: Path, dev, has_unpad: bool):
+def run_preset(args, preset: str, data: Path, meta: dict, tmp: Path, dev, has_unpad: bool,
+               peak: float | None):  # fmt: skip
     import torch
 
     variants: list[tuple[str, bool | None]] = (
         [("ours unpad", True), ("ours padded", False)] if has_unpad else [("ours", None)]
     )
+    memory = DeviceMemory(dev)
     sides: dict[str, Any] = {}
     for name, unpad in variants:
         run_dir = tmp / f"{preset}-{name.replace(' ', '-')}"
-        sides[name] = Ours(experiment_config(args, preset, data, run_dir, unpad))
-    sides["hf"] = HF(args, preset, data, meta, dev)
+        with memory.building(name):
+            sides[name] = Ours(bert_config(args, preset, data, run_dir, unpad))
+    with memory.building("hf"):
+        sides["hf"] = HF(args, preset, data, meta, dev)
     # The Trainer may set torch's threads (cores per rank when OMP_NUM_THREADS is unset):
     # both sides run with the count this process started with (or --threads).
     torch.set_num_threads(args.threads_wanted)
-    first = sides[variants[0][0]]
-    stream = iter(first.trainer.stream)  # every side trains on these batches
-    clock = Clock(dev)
-    order = list(sides)
-    n_ours = sum(p.numel() for p in first.model.parameters())
-    n_hf = sum(p.numel() for p in sides["hf"].model.parameters())
-    attn = getattr(sides["hf"].model.config, "_attn_implementation", "?")
+    n_ours = sum(p.numel() for p in sides[variants[0][0]].model.parameters())
+    hf = sides["hf"]
+    n_hf = sum(p.numel() for p in hf.model.parameters())
+    attn = getattr(hf.model.config, "_attn_implementation", "?")
     B = args.batch_of[preset]
+    warmup, rounds = args.warmup_of[preset], args.rounds_of[preset]
     print(f"\n== {preset}: {PRESETS[preset]}, batch {B} x seq {args.seq}, {args.precision}, "
           f"{dev.type}; params ours {n_ours / 1e6:.2f}M, hf {n_hf / 1e6:.2f}M (attention "
-          f"{attn}); warmup {args.warmup_of[preset]}, rounds {args.rounds_of[preset]}; "
-          f"load {load1():.2f}", flush=True)  # fmt: skip
-    cost: dict[str, list[float]] = {n: [] for n in sides}
-    wall: dict[str, list[float]] = {n: [] for n in sides}
-    tokens: list[int] = []
-    slots = 0
-    load_start = load1()
-    warmup, rounds = args.warmup_of[preset], args.rounds_of[preset]
-    for r in range(warmup + rounds):
-        if r == warmup:  # the collator's padding of the timed rounds only
-            sides["hf"].padded = sides["hf"].slots = 0
-        t0 = clock.now()
-        batch = next(stream)  # the loader's share of ours (in this process: workers 0)
-        loader_cost, loader_wall = clock.cost(t0, clock.now())
-        rows = real_rows(batch)
-        n_real = int(batch["attention_mask"].sum())
-        timed = r >= warmup
-        line = []
-        for name in order if r % 2 == 0 else order[::-1]:
-            side = sides[name]
-            if name == "hf":
-                arg: Any = rows
-            else:
-                arg = {k: v.clone() for k, v in batch.items()}
-            t0 = clock.now()
-            side.step(arg)
-            c, w = clock.cost(t0, clock.now())
-            side.read_loss()
-            if name != "hf":
-                c, w = c + loader_cost, w + loader_wall
-            line.append(f"{name} {c / n_real * 1e3:.3f}")
-            if timed:
-                cost[name].append(c)
-                wall[name].append(w)
-        if timed:
-            tokens.append(n_real)
-            slots += batch["attention_mask"].numel()
-        tag = f"round {r - warmup}" if timed else f"warmup {r}"
-        print(f"  {tag}: {n_real} real tokens ({1 - n_real / batch['attention_mask'].numel():.0%}"
-              f" padding); s/1k real tokens: " + ", ".join(line), flush=True)  # fmt: skip
-    load_end = load1()
-    real = sum(tokens)
+          f"{attn}); warmup {warmup}, rounds {rounds}; load {load1():.2f}", flush=True)  # fmt: skip
+    r, measured = measure(sides, memory, dev, warmup, rounds, peak)
     result: dict[str, Any] = {
         "preset": preset, "shape": PRESETS[preset], "batch": B, "seq": args.seq,
-        "precision": args.precision, "device": dev.type, "rounds": rounds, "warmup": warmup,
-        "params": {"ours": n_ours, "hf": n_hf}, "hf_attention": attn,
-        "padding_fraction": 1 - real / slots,
-        "hf_padding_fraction": sides["hf"].padded / max(sides["hf"].slots, 1),
-        "real_tokens_per_round": tokens, "load_start": load_start, "load_end": load_end,
-        "torch_threads": torch.get_num_threads(),
-        "cost_metric": "wall_s" if clock.cuda else "cpu_s", "sides": {},
+        "precision": args.precision, "params": {"ours": n_ours, "hf": n_hf},
+        "hf_attention": attn, "padding_fraction": 1 - sum(r.tokens) / sum(r.slots),
+        "hf_padding_fraction": sum(hf.padded[-rounds:]) / max(sum(hf.slots[-rounds:]), 1),
+        "torch_threads": torch.get_num_threads(), **measured,
     }  # fmt: skip
-    for name in sides:
-        per_1k = [c / n * 1e3 for c, n in zip(cost[name], tokens, strict=True)]
-        result["sides"][name] = {
-            "cost_per_round": cost[name], "wall_per_round": wall[name],
-            "cost_per_1k_real_tokens": statistics.median(per_1k),
-            "real_tokens_per_s_wall": real / sum(wall[name]),
-            "loss_first": sides[name].losses[0], "loss_last": sides[name].losses[-1],
-        }  # fmt: skip
-    hf = result["sides"]["hf"]
     for name, _ in variants:
         ours = result["sides"][name]
-        per_round = [h / o for h, o in zip(cost["hf"], cost[name], strict=True)]
-        ours["hf_over_ours"] = hf["cost_per_1k_real_tokens"] / ours["cost_per_1k_real_tokens"]
-        ours["hf_over_ours_rounds"] = [min(per_round), max(per_round)]
-    for side in sides.values():
-        side.close()
-    del sides, first, stream
+        ours["hf_over_ours"], ours["hf_over_ours_rounds"] = speedup(r, name, "hf")
+        ours["hf_over_ours_step_only"] = speedup(r, name, "hf", step_only=True)[0]
+    del sides, hf
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
 
 
+def step_only(side: dict) -> str:
+    """Ours' step alone (the loader runs in this process here; ``plm train`` runs it in
+    ``data.workers`` processes): tokens/s, MFU, hf / this."""
+    if "step_only" not in side:
+        return ""
+    s = side["step_only"]
+    return (f"{s['real_tokens_per_s_wall']:,.0f} tokens/s, MFU {pct(s['mfu'])}, "
+            f"{side['hf_over_ours_step_only']:.2f}x")  # fmt: skip
+
+
 def markdown(results: list[dict], info: dict) -> str:
-    unit = "GPU wall s" if info["device"] == "cuda" else "CPU s"
+    cuda = info["device"] == "cuda"
+    unit = "GPU wall s" if cuda else "CPU s"
+    gpu_cols = (" MFU | peak MiB | ours without the loader |", "---|---|---|") if cuda else ("", "")
     head = (
         f"| preset | batch x seq | window padding (hf batches) | side | {unit} / 1k real tokens "
-        "| real tokens/s (wall) | hf / this | per-round hf / this | loss first -> last | "
-        "load (start -> end) |\n|---|---|---|---|---|---|---|---|---|---|\n"
+        f"| real tokens/s (wall) | hf / this | per-round hf / this |{gpu_cols[0]} loss first -> "
+        f"last | load (start -> end) |\n|---|---|---|---|---|---|---|---|{gpu_cols[1]}---|---|\n"
     )
     out = []
     for res in results:
@@ -450,10 +256,15 @@ def markdown(results: list[dict], info: dict) -> str:
             if "hf_over_ours" in s:
                 ratio = f"**{s['hf_over_ours']:.2f}x**"
                 rng = f"{s['hf_over_ours_rounds'][0]:.2f}-{s['hf_over_ours_rounds'][1]:.2f}"
+            gpu = (
+                f" {pct(s['mfu'])} | {mib(s['peak_memory_bytes'])} | {step_only(s)} |"
+                if cuda
+                else ""
+            )
             out.append(
                 f"| {res['preset']} | {res['batch']} x {res['seq']} | {pad} | {name} | "
-                f"{s['cost_per_1k_real_tokens']:.3f} | {s['real_tokens_per_s_wall']:,.0f} | "
-                f"{ratio} | {rng} | {s['loss_first']:.2f} -> {s['loss_last']:.2f} | "
+                f"{s['cost_per_1k_real_tokens']:.4g} | {s['real_tokens_per_s_wall']:,.0f} | "
+                f"{ratio} | {rng} |{gpu} {s['loss_first']:.2f} -> {s['loss_last']:.2f} | "
                 f"{res['load_start']:.2f} -> {res['load_end']:.2f} |"
             )
     return head + "\n".join(out)
@@ -484,84 +295,39 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", action="append", choices=list(PRESETS),
                     help="repeatable; default: all three")  # fmt: skip
-    ap.add_argument("--batch", type=int, help="micro batch (default 32; 16 for bert-base)")
+    ap.add_argument("--batch", type=int, help="micro batch (CPU: 32, 16 for bert-base; CUDA: 128)")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--rounds", type=int, help="timed rounds (default 20 / 10 / 3 for bert-base)")
-    ap.add_argument("--warmup", type=int, help="untimed rounds (default 2; 1 for bert-base)")
-    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    ap.add_argument("--threads", type=int, help="torch threads (default: torch's, i.e. OMP_NUM_THREADS)")  # fmt: skip
+    ap.add_argument("--rounds", type=int, help="timed rounds (CPU: 20 / 10 / 3; CUDA: 20)")
+    ap.add_argument("--warmup", type=int, help="untimed rounds (CPU: 2, 1 for bert-base; CUDA: 3)")
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--work-dir", help="keep the corpus, tokenizer and shards here (reused)")
-    ap.add_argument("--data-dir", help="a data dir prepared earlier: skip the data stage")
-    ap.add_argument("--docs", type=int, default=8000, help="documents in the corpus")
-    ap.add_argument("--max-sentences", type=int, default=15, help="documents have 1..N sentences")
-    ap.add_argument("--words", type=int, default=20000, help="pseudo-words in the word list")
-    ap.add_argument("--vocab-size", type=int, default=30522, help="WordPiece vocabulary")
-    ap.add_argument("--prepare-cpus", type=int, default=1, help="plm data prepare --num-cpus")
-    ap.add_argument("--json", help="write the results here")
+    add_common_args(ap, docs=8000, words=20000, vocab_size=30522)
     args = ap.parse_args()
     presets = args.preset or list(PRESETS)
-    args.batch_of = {p: args.batch or DEFAULT_BATCH[p] for p in presets}
-    args.rounds_of = {p: args.rounds or DEFAULT_ROUNDS[p] for p in presets}
-    args.warmup_of = {p: DEFAULT_WARMUP[p] if args.warmup is None else args.warmup for p in presets}
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the Trainer picks CUDA whenever it sees one
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: no CUDA device here")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.threads_wanted = torch.get_num_threads()
-    dev = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
-
-    t_start = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-train-"))
-    try:
-        if args.data_dir:
-            data = Path(args.data_dir)
-        else:
-            data = prepare_data(Path(args.work_dir) if args.work_dir else tmp / "work", args)
-        meta = json.loads((data / "tokenizer" / "tokenizer_meta.json").read_text())
-        manifest = json.loads((data / "manifest.json").read_text())
-        padding = window_padding(data, args.seq, 32)
+    defaults = DEFAULTS[args.device]
+    args.batch_of = {p: args.batch or defaults[p][0] for p in presets}
+    args.rounds_of = {p: args.rounds or defaults[p][1] for p in presets}
+    args.warmup_of = {p: defaults[p][2] if args.warmup is None else args.warmup for p in presets}
+    with session(args, "wordpiece") as run:
+        meta = json.loads((run.data / "tokenizer" / "tokenizer_meta.json").read_text())
+        padding = window_padding(run.data, args.seq, 32)
         has_unpad = "unpad" in train_section_fields()
-        info = {
-            "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "device": args.device,
-            "cuda_device": torch.cuda.get_device_name(0) if args.device == "cuda" else None,
-            "precision": args.precision, "data_dir": str(data), "vocab_size": meta["vocab_size"],
-            "documents": manifest["totals"]["n_docs"], "tokens": manifest["totals"]["n_tokens"],
-            "window_padding_first_64_batches": padding, "train_unpad_key": has_unpad,
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-        }  # fmt: skip
+        info = run.info
+        info.update(window_padding_first_64_batches=padding, train_unpad_key=has_unpad)
         try:
             import transformers
 
             info["transformers"] = transformers.__version__
         except ImportError:
             info["transformers"] = None
-        print(f"machine: {info['platform']}, {info['processor']}, {info['cpu_count']} cpus; "
-              f"torch {info['torch']} ({info['torch_threads']} threads), transformers "
-              f"{info['transformers']}; load {load1():.2f}")  # fmt: skip
-        print(f"data: {data}: {info['documents']:,} documents, {info['tokens']:,} tokens, "
-              f"vocabulary {meta['vocab_size']:,}; MLM windows at seq {args.seq}: "
+        print(f"transformers {info['transformers']}; MLM windows at seq {args.seq}: "
               f"{padding:.1%} padding (first 64 batches of 32)")  # fmt: skip
         print(f"train.unpad in the config: {'yes: ours runs with true and false' if has_unpad else 'no'}")  # fmt: skip
-        results = [run_preset(args, p, data, meta, tmp, dev, has_unpad) for p in presets]
-        info["elapsed_s"] = time.perf_counter() - t_start
-        table = markdown(results, info)
-        print(f"\n{table}\n")
-        print(f"{info['torch_threads']} torch threads, {info['cpu_count']} cpus, "
-              f"{info['processor']}; whole run {info['elapsed_s']:.0f} s")  # fmt: skip
-        if args.json:
-            Path(args.json).write_text(json.dumps({"info": info, "results": results}, indent=1))
-            print(f"wrote {args.json}")
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        results = [
+            run_preset(args, p, run.data, meta, run.tmp, run.dev, has_unpad, info["peak_flops"])
+            for p in presets
+        ]
+        print(f"\n{markdown(results, info)}\n")
+        run.finish({"results": results})
     return 0
 
 

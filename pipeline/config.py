@@ -258,7 +258,8 @@ class ExperimentConfig(Strict):
     objective: ObjectiveSection = ObjectiveSection()
     data: DataSection
     train: TrainSection = TrainSection()
-    deepspeed: str | dict[str, Any] = "configs/deepspeed/zero2.json"
+    # "auto": ZeRO-0 on one rank, ZeRO-2 on more (pipeline/train/engine.py resolve_auto)
+    deepspeed: str | dict[str, Any] = "auto"
     mlflow: MlflowSection = MlflowSection()
 
 

@@ -1,7 +1,7 @@
 """`plm demo`: the whole pipeline on the bundled corpus, on a laptop CPU, in minutes.
 
 builtin:python-docs (the docstrings CPython ships, no download) -> WordPiece tokenizer
--> WebDataset shards (a local Ray job) -> a tiny BERT (MLM) under DeepSpeed ZeRO-2
+-> WebDataset shards (a local Ray job) -> a tiny BERT (MLM) under DeepSpeed (ZeRO-0 on one rank)
 -> an MLflow run with the model bundle, registered in the Model Registry
 -> fine-tuned on a small labelled task built from the same text (which stdlib package a
    documentation paragraph comes from), next to the same BERT from random initialisation.
@@ -122,12 +122,14 @@ def run_demo(
             f"train.save_every={max(1, steps // 2)}",
             "train.bundle_every=0",
             f"train.out_dir={run_dir}",
-            "deepspeed=configs/deepspeed/zero2.json",
+            "deepspeed=auto",  # ZeRO-0: one rank has nothing to shard
             f"mlflow.experiment={NAME}",
             f"mlflow.run_name=pretrain-{objective}-seed{seed}",
         ],
     )
-    print(f"[demo] training {NAME}: {steps} steps, DeepSpeed ZeRO-2, world size 1")
+    print(
+        f"[demo] training {NAME}: {steps} steps, DeepSpeed ZeRO-0 (deepspeed: auto), world size 1"
+    )
     from pipeline.train.tracking import resolve_tracking_uri
     from pipeline.train.trainer import train
 

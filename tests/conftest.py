@@ -88,6 +88,12 @@ def tiny_data(tmp_path_factory) -> Path:
     return build_data_dir(tmp_path_factory.mktemp("tiny_data"))
 
 
+@pytest.fixture(scope="session")
+def tiny_bpe_data(tmp_path_factory) -> Path:
+    """The same corpus with a byte-level BPE tokenizer (RoBERTa, GPT-2); read-only too."""
+    return build_data_dir(tmp_path_factory.mktemp("bpe_data"), kind="bpe")
+
+
 def load_launch_script(name: str):
     """A script of launch/ (not a package) as a module, for its functions."""
     spec = importlib.util.spec_from_file_location(name, REPO / "launch" / f"{name}.py")
@@ -179,7 +185,7 @@ FAMILY = {
 
 
 @pytest.fixture(scope="session")
-def family_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
+def family_runs(tiny_data, tiny_bpe_data, tmp_path_factory) -> dict[str, Path]:
     """{name: run dir} of every FAMILY run, trained for real under the `deepspeed` launcher
     (2 ranks, ZeRO-2, CPU). RoBERTa reads a byte-level BPE data dir (its tokenizer kind);
     DistilBERT's teacher is a fresh bert-tiny bundle on the data's tokenizer. The MLflow
@@ -190,7 +196,6 @@ def family_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
     from pipeline.models.bundle import save_bundle
 
     root = tmp_path_factory.mktemp("family")
-    bpe_data = build_data_dir(tmp_path_factory.mktemp("bpe_data"), kind="bpe")
     meta = json.loads((tiny_data / "tokenizer" / "tokenizer_meta.json").read_text())
     teacher_cfg = resolve_model_config({"arch": "bert", "preset": "bert-tiny"}, meta["vocab_size"])
     torch.manual_seed(0)
@@ -199,7 +204,7 @@ def family_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
                               tiny_data / "tokenizer")  # fmt: skip
     plan = []
     for name, (config, steps, overrides) in FAMILY.items():
-        data = bpe_data if name == "roberta" else tiny_data
+        data = tiny_bpe_data if name == "roberta" else tiny_data
         extra = [f"objective.distill.teacher={teacher_dir}"] if name == "distilbert" else []
         plan.append({
             "config": str(REPO / "configs/test" / f"{config}.yaml"),

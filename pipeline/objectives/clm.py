@@ -105,7 +105,8 @@ class ClmObjective(Objective):
         example = {
             "input_ids": tokens[:L],
             "labels": tokens[1:],
-            "attention_mask": np.ones(L, dtype=np.int64),
+            # No attention_mask: packed blocks have no padding, and an all-ones mask would
+            # cost the model a host sync per forward to find that out (blocks.causal_mask).
             "position_ids": reset_positions(segment)
             if self.clm.reset_position_ids
             else np.arange(L),

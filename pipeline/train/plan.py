@@ -99,6 +99,17 @@ def check_positions(cfg: ExperimentConfig, model_cfg) -> None:
         )
 
 
+def resolve_deepspeed(cfg: ExperimentConfig, ckpt, world: int) -> ExperimentConfig:
+    """``deepspeed: auto`` made concrete for this run (``ds_engine.resolve_auto``): the
+    stage of the checkpoint ``train.resume: auto`` will load, else ZeRO-0 on one rank and
+    ZeRO-2 on more."""
+    saved = None
+    if cfg.deepspeed == ds_engine.AUTO and cfg.train.resume == "auto":
+        tag = ckpt.latest()
+        saved = ckpt.meta(tag).get("zero_stage") if tag is not None else None
+    return ds_engine.resolve_auto(cfg, world, saved)
+
+
 def check_resumable(cfg: ExperimentConfig, ckpt, tokenizer: dict[str, Any]) -> None:
     """What resuming from train.out_dir's latest checkpoint refuses whatever the number of
     ranks; nothing when there is no checkpoint or train.resume is never."""
@@ -193,12 +204,13 @@ def print_plan(cfg: ExperimentConfig) -> int:
         cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len, specials
     )
     check_objective(cfg, objective, model, data, meta)
-    ds = ds_engine.build_ds_config(cfg, world)
     from pipeline.train.checkpoint import CheckpointManager
 
-    check_resumable(
-        cfg, CheckpointManager(cfg.train.out_dir, 1, 0, world), data.manifest.get("tokenizer", {})
-    )
+    ckpt = CheckpointManager(cfg.train.out_dir, 1, 0, world)
+    auto = cfg.deepspeed == ds_engine.AUTO
+    cfg = resolve_deepspeed(cfg, ckpt, world)
+    ds = ds_engine.build_ds_config(cfg, world)
+    check_resumable(cfg, ckpt, data.manifest.get("tokenizer", {}))
     stage, offload = ds_engine.zero_stage(ds), ds_engine.offloads_optimizer(ds)
     ops = ds_ops.plan_lines(offload, cfg.train.cpu_shm_allreduce, world)
     t = cfg.train
@@ -224,7 +236,8 @@ def print_plan(cfg: ExperimentConfig) -> int:
         "upper bound: padding not counted)",
         f"parameters      {n_params:,}  ({flops_per_token / 1e6:.1f} MFLOP per token, "
         f"{flops_per_token * tokens:.3g} FLOP in total)",
-        f"deepspeed       ZeRO-{stage}{' + CPU offload' if offload else ''}, precision "
+        f"deepspeed       ZeRO-{stage}{' + CPU offload' if offload else ''}"
+        f"{' (deepspeed: auto)' if auto else ''}, precision "
         f"{t.precision}, clip {t.grad_clip}, activation checkpointing "
         f"{t.activation_checkpointing}",
         f"memory / rank   {mem.total / GiB:.3f} GiB = params {mem.params / GiB:.3f} + grads "

@@ -30,7 +30,7 @@ from pipeline.train import engine as ds_engine
 from pipeline.train import parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
-from pipeline.train.plan import check_checkpoint, check_positions
+from pipeline.train.plan import check_checkpoint, check_positions, resolve_deepspeed
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop, TrainingStopped
 from pipeline.train.tracking import Tracker, code_version
@@ -324,6 +324,7 @@ class Trainer:
         # anything is built from the config.
         self.sources = open_sources(cfg.data)  # one for data.path; tokenizers checked
         self.data = self.sources[0].path  # the tokenizer every source shares
+        cfg = resolve_deepspeed(cfg, self.ckpt, self.world)
         cfg, self.elastic = self.plan_elastic_resume(cfg)
         self.cfg = cfg
         self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(

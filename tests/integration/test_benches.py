@@ -1,0 +1,81 @@
+"""The training benches run end to end in their tiny mode (bench/bench_train.py: BERT vs
+Hugging Face; bench/bench_gpt.py: GPT-2 vs the nanoGPT-style baseline), in a fresh process
+as bench/gpu_run.sh runs them on the GPU machine: with MLflow made unimportable (that
+machine has none; DeepSpeed imports it only when it is installed), and without importing
+Ray (a prepared data dir needs no data stage). On the CPU always; on CUDA (bf16) where
+there is a GPU, which is where MFU and peak memory are reported."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])]
+pytestmark = pytest.mark.slow
+
+
+def bench(script: str, data: Path, device: str, out: Path, *args: str) -> dict:
+    precision = "bf16" if device == "cuda" else "fp32"
+    cmd = [sys.executable, f"bench/{script}", "--data-dir", str(data), "--device", device,
+           "--precision", precision, "--deny-import", "mlflow", "--json", str(out), *args]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    imported = report["info"]["imported"]
+    assert "ray" not in imported and "mlflow" not in imported, imported
+    assert {"torch", "deepspeed", "pipeline"} <= set(imported)
+    assert report["info"]["device"] == device
+    return report
+
+
+def check_side(side: dict, device: str, ours: bool) -> None:
+    assert side["real_tokens_per_s_wall"] > 0 and side["cost_per_1k_real_tokens"] > 0
+    assert side["model_flops_per_s"] > 0
+    assert side["loss_first"] == side["loss_first"] and side["loss_last"] == side["loss_last"]
+    if device == "cpu":  # no peak FLOP/s, no GPU memory: the fields are there, null
+        assert side["mfu"] is None and side["peak_memory_bytes"] is None
+    else:
+        assert 0 < side["mfu"] < 1 and side["peak_memory_bytes"] > 0
+    # ours pays its loader (in the bench's process); its step alone is reported too
+    assert ("step_only" in side) == ours
+    if ours:
+        alone = side["step_only"]
+        assert alone["real_tokens_per_s_wall"] >= side["real_tokens_per_s_wall"] > 0
+        assert (alone["mfu"] is None) == (device == "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bench_train_tiny(tiny_data, tmp_path, device):
+    report = bench("bench_train.py", tiny_data, device, tmp_path / "bert.json", "--preset",
+                   "bert-tiny", "--batch", "8", "--seq", "64", "--rounds", "2", "--warmup", "1")  # fmt: skip
+    (res,) = report["results"]
+    assert set(res["sides"]) == {"ours unpad", "ours padded", "hf"}
+    assert len(res["real_tokens_per_round"]) == 2 and 0 < res["padding_fraction"] < 1
+    for name, side in res["sides"].items():
+        check_side(side, device, ours=name != "hf")
+        if name != "hf":
+            assert side["hf_over_ours"] > 0 and len(side["hf_over_ours_rounds"]) == 2
+            assert side["hf_over_ours_step_only"] > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bench_gpt_tiny(tiny_bpe_data, tmp_path, device):
+    report = bench("bench_gpt.py", tiny_bpe_data, device, tmp_path / "gpt.json", "--preset",
+                   "gpt2-tiny", "--sides", "ours,baseline", "--rounds", "2")  # fmt: skip
+    res = report["result"]
+    assert set(res["sides"]) == {"ours", "baseline"}
+    assert res["params"]["ours"] == res["params"]["baseline"]  # the same model, twice
+    assert res["real_tokens_per_round"] == [4 * 64] * 2 and res["flops_per_token"] > 0
+    for name, side in res["sides"].items():
+        check_side(side, device, ours=name == "ours")
+    over = res["sides"]["ours"]["over"]["baseline"]
+    assert over["ratio"] > 0 and len(over["rounds"]) == 2 and over["ratio_step_only"] > 0
