@@ -66,9 +66,26 @@ def default_extensions_dir() -> Path:
 
 
 def extensions_dir() -> Path:
-    """Where torch builds and finds the extensions: TORCH_EXTENSIONS_DIR when set."""
+    """Where torch builds and finds the extensions: TORCH_EXTENSIONS_DIR when set, else
+    this venv's cache (configure_environment sets the variable to it), else, in a venv that
+    cannot be written (an image's, for another user), torch's per-user default, as
+    ``torch.utils.cpp_extension._get_build_directory`` names it."""
     configured = os.environ.get("TORCH_EXTENSIONS_DIR")
-    return Path(configured) if configured else default_extensions_dir()
+    if configured:
+        return Path(configured)
+    if _writable(default_extensions_dir()):
+        return default_extensions_dir()
+    import torch
+    from torch.utils.cpp_extension import get_default_build_root
+
+    if torch.version.hip is not None:
+        accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+    elif torch.version.cuda is not None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+    else:
+        accelerator = "cpu"
+    python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+    return Path(get_default_build_root()) / f"{python}_{accelerator}"
 
 
 def _writable(path: Path) -> bool:

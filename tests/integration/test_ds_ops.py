@@ -35,6 +35,19 @@ def test_the_extension_cache_is_per_venv_unless_the_user_set_one(monkeypatch, tm
     ds_ops.configure_environment()
     assert ds_ops.extensions_dir() == tmp_path / "mine"
 
+    # A venv that cannot be written (under a file here; an image's venv for its runtime
+    # user): the variable stays unset and plm looks where torch builds, its per-user cache.
+    from torch.utils.cpp_extension import _get_build_directory
+
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr(sys, "prefix", str(tmp_path / "a-file" / "venv"))
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR")
+    ds_ops.configure_environment()
+    assert "TORCH_EXTENSIONS_DIR" not in os.environ
+    probe = Path(_get_build_directory("plm_probe", False))  # torch's own answer (it mkdirs)
+    probe.rmdir()
+    assert ds_ops.extensions_dir() == probe.parent
+
 
 def test_ds_accelerator_is_cpu_without_a_gpu_unless_the_user_set_it(monkeypatch):
     import torch
