@@ -461,7 +461,9 @@ def alternate(sides: dict, stream, warmup: int, rounds: int, clock: Clock,
         t0 = clock.now()
         batch = next(stream)
         loader_cost, loader_wall = clock.cost(t0, clock.now())
-        n_real, n_slots = int(batch["attention_mask"].sum()), batch["attention_mask"].numel()
+        n_slots = batch["input_ids"].numel()
+        # clm batches carry no mask: their packed rows have no padding
+        n_real = int(batch["attention_mask"].sum()) if "attention_mask" in batch else n_slots
         timed = r >= warmup
         line = []
         for name in order if r % 2 == 0 else order[::-1]:
