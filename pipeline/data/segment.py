@@ -383,6 +383,115 @@ def mark_batch(texts: list[str]) -> list[str]:
     return marked.split(_DOC)
 
 
+# ``ChunkIds`` joins a batch's texts with this chunk, and the new chunks it encodes with
+# ``_DOC`` (an added token of its tokenizer copy: a hard cut in the ids).
+_DOC_CHUNK = f" {_DOC} "
+_DOC_ID = -1  # the id ``ChunkIds`` gives ``_DOC``: where one text ends and the next starts
+
+
+def _chunks_compose(tokenizer: Tokenizer, mark_id: int) -> bool:
+    """Can ``ChunkIds`` stand in for ``tokenizer`` (a normalizer-less WordPiece copy behind
+    a BERT pre-tokenizer)? Not when it truncates or pads, or when an added token other
+    than the mark could match across a blank (a special one cannot: encode_special_tokens)."""
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return False
+    added = tokenizer.get_added_tokens_decoder()
+    return all(t.special or i == mark_id for i, t in added.items())
+
+
+class ChunkIds:
+    """Token ids of ASCII texts without controls (but ``_MARK``s), for a normalizer-less
+    WordPiece tokenizer behind a BERT pre-tokenizer, one dict lookup per chunk (a run of
+    non-blanks: ``str.split()``): the ids ``encode_batch_fast`` gives, with less CPU.
+
+    Why the same: blanks (space, tab, newline in such text) split pre-tokens and are
+    dropped, the added mark cuts the text before anything else, and WordPiece encodes
+    each pre-token on its own; so a text's ids are its chunks' ids in order. A chunk's ids
+    come from the tokenizer the first time it is seen (a batch's new chunks in one call,
+    joined by ``_DOC``, an added token of this copy, then cut there) and are kept in a
+    table of at most ``capacity`` chunks, emptied when full: memory stays bounded
+    whatever the corpus. Natural text repeats its words, so most chunks are looked up
+    (tests/unit/test_prepare_speed_parts.py compares with the tokenizer).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, mark_id: int, capacity: int = 1 << 17):
+        self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self.tokenizer.add_tokens([AddedToken(_DOC, normalized=False, special=False)])
+        self.tokenizer.encode_special_tokens = True
+        self.doc_id = self.tokenizer.token_to_id(_DOC)
+        self.mark_id, self.capacity = mark_id, capacity
+        self.misses = 0  # chunks sent to the tokenizer (for tests)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.index: dict[str, int] = {}
+        self.flat = np.zeros(1 << 16, dtype=np.int32)  # the chunks' ids, concatenated
+        self.start = np.zeros(1 << 12, dtype=np.int64)  # per chunk: where its ids start
+        self.length = np.zeros(1 << 12, dtype=np.int64)
+        self.used = 0  # of flat
+        self._add([_DOC], [np.array([_DOC_ID], dtype=np.int32)])
+
+    def _add(self, chunks: list[str], ids: list[np.ndarray]) -> None:
+        first = len(self.index)
+        need = first + len(chunks)
+        if need > len(self.start):
+            size = max(need, 2 * len(self.start))
+            self.start = np.resize(self.start, size)
+            self.length = np.resize(self.length, size)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        total = int(lengths.sum())
+        if self.used + total > len(self.flat):
+            self.flat = np.resize(self.flat, max(self.used + total, 2 * len(self.flat)))
+        if total:
+            self.flat[self.used : self.used + total] = np.concatenate(ids)
+        self.length[first:need] = lengths
+        self.start[first:need] = self.used + np.cumsum(lengths) - lengths
+        self.used += total
+        self.index.update(zip(chunks, range(first, need), strict=True))
+
+    def _encode(self, chunks: list[str]) -> list[np.ndarray]:
+        """Each chunk's ids from the tokenizer: one call on the chunks joined by ``_DOC``."""
+        self.misses += len(chunks)
+        [encoding] = self.tokenizer.encode_batch_fast([_DOC.join(chunks)], add_special_tokens=False)
+        ids = np.array(encoding.ids, dtype=np.int32)
+        cuts = np.flatnonzero(ids == self.doc_id)
+        if len(cuts) == len(chunks) - 1:
+            ends = np.append(cuts, len(ids))
+            starts = np.insert(cuts + 1, 0, 0)
+            return [ids[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        encodings = self.tokenizer.encode_batch_fast(chunks, add_special_tokens=False)
+        return [np.array(e.ids, dtype=np.int32) for e in encodings]
+
+    def __call__(self, text: str) -> np.ndarray:
+        """The ids of ``text`` (a ``_DOC_CHUNK`` gives ``_DOC_ID``)."""
+        chunks = text.split()
+        if not chunks:
+            return np.zeros(0, dtype=np.int32)
+        rows = np.fromiter(
+            map(self.index.get, chunks, itertools.repeat(-1)), dtype=np.int64, count=len(chunks)
+        )
+        missing = np.flatnonzero(rows < 0)
+        if len(missing):
+            new = list(dict.fromkeys([chunks[i] for i in missing.tolist()]))
+            if len(self.index) + len(new) > self.capacity and len(self.index) > 1:
+                self._reset()  # full: start again (one text's own chunks always fit)
+                return self(text)
+            self._add(new, self._encode(new))
+            index = self.index
+            rows[missing] = [index[chunks[i]] for i in missing.tolist()]
+        lengths = self.length[rows]
+        ends = np.cumsum(lengths)
+        shift = np.repeat(self.start[rows] - (ends - lengths), lengths)
+        return self.flat[np.arange(int(ends[-1]), dtype=np.int64) + shift]
+
+    def batch(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """(the texts' ids concatenated, each text's count)."""
+        ids = self(_DOC_CHUNK.join(texts))
+        docs = np.flatnonzero(ids == _DOC_ID)
+        lengths = np.diff(docs, prepend=-1, append=len(ids)) - 1
+        return np.delete(ids, docs), lengths
+
+
 class Segmenter:
     """Tokenize and segment batches of cleaned documents with one tokenizer: what the
     `plm data prepare` write tasks run, one call per batch.
@@ -400,7 +509,9 @@ class Segmenter:
       Why the other tokens stay the same: a sentence end always falls between two
       pre-tokens (after punctuation, which the BERT pre-tokenizer isolates, or at a
       blank), the added token cuts the text there before the normalizer runs, and
-      BertNormalizer works character by character.
+      BertNormalizer works character by character. ASCII texts without controls skip
+      the normalizer and, through ``ChunkIds``, most of the tokenizer: their ids are
+      looked up per blank-separated chunk (python-docs: see BENCHMARKS.md).
     - **Offsets path**: any other tokenizer, Chinese (jieba's word starts are character
       offsets), entity spans. ``encode_batch``, then ``segment_encoding`` per document.
     """
@@ -419,6 +530,7 @@ class Segmenter:
         self.continuation = wordpiece_continuations(tokenizer)  # reads the whole vocabulary
         self.marking: Tokenizer | None = None
         self.unnormalized: Tokenizer | None = None
+        self.chunks: ChunkIds | None = None  # ASCII texts: one dict lookup per chunk
         self.lowercase = False
         if self.continuation is not None and entities is None:
             self.marking = Tokenizer.from_str(tokenizer.to_str())
@@ -436,6 +548,8 @@ class Segmenter:
                 self.unnormalized.normalizer = None
                 self.unnormalized.encode_special_tokens = True
                 self.lowercase = bool(normalizer.lowercase)
+                if _chunks_compose(self.unnormalized, self.mark_id):
+                    self.chunks = ChunkIds(self.unnormalized, self.mark_id)
         self.batched_documents = 0  # how many documents took the batch path (for tests)
         self.unnormalized_documents = 0  # of which skipped the normalizer (for tests)
 
@@ -479,17 +593,32 @@ class Segmenter:
                 )
         return pieces
 
-    def _encode_ids(self, texts: list[str], marked: list[str]) -> list[list[int]]:
-        """Token ids of the marked texts: those whose text is ASCII without controls
-        through the copy without the normalizer (see __init__), the others through
-        ``marking``."""
-        plain: list[int] = []
-        rest: list[int] = []
-        for i, text in enumerate(texts):
-            skip = self.unnormalized is not None and text.isascii()
-            (plain if skip and not _has_ascii_control(text) else rest).append(i)
+    def _encode_ids(self, texts: list[str], marked: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of the marked texts, concatenated (int32), and each text's count.
+
+        Texts that are ASCII without controls skip the normalizer (see __init__): through
+        ``chunks`` when there is one, else ``encode_batch_fast`` of the copy without it; the
+        others through ``marking``."""
+        probe = "\n".join(texts)  # a newline is no control
+        skip = self.unnormalized is not None
+        if skip and probe.isascii() and not _has_ascii_control(probe):
+            plain, rest = list(range(len(texts))), []  # the whole batch at once (usual)
+        else:
+            plain, rest = [], []
+            for i, text in enumerate(texts):
+                ok = skip and text.isascii() and not _has_ascii_control(text)
+                (plain if ok else rest).append(i)
         self.unnormalized_documents += len(plain)
-        out: list[list[int]] = [[] for _ in texts]
+        parts: list[np.ndarray | None] = [None] * len(texts)
+        if plain and self.chunks is not None:
+            batch = [marked[i].lower() if self.lowercase else marked[i] for i in plain]
+            ids, lengths = self.chunks.batch(batch)
+            if not rest:
+                return ids, lengths
+            ends = np.cumsum(lengths)
+            for i, a, b in zip(plain, (ends - lengths).tolist(), ends.tolist(), strict=True):
+                parts[i] = ids[a:b]
+            plain = []
         for rows, tokenizer, lower in (
             (plain, self.unnormalized, self.lowercase),
             (rest, self.marking, False),
@@ -498,15 +627,14 @@ class Segmenter:
                 batch = [marked[i].lower() if lower else marked[i] for i in rows]
                 encodings = tokenizer.encode_batch_fast(batch, add_special_tokens=False)
                 for i, encoding in zip(rows, encodings, strict=True):
-                    out[i] = encoding.ids
-        return out
+                    parts[i] = np.array(encoding.ids, dtype=np.int32)
+        lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int32), lengths
 
     def _batch_path(self, texts: list[str]) -> list[list[Piece]] | None:
         marked = mark_batch(texts)
         n_marks = [t.count(_MARK) for t in marked]
-        id_lists = self._encode_ids(texts, marked)
-        total = sum(map(len, id_lists))
-        ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
+        ids, doc_lengths = self._encode_ids(texts, marked)
         is_mark = ids == self.mark_id
         marks = np.flatnonzero(is_mark)
         n_marks = np.asarray(n_marks, dtype=np.int64)
@@ -514,7 +642,6 @@ class Segmenter:
             return None
         tokens = ids[~is_mark]
         # Token offsets of the documents in the batch, [d] to [d + 1] for document d.
-        doc_lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
         doc_starts = np.zeros(len(texts) + 1, dtype=np.int64)
         np.cumsum(doc_lengths - n_marks, out=doc_starts[1:])
         has_tokens = doc_lengths > n_marks

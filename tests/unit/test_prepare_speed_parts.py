@@ -218,6 +218,69 @@ def test_segmenter_batch_path_equals_the_offsets_path(trained, tmp_path, lowerca
                 assert a.tokens.dtype == b.tokens.dtype and a.sents.dtype == np.int32
 
 
+def _ascii_texts(seed: int, n: int) -> list[str]:
+    """ASCII without controls but the mark: the texts ``ChunkIds`` takes."""
+    rng = random.Random(seed)
+    parts = list("aZ.!?;,'\")#\n\t 3-_~") + [segment._MARK, "  ", "Ab. cd", "[SEP]", "[MASK]",
+             "##x", "e.g. y", "Hello", "x" * 99, "y" * 101, "1" * 150, "naive", "HELLO"]  # fmt: skip
+    texts = ["".join(rng.choice(parts) for _ in range(rng.randint(0, 40))) for _ in range(n)]
+    return texts + ["", " ", "\n\t", segment._MARK, _en_docs(1)[0]]
+
+
+@pytest.mark.parametrize("capacity", [3, 50, 1 << 17])
+def test_chunk_ids_equal_the_tokenizer(trained, capacity):
+    """One dict lookup per blank-separated chunk gives encode_batch_fast's ids, across
+    table resets (a small capacity) and through the per-chunk fallback."""
+    segmenter = segment.Segmenter(trained["wordpiece"], 64)
+    assert segmenter.chunks is not None
+    tok = segmenter.unnormalized
+    chunks = segment.ChunkIds(tok, segmenter.mark_id, capacity=capacity)
+    texts = _ascii_texts(5, 2000) + [t for t in _en_docs() if t.isascii()]
+    for i in range(0, len(texts), 100):
+        batch = texts[i : i + 100]
+        want = [e.ids for e in tok.encode_batch_fast(batch, add_special_tokens=False)]
+        ids, lengths = chunks.batch(batch)
+        assert ids.dtype == np.int32 and lengths.tolist() == [len(w) for w in want]
+        assert ids.tolist() == [t for w in want for t in w]
+        assert [chunks(t).tolist() for t in batch[:20]] == want[:20]
+        # bounded: a full table is emptied (one batch's own chunks always fit)
+        assert len(chunks.index) <= max(capacity, 2 + len({c for t in batch for c in t.split()}))
+    assert chunks.misses < sum(len(t.split()) for t in texts)  # some were looked up
+    chunks.doc_id = -5  # as if the cuts did not come out as single tokens: per chunk
+    chunks._reset()
+    batch = texts[:300]
+    want = [e.ids for e in tok.encode_batch_fast(batch, add_special_tokens=False)]
+    assert chunks.batch(batch)[0].tolist() == [t for w in want for t in w]
+
+
+def test_chunk_ids_only_where_chunks_compose(trained):
+    """A non-special added token can match across chunks, truncation cuts a whole text:
+    then ``ChunkIds`` is not used (the same pieces as the offsets path)."""
+    from tokenizers import Tokenizer
+
+    texts = [t for t in _en_docs(30) if t.isascii()]
+    texts += ["an added one: xq7z and xq7zxq7z", "yy " * 300]
+    languages = ["other"] * len(texts)
+    want = segment.Segmenter(trained["wordpiece"], 64)
+    for change in ("added", "truncation"):
+        tok = Tokenizer.from_str(trained["wordpiece"].to_str())
+        if change == "added":
+            tok.add_tokens(["xq7z"])
+        else:
+            tok.enable_truncation(100)
+        segmenter = segment.Segmenter(tok, 64)
+        assert segmenter.chunks is None and segmenter.unnormalized is not None
+        got = segmenter(texts, languages)
+        # (truncation cuts marks off: those batches fall back to the offsets path)
+        assert segmenter.batched_documents == (len(texts) if change == "added" else 0)
+        reference = segment.Segmenter(Tokenizer.from_str(tok.to_str()), 64)
+        reference.marking = None  # the offsets path: encode_batch and offsets
+        for a_pieces, b_pieces in zip(got, reference(texts, languages), strict=True):
+            assert [p.tokens.tolist() for p in a_pieces] == [p.tokens.tolist() for p in b_pieces]
+            assert [p.sents.tolist() for p in a_pieces] == [p.sents.tolist() for p in b_pieces]
+    assert want.chunks is not None
+
+
 def test_segmenter_routes_chinese_entities_and_other_kinds_to_the_offsets_path(trained):
     texts, languages = [_en_docs(1)[0], clean(ZH[0]), "a\x00b. Cd ef."], ["other", "zh", "other"]
     segmenter = segment.Segmenter(trained["wordpiece"], 64)
