@@ -432,3 +432,120 @@ def check_chunked_txt_reader(tmp_path, cases: int, seed: int) -> None:
 
 def test_chunked_txt_reader_equals_the_line_loop(tmp_path):
     check_chunked_txt_reader(tmp_path, 3000, seed=2)
+
+
+# -- the jsonl reader ---------------------------------------------------------------------
+
+
+def reference_iter_jsonl(source, max_doc_bytes: int, part=None):
+    """The jsonl reader before the pyarrow batches: json.loads line by line."""
+    from pipeline.data.readers import (
+        RawDocument,
+        _bounded_lines,
+        _jsonl_line,
+        _open_text_stream,
+        _read_error,
+        _strip_bom,
+        _truncated,
+    )
+
+    ordinal, number = 0, 0
+    start, end = (part.start, part.end) if part else (0, None)
+    with _open_text_stream(source, start, end) as stream:
+        for number, line in enumerate(_bounded_lines(stream, max_doc_bytes), start=1):
+            if line is not None and not line.endswith(b"\n") and _read_error(stream):
+                break
+            if line is None:
+                detail = f"over {max_doc_bytes} bytes"
+                yield RawDocument(source.uri, ordinal, None, "too_long", number, detail)
+                ordinal += 1
+                continue
+            line = _strip_bom(line, number == 1 and start == 0)
+            if not line.strip():
+                continue
+            yield _jsonl_line(source, ordinal, number, line, source.text_field)
+            ordinal += 1
+        if error := _read_error(stream):
+            yield _truncated(source, ordinal, number, error)
+
+
+# Lines pyarrow reads like json.loads, and lines where the two could differ.
+JSONL_LINES = [
+    b'{"text": "plain words here"}',
+    b'{"text": "x", "meta": {"text": 1, "n": [1, 2.5, null, true]}}',
+    b'  {"id": 7, "text": "spaces around"}  ',
+    b'{"text": "escapes \\t \\n \\" \\\\ \\/ \\u00e9 \\ud83d\\ude00"}',
+    b'{"te\\u0078t": "an escaped key"}',
+    '{"text": "caf\u00e9 \u4e2d\u6587"}'.encode(),
+    b'{"text": "x", "big": 123456789012345678901234567890, "f": NaN, "g": -Infinity}',
+    b'{"text": "x", "e": 1e400}',  # pyarrow refuses a double overflow, json.loads reads it
+    b'{"text": null}',
+    b'{"other": "no text field"}',
+    b"{}",
+    b'{"text": 5}',
+    b'{"text": ["a"]}',
+    b'{"text": {"a": 1}}',
+    b"[1, 2]",
+    b'"a string"',
+    b'{"text": "a", "text": "twice"}',
+    b'{"text": "a"} {"text": "two objects"}',
+    b'{"text": "a"} trailing',
+    b'{"text": "unclosed"',
+    b'{"text": "lone \\ud800 surrogate"}',
+    b'{"text": "x", "o": "\\udc00"}',
+    b'{"text": "escaped \\u0000 nul"}',
+    b'{"text": "raw \x00 nul"}',
+    b'{"text": "x"}\x00',
+    b'{"text": "bad \xff utf8"}',
+    b'{"text": "x", "o": "bad \xc0\xaf utf8 elsewhere"}',
+    b'{"text": "raw\ttab"}',
+    b"\xef\xbb\xbf" + b'{"text": "a BOM inside the file"}',
+    b' \xef\xbb\xbf{"text": "a BOM after a blank"}',
+    '{"text": "a BOM \ufeff in the text"}'.encode(),
+    b"",
+    b"   ",
+    b"\r",
+    b'{"text": "' + b"y" * 60 + b'"}',  # over the small max_doc_bytes below
+]
+
+
+def check_jsonl_reader(tmp_path, cases: int, seed: int) -> None:
+    import gzip
+
+    from pipeline.data.readers import Slice, _iter_jsonl, _jsonl_batch_texts, resolve_inputs
+
+    rng = random.Random(seed)
+    # Batches without an odd line take the pyarrow path (checked once here).
+    assert _jsonl_batch_texts(b'{"text": "a"}\n{"x": 1}\n', 2, "text") == ["a", None]
+    for case in range(cases):
+        lines = [
+            rng.choice(JSONL_LINES[: 7 if case % 3 else None]) for _ in range(rng.randint(0, 30))
+        ]
+        ends = [rng.choice([b"\n", b"\n", b"\r\n"]) for _ in lines]
+        data = b"".join(line + end for line, end in zip(lines, ends, strict=True))
+        if case % 5 == 0 and data:
+            data = data[: -len(ends[-1])]  # no newline after the last line
+        if case % 7 == 0:
+            data = b"\xef\xbb\xbf" + data
+        name = "c.jsonl.gz" if case % 4 == 0 else "c.jsonl"
+        path = tmp_path / name
+        packed = gzip.compress(data) if name.endswith(".gz") else data
+        if name.endswith(".gz") and case % 8 == 0:
+            packed = packed[: len(packed) * 2 // 3]  # a truncated gzip
+        path.write_bytes(packed)
+        [source] = resolve_inputs([str(path)])
+        max_doc_bytes = rng.choice([50, 1 << 20])
+        parts = [None]
+        if name == "c.jsonl" and len(data) > 20:  # a slice from a line start on
+            cut = data.find(b"\n", len(data) // 3) + 1
+            if 0 < cut < len(data):
+                parts = [Slice(0, 0, cut, size=cut), Slice(0, cut, None, size=len(data) - cut)]
+        for part in parts:
+            want = list(reference_iter_jsonl(source, max_doc_bytes, part))
+            for batch_bytes in (1, 40, 1 << 20):
+                got = list(_iter_jsonl(source, max_doc_bytes, part, batch_bytes=batch_bytes))
+                assert got == want, (data, max_doc_bytes, part, batch_bytes)
+
+
+def test_pyarrow_jsonl_batches_equal_the_line_by_line_reader(tmp_path):
+    check_jsonl_reader(tmp_path, 800, seed=4)
