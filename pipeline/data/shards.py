@@ -269,6 +269,34 @@ class Block:
         self.srcs.append(self.sources.setdefault(source, len(self.sources)))
         self.langs.append(self.languages.setdefault(language, len(self.languages)))
 
+    def add_many(
+        self,
+        tokens: np.ndarray,
+        ends: np.ndarray,
+        sents: np.ndarray,
+        words: np.ndarray,
+        spans: np.ndarray | None,
+        sources: list[str],
+        languages: list[str],
+    ) -> None:
+        """Several documents at once, the same block as ``add`` one by one: ``ends`` their
+        end offsets into ``tokens``, ``sents`` sentence ends and ``spans`` in the same
+        offsets, ``words`` a word-start flag per token; ``sources`` and ``languages`` one
+        name per document (a batch of pieces, see ``segment.PieceBatch``)."""
+        at = self.n_tokens
+        self.tokens.append(np.asarray(tokens, dtype=self.dtype))
+        self.sents.append(np.asarray(sents, dtype=np.int64) + at)
+        self.words.append(np.asarray(words, dtype=bool))
+        if spans is not None:
+            self.with_spans = True
+            self.spans.append(np.asarray(spans, dtype=np.int64).reshape(-1, 2) + at)
+        self.n_tokens += int(tokens.shape[0])
+        self.doc_ends.extend((np.asarray(ends, dtype=np.int64) + at).tolist())
+        codes = self.sources
+        self.srcs.extend([codes.setdefault(name, len(codes)) for name in sources])
+        codes = self.languages
+        self.langs.extend([codes.setdefault(name, len(codes)) for name in languages])
+
     @property
     def n_docs(self) -> int:
         return len(self.doc_ends)
@@ -353,6 +381,89 @@ class ShardWriter:
         self.n_tokens += int(tokens.shape[0])
         if self._block.n_tokens >= self.block_tokens or self._block.full_of_sources():
             self._flush()
+
+    def add_many(
+        self,
+        tokens: np.ndarray,
+        ends: np.ndarray,
+        sents: np.ndarray,
+        words: np.ndarray,
+        spans: np.ndarray | None,
+        sources: list[str],
+        languages: list[str],
+        stop_docs: int | None = None,
+        stop_bytes: int | None = None,
+        first: int = 0,
+    ) -> tuple[int, bool]:
+        """Documents ``first``.. in bulk (``Block.add_many``'s arguments), the same shard
+        bytes as ``add`` one by one: blocks end after the document that fills them. Stops
+        after the first document at which the shard holds ``stop_docs`` documents or
+        ``size_estimate()`` reaches ``stop_bytes`` (where a caller that adds one by one
+        closes the shard). Returns (the next document, whether it stopped there)."""
+        n = int(ends.shape[0])
+        starts = np.zeros(n, dtype=np.int64)
+        starts[1:] = ends[:-1]
+        itemsize = self.dtype.itemsize
+        i = first
+        while i < n:
+            block = self._block
+            if len(block.sources) + len(set(sources[i:])) >= MAX_BLOCK_SOURCES:
+                return self._add_each(tokens, starts, ends, sents, words, spans, sources,
+                                      languages, i, stop_docs, stop_bytes)  # fmt: skip
+            a = int(starts[i])
+            filled = block.n_tokens + (ends[i:] - a)  # the block's tokens after each document
+            full = int(np.searchsorted(filled, self.block_tokens, side="left"))
+            stop = n - i  # the first document after which the shard is closed, unless flushed
+            if stop_docs:
+                stop = min(stop, stop_docs - self.n_docs - 1)
+            if stop_bytes:
+                stop = min(stop, int(np.searchsorted(self.offset + filled * itemsize, stop_bytes)))
+            last = min(stop, full, n - i - 1)  # the last document added now
+            j = i + last + 1
+            self._take(tokens, starts, ends, sents, words, spans, sources, languages, i, j)
+            if last == full:  # the block is full: flush, then the shard's checks
+                self._flush()
+                if (stop_docs and self.n_docs >= stop_docs) or (
+                    stop_bytes and self.size_estimate() >= stop_bytes
+                ):
+                    return j, True
+            elif last == stop:
+                return j, True
+            i = j
+        return n, False
+
+    def _take(self, tokens, starts, ends, sents, words, spans, sources, languages, i, j) -> None:
+        """Documents [i, j) into the block being assembled."""
+        a, b = int(starts[i]), int(ends[j - 1])
+        s0, s1 = np.searchsorted(sents, [a, b], side="right")
+        piece_spans = None
+        if spans is not None:
+            p0, p1 = np.searchsorted(spans[:, 0], [a, b], side="left")
+            piece_spans = spans[p0:p1] - a
+        self._block.add_many(tokens[a:b], ends[i:j] - a, sents[s0:s1] - a, words[a:b],
+                             piece_spans, sources[i:j], languages[i:j])  # fmt: skip
+        self.n_docs += j - i
+        self.n_tokens += b - a
+
+    def _add_each(self, tokens, starts, ends, sents, words, spans, sources, languages, i,
+                  stop_docs, stop_bytes) -> tuple[int, bool]:  # fmt: skip
+        """``add_many`` one document at a time (a block near MAX_BLOCK_SOURCES sources)."""
+        n = int(ends.shape[0])
+        while i < n:
+            a, b = int(starts[i]), int(ends[i])
+            s0, s1 = np.searchsorted(sents, [a, b], side="right")
+            doc_spans = None
+            if spans is not None:
+                p0, p1 = np.searchsorted(spans[:, 0], [a, b], side="left")
+                doc_spans = spans[p0:p1] - a
+            self.add(tokens[a:b], sents[s0:s1] - a, np.flatnonzero(words[a:b]), doc_spans,
+                     sources[i], languages[i])  # fmt: skip
+            i += 1
+            if (stop_docs and self.n_docs >= stop_docs) or (
+                stop_bytes and self.size_estimate() >= stop_bytes
+            ):
+                return i, True
+        return n, False
 
     @classmethod
     def local(

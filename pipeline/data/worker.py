@@ -119,25 +119,52 @@ class _SplitParts:
         self.entries: list[dict[str, Any]] = []
         self.writer: ShardWriter | None = None
 
+    def _open(self) -> None:
+        spec = self.spec
+        k = len(self.entries)
+        self.writer = ShardWriter(
+            spec.fs,
+            spec.output,
+            part_name(self.split, self.unit, k),
+            f"u{self.unit:06d}{self.split[0]}{k:03d}",
+            self.dtype,
+            spec.block_tokens,
+            spec.entities is not None,
+        )
+
     def add(self, piece, source: str, language: str) -> None:
         spec = self.spec
         if self.writer is None:
-            k = len(self.entries)
-            self.writer = ShardWriter(
-                spec.fs,
-                spec.output,
-                part_name(self.split, self.unit, k),
-                f"u{self.unit:06d}{self.split[0]}{k:03d}",
-                self.dtype,
-                spec.block_tokens,
-                spec.entities is not None,
-            )
+            self._open()
         w = self.writer
         w.add(piece.tokens, piece.sents, piece.words, piece.spans, source, language)
         if (spec.shard_docs and w.n_docs >= spec.shard_docs) or (
             spec.shard_bytes and w.size_estimate() >= spec.shard_bytes
         ):
             self.close()
+
+    def add_many(self, pieces, sources: list[str], languages: list[str]) -> None:
+        """A batch of pieces (``segment.PieceBatch``; ``sources``/``languages`` one name per
+        piece): the same parts as ``add`` piece by piece, with a few numpy calls per block."""
+        spec = self.spec
+        ends, i = pieces.ends, 0
+        while i < len(ends):
+            if self.writer is None:
+                self._open()
+            i, stopped = self.writer.add_many(
+                pieces.tokens,
+                ends,
+                pieces.sents,
+                pieces.words,
+                pieces.spans,
+                sources,
+                languages,
+                stop_docs=spec.shard_docs,
+                stop_bytes=spec.shard_bytes,
+                first=i,
+            )
+            if stopped:
+                self.close()
 
     def close(self) -> None:
         if self.writer is not None:
@@ -159,7 +186,7 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
         tokenizer,
         spec.max_doc_tokens,
         entity_pattern(spec.entities) if spec.entities else None,
-    )
+    ).batch
     dtype = token_dtype(spec.vocab_size)
     cfg = CleanConfig(**spec.clean)
     result = UnitResult(index)
@@ -185,16 +212,24 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
 
     def flush() -> None:
         pieces = segment([t for _, _, t, _ in batch], [lang for *_, lang in batch])
-        for (part, doc, text, lang), doc_pieces in zip(batch, pieces, strict=True):
-            if not doc_pieces:
+        counts = np.bincount(pieces.docs, minlength=len(batch)).tolist()
+        doc_split = np.zeros(len(batch), dtype=np.int64)
+        for d, ((part, doc, text, lang), n) in enumerate(zip(batch, counts, strict=True)):
+            if not n:
                 reject("no_tokens", part, doc)
                 continue
             result.kept[part.source] += 1
             result.languages[lang] += 1
-            split = split_of(text, spec.valid_fraction)
-            for piece in doc_pieces:
-                parts[split].add(piece, doc.source, lang)
-                result.n_tokens += piece.n_tokens
+            doc_split[d] = SPLITS.index(split_of(text, spec.valid_fraction))
+        result.n_tokens += int(pieces.tokens.shape[0])
+        piece_split = doc_split[pieces.docs]
+        for k, split in enumerate(SPLITS):
+            mine = pieces.select(piece_split == k)
+            if mine.n_pieces:
+                docs = mine.docs.tolist()
+                parts[split].add_many(
+                    mine, [batch[d][1].source for d in docs], [batch[d][3] for d in docs]
+                )
         batch.clear()
 
     for position, part, doc in _documents(spec, unit):

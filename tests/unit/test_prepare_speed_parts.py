@@ -239,7 +239,7 @@ def test_chunk_ids_equal_the_tokenizer(trained, capacity):
     for i in range(0, len(texts), 100):
         batch = texts[i : i + 100]
         want = [e.ids for e in tok.encode_batch_fast(batch, add_special_tokens=False)]
-        ids, lengths = chunks.batch(batch)
+        ids, lengths = chunks.batch(segment._DOC.join(batch))
         assert ids.dtype == np.int32 and lengths.tolist() == [len(w) for w in want]
         assert ids.tolist() == [t for w in want for t in w]
         assert [chunks(t).tolist() for t in batch[:20]] == want[:20]
@@ -250,7 +250,7 @@ def test_chunk_ids_equal_the_tokenizer(trained, capacity):
     chunks._reset()
     batch = texts[:300]
     want = [e.ids for e in tok.encode_batch_fast(batch, add_special_tokens=False)]
-    assert chunks.batch(batch)[0].tolist() == [t for w in want for t in w]
+    assert chunks.batch(segment._DOC.join(batch))[0].tolist() == [t for w in want for t in w]
 
 
 def test_chunk_ids_only_where_chunks_compose(trained):
@@ -549,3 +549,142 @@ def check_jsonl_reader(tmp_path, cases: int, seed: int) -> None:
 
 def test_pyarrow_jsonl_batches_equal_the_line_by_line_reader(tmp_path):
     check_jsonl_reader(tmp_path, 800, seed=4)
+
+
+# -- pieces in bulk: PieceBatch and ShardWriter.add_many ----------------------------------
+
+
+def _random_pieces(rng: np.random.Generator, n_docs: int, with_spans: bool) -> list[list]:
+    """Each document's pieces (0-3 of 0-40 tokens; sentence ends and word starts as the
+    segmenter gives them: the last sentence end is the piece end, the first word 0)."""
+    out = []
+    for _ in range(n_docs):
+        doc = []
+        for _ in range(int(rng.integers(0, 4)) if rng.random() < 0.3 else 1):
+            n = int(rng.integers(1, 41))
+            sents = np.append(np.sort(rng.choice(np.arange(1, n), min(n - 1, 3), replace=False)), n)
+            words = np.insert(
+                np.sort(rng.choice(np.arange(1, n), (n - 1) // 2, replace=False)), 0, 0
+            )
+            spans = None
+            if with_spans:
+                cuts = np.sort(rng.choice(np.arange(n + 1), 4 if n >= 3 else 2, replace=False))
+                spans = cuts.reshape(-1, 2).astype(np.int32)
+            doc.append(
+                segment.Piece(
+                    tokens=rng.integers(5, 60000, n).astype(np.int32),
+                    sents=sents.astype(np.int32),
+                    words=words.astype(np.int32),
+                    spans=spans,
+                )
+            )
+        out.append(doc)
+    return out
+
+
+def _same_pieces(a: list[list], b: list[list]) -> None:
+    assert len(a) == len(b)
+    for x_doc, y_doc in zip(a, b, strict=True):
+        assert len(x_doc) == len(y_doc)
+        for x, y in zip(x_doc, y_doc, strict=True):
+            assert x.tokens.tolist() == y.tokens.tolist()
+            assert x.sents.tolist() == y.sents.tolist()
+            assert x.words.tolist() == y.words.tolist()
+            assert (x.spans is None) == (y.spans is None)
+            if x.spans is not None:
+                assert x.spans.tolist() == y.spans.tolist()
+
+
+@pytest.mark.parametrize("with_spans", [False, True])
+def test_piece_batch_round_trips_selects_and_merges(with_spans):
+    rng = np.random.default_rng(7)
+    for _ in range(40):
+        docs = _random_pieces(rng, int(rng.integers(0, 12)), with_spans)
+        batch = segment.PieceBatch.from_pieces(docs)
+        _same_pieces(batch.to_lists(len(docs)), docs)
+        keep = rng.random(batch.n_pieces) < 0.5
+        flat = [(d, p) for d, doc in enumerate(docs) for p in doc]
+        kept = [[p for (d2, p), k in zip(flat, keep, strict=True) if k and d2 == d]
+                for d in range(len(docs))]  # fmt: skip
+        _same_pieces(batch.select(keep).to_lists(len(docs)), kept)
+        # two halves of the documents, interleaved, merged back into document order
+        odd = [d for d in range(len(docs)) if d % 2]
+        even = [d for d in range(len(docs)) if not d % 2]
+        parts = [
+            segment.PieceBatch.from_pieces([docs[d] for d in odd], odd),
+            segment.PieceBatch.from_pieces([docs[d] for d in even], even),
+        ]
+        _same_pieces(segment.PieceBatch.merge(parts).to_lists(len(docs)), docs)
+
+
+def _write(tmp_path, name, docs, how, rng, block_tokens, stop_docs, stop_bytes, with_spans):
+    """Shards of ``docs`` (pieces) written piece by piece (``how`` "each": what the
+    workers did) or in random bulk batches; the parts' entries and bytes."""
+    from pipeline.data.shards import ShardWriter, local_fs
+
+    root = tmp_path / name
+    (root / "train").mkdir(parents=True)
+    fs, entries = local_fs(), []
+    flat = [(d, p) for d, doc in enumerate(docs) for p in doc]
+    sources = [f"src{d % 3}" if d % 17 else f"other{d}" for d, _ in flat]
+    languages = ["zh" if d % 5 == 0 else "other" for d, _ in flat]
+
+    def new():
+        return ShardWriter(fs, str(root), f"train/part-{len(entries):03d}.tar", f"k{len(entries)}",
+                           np.uint16, block_tokens, with_spans)  # fmt: skip
+
+    writer = None
+    if how == "each":
+        for (_, p), source, language in zip(flat, sources, languages, strict=True):
+            writer = writer or new()
+            writer.add(p.tokens, p.sents, p.words, p.spans, source, language)
+            if (stop_docs and writer.n_docs >= stop_docs) or (
+                stop_bytes and writer.size_estimate() >= stop_bytes
+            ):
+                entries.append(writer.close())
+                writer = None
+    else:
+        i = 0
+        while i < len(flat):
+            j = min(len(flat), i + int(rng.integers(1, 60)))
+            batch = segment.PieceBatch.from_pieces([[p] for _, p in flat[i:j]])
+            at = 0
+            while at < batch.n_pieces:
+                writer = writer or new()
+                at, stopped = writer.add_many(batch.tokens, batch.ends, batch.sents, batch.words,
+                                              batch.spans, sources[i:j], languages[i:j],
+                                              stop_docs, stop_bytes, first=at)  # fmt: skip
+                if stopped:
+                    entries.append(writer.close())
+                    writer = None
+            i = j
+    if writer is not None:
+        entries.append(writer.close())
+    files = {f.name: f.read_bytes() for f in sorted((root / "train").iterdir())}
+    return entries, files
+
+
+@pytest.mark.parametrize("with_spans", [False, True])
+def test_shard_writer_add_many_equals_adding_one_by_one(tmp_path, with_spans):
+    rng = np.random.default_rng(11)
+    for case in range(30):
+        docs = _random_pieces(rng, int(rng.integers(0, 300)), with_spans)
+        block_tokens = int(rng.choice([1, 7, 50, 400, 1 << 19]))
+        stop_docs = int(rng.integers(1, 120)) if case % 3 == 0 else None
+        stop_bytes = int(rng.integers(1, 30_000)) if case % 3 == 1 else None
+        args = (block_tokens, stop_docs, stop_bytes, with_spans)
+        want = _write(tmp_path, f"each{case}", docs, "each", rng, *args)
+        got = _write(tmp_path, f"bulk{case}", docs, "bulk", rng, *args)
+        assert got == want, (case, args)
+
+
+def test_shard_writer_add_many_near_the_block_source_limit(tmp_path, monkeypatch):
+    """A block that would reach MAX_BLOCK_SOURCES takes its documents one by one."""
+    from pipeline.data import shards
+
+    monkeypatch.setattr(shards, "MAX_BLOCK_SOURCES", 5)
+    rng = np.random.default_rng(3)
+    docs = _random_pieces(rng, 200, False)
+    want = _write(tmp_path, "each", docs, "each", rng, 1 << 19, None, None, False)
+    got = _write(tmp_path, "bulk", docs, "bulk", rng, 1 << 19, None, None, False)
+    assert got == want and len(want[1]) == 2
