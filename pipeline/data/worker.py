@@ -24,7 +24,13 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.data.clean import CleanConfig, clean, dedup_key, language_of, reject_reason
+from pipeline.data.clean import (
+    CleanConfig,
+    clean_many,
+    dedup_key,
+    language_of,
+    reject_reason,
+)
 from pipeline.data.readers import RawDocument, Slice, Source, iter_raw_documents
 from pipeline.data.shards import SPLITS, ShardWriter, split_of
 
@@ -88,13 +94,32 @@ def _documents(spec: JobSpec, unit: list[Slice]) -> Iterator[tuple[int, Slice, R
             position += 1
 
 
-def _cleaned(doc: RawDocument, cfg: CleanConfig) -> tuple[str | None, str | None]:
-    """(cleaned text, None) or (None, reject reason)."""
-    if doc.reject:
-        return None, doc.reject
-    text = clean(doc.text or "", cfg)
-    reason = reject_reason(text, cfg)
-    return (None, reason) if reason else (text, None)
+_CLEAN_GROUP = 256  # documents cleaned together (clean_many)
+
+
+def _cleaned_documents(
+    spec: JobSpec, unit: list[Slice], cfg: CleanConfig
+) -> Iterator[tuple[int, Slice, RawDocument, str | None, str | None]]:
+    """(position, slice, raw document, cleaned text or None, reject reason or None) of
+    everything the unit reads, in order: ``_cleaned`` of each, cleaned a group at a time."""
+    group: list[tuple[int, Slice, RawDocument]] = []
+
+    def done() -> Iterator[tuple[int, Slice, RawDocument, str | None, str | None]]:
+        texts = iter(clean_many([doc.text or "" for _, _, doc in group if not doc.reject], cfg))
+        for position, part, doc in group:
+            if doc.reject:
+                yield position, part, doc, None, doc.reject
+                continue
+            text = next(texts)
+            reason = reject_reason(text, cfg)
+            yield position, part, doc, (None if reason else text), reason
+        group.clear()
+
+    for item in _documents(spec, unit):
+        group.append(item)
+        if len(group) >= _CLEAN_GROUP:
+            yield from done()
+    yield from done()
 
 
 def unit_keys(spec: JobSpec, unit: list[Slice], n_partitions: int):
@@ -103,8 +128,7 @@ def unit_keys(spec: JobSpec, unit: list[Slice], n_partitions: int):
 
     cfg = CleanConfig(**spec.clean)
     keys, positions = [], []
-    for position, _, doc in _documents(spec, unit):
-        text, _ = _cleaned(doc, cfg)
+    for position, _, _, text, _ in _cleaned_documents(spec, unit, cfg):
         if text is not None:
             keys.append(dedup_key(text))
             positions.append(position)
@@ -232,9 +256,8 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
                 )
         batch.clear()
 
-    for position, part, doc in _documents(spec, unit):
+    for position, part, doc, text, reason in _cleaned_documents(spec, unit, cfg):
         result.read[part.source] += 1
-        text, reason = _cleaned(doc, cfg)
         if text is None:
             reject(reason, part, doc)
             continue

@@ -362,6 +362,42 @@ def test_whitespace_folding_equals_the_regexes():
         assert clean(text) == _fold_whitespace_with_regexes(text), repr(text)
 
 
+@pytest.mark.parametrize("fold", [True, False])
+def test_clean_many_equals_clean_of_each(fold):
+    """The batch check (ASCII, no control, nothing to fold) gives what clean gives, on
+    batches that pass it and batches that do not."""
+    rng = random.Random(5)
+    cfg = clean_mod.CleanConfig(fold_whitespace=fold)
+    plain = ["ab", "Cd.", "x y", "1,2"]
+    odd = [
+        "\t",
+        "  ",
+        " \n",
+        "\n ",
+        "\n\n\n",
+        "\r",
+        "\x00",
+        "\x7f",
+        "é",
+        "\u3000",
+        "ＡＢ",
+        "\n",
+        " z",
+        "w ",
+    ]
+    fast = 0
+    for case in range(400):
+        parts = plain + (odd if case % 2 else [])
+        texts = ["".join(rng.choice(parts) for _ in range(rng.randint(0, 6))) for _ in range(8)]
+        probe = "\n".join(texts)  # the batch check passes: nothing but strip() to do
+        fast += probe.isascii() and not any(
+            p in probe for p in ("\t", "  ", " \n", "\n ", "\n\n\n", "\r", "\x00", "\x7f")
+        )
+        assert clean_mod.clean_many(texts, cfg) == [clean(t, cfg) for t in texts], texts
+    assert fast > 100
+    assert clean_mod.clean_many([], cfg) == []
+
+
 # -- packed batch rows --------------------------------------------------------------------
 
 
