@@ -600,6 +600,57 @@ class _BlockTable:
     spans: np.ndarray | None  # int64 (n, 2)
 
 
+@dataclass
+class BlockArrays:
+    """One block's contents as arrays (what ``Block.add_many`` takes back)."""
+
+    tokens: np.ndarray
+    ends: np.ndarray  # int64 document end offsets
+    sents: np.ndarray  # int64
+    words: np.ndarray  # bool, one per token
+    spans: np.ndarray | None  # int64 (n, 2)
+    sources: list[str]  # one name per document
+    languages: list[str]
+
+
+def _array_at(data: bytes, at: int, count: int, dtype) -> np.ndarray:
+    return np.frombuffer(data, np.dtype(dtype), count, at)
+
+
+def read_blocks(fs, path: str) -> Iterator[BlockArrays]:
+    """The blocks of the shard at ``path`` of pyarrow filesystem ``fs``, in order, found
+    through its index and checked against their crc32 (a part a write task just wrote,
+    read back to drop documents from it: see worker.fix_unit)."""
+    with fs.open_input_file(index_name(path)) as f:
+        rows = np.load(io.BytesIO(f.read()), allow_pickle=False)
+    with fs.open_input_file(path) as f:
+        for b, row in enumerate(rows.tolist()):
+            data = f.read_at(row[SIZE], row[OFFSET])
+            if zlib.crc32(data) != row[CRC]:
+                raise ShardError(f"{path}: block {b} is corrupt (crc32 mismatch)")
+            n_docs, n_tokens = row[N_DOCS], row[N_TOKENS]
+            array = functools.partial(_array_at, data)
+            meta = json.loads(data[row[META_AT] : row[META_AT] + row[META_SIZE]])
+            spans = None
+            if row[SPANS_AT] >= 0:
+                spans = array(row[SPANS_AT], 2 * row[N_SPANS], _U32).reshape(-1, 2).astype(np.int64)
+            srcs = array(row[SRCS_AT], n_docs, _U16).tolist()
+            langs = array(row[LANGS_AT], n_docs, np.uint8).tolist()
+            yield BlockArrays(
+                tokens=array(row[TOKENS_AT], n_tokens, _TOKEN_DTYPES[row[TOKEN_BYTES]]),
+                ends=array(row[DOCS_AT], n_docs, _U32).astype(np.int64),
+                sents=array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
+                words=np.unpackbits(
+                    array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8),
+                    count=n_tokens,
+                    bitorder="little",
+                ).astype(bool),
+                spans=spans,
+                sources=[meta["sources"][i] for i in srcs],
+                languages=[meta["languages"][i] for i in langs],
+            )
+
+
 def _iter_samples(fileobj, url: str) -> Iterator[dict[str, Any]]:
     """webdataset's own tar expansion and key grouping, on an open file."""
     tar = _tariterators()

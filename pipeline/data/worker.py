@@ -1,14 +1,16 @@
 """The worker stage of `plm data prepare`: what one Ray task does with one unit of work.
 
 A unit is a run of consecutive ``Slice``s of the corpus (byte ranges of big files, or
-several small files), numbered in source order. Two passes over it:
+several small files), numbered in source order. One pass over it, then a fix-up:
 
-1. ``unit_keys``: read, clean, filter; the dedup key of every document that survives,
-   hash-partitioned (``dedup.partition``) for the reducers.
-2. ``write_unit``: read, clean, filter again, drop the duplicates the reducers found,
-   tokenize and segment (one ``encode_batch`` per ``batch_docs`` documents), and write
-   the unit's own shards (``train/part-UUUUUU-KKK.tar``, ``valid/...``) straight to the
-   output filesystem. Returns counts and the part entries, never documents.
+1. ``write_unit``: read, clean, filter, tokenize and segment (one Segmenter batch per
+   ``batch_docs`` documents), and write the unit's own shards
+   (``train/part-UUUUUU-KKK.tar``, ``valid/...``) straight to the output filesystem;
+   the dedup key of every document that survived cleaning, hash-partitioned
+   (``dedup.partition``) for the reducers, and a trace of those documents (where each
+   went). Returns counts and the part entries, never documents.
+2. ``fix_unit`` (only for a unit the reducers found a duplicate in): drop the
+   duplicates from its parts (blocks read back and filtered) and from its counts.
 
 Documents are numbered inside a unit by their position among everything read (rejects
 included), so (unit, position) is the document's place in source order.
@@ -32,7 +34,7 @@ from pipeline.data.clean import (
     reject_reason,
 )
 from pipeline.data.readers import RawDocument, Slice, Source, iter_raw_documents
-from pipeline.data.shards import SPLITS, ShardWriter, split_of
+from pipeline.data.shards import SPLITS, ShardWriter, index_name, split_of
 
 MAX_REJECT_EXAMPLES = 5  # per reason and unit; the driver keeps the first 5 overall
 
@@ -122,19 +124,6 @@ def _cleaned_documents(
     yield from done()
 
 
-def unit_keys(spec: JobSpec, unit: list[Slice], n_partitions: int):
-    """Pass 1: the dedup keys of the unit's surviving documents, partitioned."""
-    from pipeline.data.dedup import partition
-
-    cfg = CleanConfig(**spec.clean)
-    keys, positions = [], []
-    for position, _, _, text, _ in _cleaned_documents(spec, unit, cfg):
-        if text is not None:
-            keys.append(dedup_key(text))
-            positions.append(position)
-    return partition(b"".join(keys), np.asarray(positions, dtype=np.int64), n_partitions)
-
-
 class _SplitParts:
     """Rolls the unit's parts of one split: a new part after shard_docs / shard_bytes."""
 
@@ -196,12 +185,42 @@ class _SplitParts:
             self.writer = None
 
 
-def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int]) -> UnitResult:
-    """Pass 2: tokenize the unit's kept documents and write its parts; see the module doc."""
+# The trace of a unit: one row per document that survived cleaning, in source order.
+(T_POSITION, T_SLICE, T_ORDINAL, T_LINE, T_SPLIT, T_LANGUAGE, T_PIECES, T_TOKENS) = range(8)
+NO_TOKENS = -1  # T_SPLIT of a document that gave no token
+LANGUAGES = ("other", "zh")  # T_LANGUAGE codes
+
+
+def _example(part: Slice, source: str, ordinal: int, line: int | None, detail=None):
+    """Where a reject is: what the manifest's reject_examples hold."""
+    example: dict[str, Any] = {"source": source, "ordinal": ordinal}
+    if part.start:
+        example["from_byte"] = part.start  # ordinal and line count from there
+    if part.row_groups is not None:
+        example["row_groups"] = list(part.row_groups)
+    if line:
+        example["line"] = line
+    if detail:
+        example["detail"] = detail
+    return example
+
+
+def write_unit(
+    spec: JobSpec,
+    index: int,
+    unit: list[Slice],
+    n_partitions: int,
+    known_duplicates: frozenset[int] = frozenset(),
+):
+    """Read, clean, filter, tokenize and write the unit's parts, duplicates included (they
+    are not known yet); see the module doc. Returns (UnitResult, trace, the dedup keys
+    partitioned for the reducers). ``known_duplicates`` (positions) are rejected before
+    anything is written: what ``fix_unit`` must equal (tests/unit/test_prepare_dedup.py)."""
     os.environ["RAYON_NUM_THREADS"] = "1"  # one task per CPU is the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
+    from pipeline.data.dedup import partition
     from pipeline.data.segment import Segmenter, entity_pattern
     from pipeline.data.shards import token_dtype
 
@@ -216,43 +235,46 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
     result = UnitResult(index)
     result.input_bytes = sum(part.size for part in unit)
     parts = {split: _SplitParts(spec, index, split, dtype) for split in SPLITS}
+    slice_of = {id(part): k for k, part in enumerate(unit)}
+    keys: list[bytes] = []
+    trace: list[np.ndarray] = []
 
     def reject(reason: str, part: Slice, doc: RawDocument) -> None:
         result.rejected[reason] += 1
         examples = result.examples.setdefault(reason, [])
         if len(examples) < MAX_REJECT_EXAMPLES:
-            example: dict[str, Any] = {"source": doc.source, "ordinal": doc.ordinal}
-            if part.start:
-                example["from_byte"] = part.start  # ordinal and line count from there
-            if part.row_groups is not None:
-                example["row_groups"] = list(part.row_groups)
-            if doc.line:
-                example["line"] = doc.line
-            if doc.detail:
-                example["detail"] = doc.detail
-            examples.append(example)
+            examples.append(_example(part, doc.source, doc.ordinal, doc.line, doc.detail))
 
-    batch: list[tuple[Slice, RawDocument, str, str]] = []
+    batch: list[tuple[int, Slice, RawDocument, str, str]] = []
 
     def flush() -> None:
-        pieces = segment([t for _, _, t, _ in batch], [lang for *_, lang in batch])
-        counts = np.bincount(pieces.docs, minlength=len(batch)).tolist()
-        doc_split = np.zeros(len(batch), dtype=np.int64)
-        for d, ((part, doc, text, lang), n) in enumerate(zip(batch, counts, strict=True)):
-            if not n:
+        pieces = segment([t for *_, t, _ in batch], [lang for *_, lang in batch])
+        counts = np.bincount(pieces.docs, minlength=len(batch))
+        tokens = np.bincount(pieces.docs, weights=pieces.ends - pieces.starts, minlength=len(batch))
+        rows = np.zeros((len(batch), 8), dtype=np.int64)
+        for d, (position, part, doc, text, lang) in enumerate(batch):
+            keys.append(dedup_key(text))
+            row = rows[d]
+            row[T_POSITION], row[T_SLICE] = position, slice_of[id(part)]
+            row[T_ORDINAL], row[T_LINE] = doc.ordinal, doc.line or 0
+            row[T_LANGUAGE] = LANGUAGES.index(lang)
+            if not counts[d]:
                 reject("no_tokens", part, doc)
+                row[T_SPLIT] = NO_TOKENS
                 continue
             result.kept[part.source] += 1
             result.languages[lang] += 1
-            doc_split[d] = SPLITS.index(split_of(text, spec.valid_fraction))
+            row[T_SPLIT] = SPLITS.index(split_of(text, spec.valid_fraction))
+        rows[:, T_PIECES], rows[:, T_TOKENS] = counts, tokens
+        trace.append(rows)
         result.n_tokens += int(pieces.tokens.shape[0])
-        piece_split = doc_split[pieces.docs]
+        piece_split = rows[pieces.docs, T_SPLIT]
         for k, split in enumerate(SPLITS):
             mine = pieces.select(piece_split == k)
             if mine.n_pieces:
                 docs = mine.docs.tolist()
                 parts[split].add_many(
-                    mine, [batch[d][1].source for d in docs], [batch[d][3] for d in docs]
+                    mine, [batch[d][2].source for d in docs], [batch[d][4] for d in docs]
                 )
         batch.clear()
 
@@ -261,16 +283,96 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
         if text is None:
             reject(reason, part, doc)
             continue
-        if position in duplicates:
+        if position in known_duplicates:
             reject("duplicate", part, doc)
             continue
-        batch.append((part, doc, text, _language(text)))
+        batch.append((position, part, doc, text, _language(text)))
         if len(batch) >= spec.batch_docs:
             flush()
     if batch:
         flush()
     for split, writer in parts.items():
         writer.close()
+        result.parts[split] = writer.entries
+    rows = np.concatenate(trace) if trace else np.zeros((0, 8), dtype=np.int64)
+    return result, rows, partition(b"".join(keys), rows[:, T_POSITION], n_partitions)
+
+
+def fix_unit(
+    spec: JobSpec, unit: list[Slice], result: UnitResult, trace: np.ndarray, duplicates: set[int]
+) -> UnitResult:
+    """Drop the unit's duplicates (``duplicates``: their positions) from what
+    ``write_unit`` wrote and counted: the parts of a split that hold one are rewritten
+    from the first such part on, their blocks read back and filtered (no document is
+    read or tokenized again), so the parts are the bytes a write that never saw the
+    duplicates gives; the counts and reject examples are corrected from the trace."""
+    from pipeline.data.segment import PieceBatch
+    from pipeline.data.shards import read_blocks, token_dtype
+
+    if not duplicates:
+        return result
+    dup = np.isin(trace[:, T_POSITION], np.fromiter(duplicates, dtype=np.int64))
+    split_col = trace[:, T_SPLIT]
+    # Counts: a duplicate is never kept, never "no_tokens" (dedup comes first).
+    for row in trace[dup].tolist():
+        part = unit[row[T_SLICE]]
+        if row[T_SPLIT] == NO_TOKENS:
+            result.rejected["no_tokens"] -= 1
+        else:
+            result.kept[part.source] -= 1
+            result.languages[LANGUAGES[row[T_LANGUAGE]]] -= 1
+            result.n_tokens -= row[T_TOKENS]
+        result.rejected["duplicate"] += 1
+    for counter in (result.kept, result.languages, result.rejected):
+        for key in [k for k, v in counter.items() if v == 0]:
+            del counter[key]
+
+    def examples(rows: np.ndarray) -> list[dict[str, Any]]:
+        out = []
+        for row in rows[:MAX_REJECT_EXAMPLES].tolist():
+            part = unit[row[T_SLICE]]
+            source = spec.sources[part.source].uri
+            out.append(_example(part, source, row[T_ORDINAL], row[T_LINE]))
+        return out
+
+    result.examples["duplicate"] = examples(trace[dup])
+    result.examples.pop("no_tokens", None)
+    if no_tokens := examples(trace[(split_col == NO_TOKENS) & ~dup]):
+        result.examples["no_tokens"] = no_tokens
+    # Parts: each split's pieces in order, those of a duplicate dropped.
+    dtype = token_dtype(spec.vocab_size)
+    for s, split in enumerate(SPLITS):
+        mine = split_col == s
+        if not (dup & mine).any():
+            continue
+        drop = np.repeat(dup[mine], trace[mine, T_PIECES])
+        entries = result.parts[split]
+        firsts = np.cumsum([0] + [e["n_docs"] for e in entries])
+        first = int(np.searchsorted(firsts, np.flatnonzero(drop)[0], side="right")) - 1
+        old = []
+        for entry in entries[first:]:  # out of the way of the new parts' names
+            name = entry["name"][: -len(".tar")] + ".old.tar"
+            spec.fs.move(f"{spec.output}/{entry['name']}", f"{spec.output}/{name}")
+            spec.fs.move(f"{spec.output}/{entry['index']}", f"{spec.output}/{index_name(name)}")
+            old.append(name)
+        writer = _SplitParts(spec, result.unit, split, dtype)
+        writer.entries = list(entries[:first])
+        at = int(firsts[first])
+        for name in old:
+            for block in read_blocks(spec.fs, f"{spec.output}/{name}"):
+                n = len(block.ends)
+                keep = ~drop[at : at + n]
+                at += n
+                pieces = PieceBatch(block.tokens, block.ends, block.sents, block.words,
+                                    block.spans, np.arange(n)).select(keep)  # fmt: skip
+                if pieces.n_pieces:
+                    kept = np.flatnonzero(keep).tolist()
+                    writer.add_many(pieces, [block.sources[j] for j in kept],
+                                    [block.languages[j] for j in kept])  # fmt: skip
+        writer.close()
+        for name in old:
+            spec.fs.delete_file(f"{spec.output}/{name}")
+            spec.fs.delete_file(f"{spec.output}/{index_name(name)}")
         result.parts[split] = writer.entries
     return result
 
