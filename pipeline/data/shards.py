@@ -255,19 +255,10 @@ class Block:
         source: str,
         language: str,
     ) -> None:
-        n, at = int(tokens.shape[0]), self.n_tokens
-        self.tokens.append(np.asarray(tokens, dtype=self.dtype))
-        self.sents.append(np.asarray(sents, dtype=np.int64) + at)
+        n = int(tokens.shape[0])
         flags = np.zeros(n, dtype=bool)
         flags[np.asarray(words, dtype=np.int64)] = True
-        self.words.append(flags)
-        if spans is not None:
-            self.with_spans = True
-            self.spans.append(np.asarray(spans, dtype=np.int64).reshape(-1, 2) + at)
-        self.n_tokens += n
-        self.doc_ends.append(self.n_tokens)
-        self.srcs.append(self.sources.setdefault(source, len(self.sources)))
-        self.langs.append(self.languages.setdefault(language, len(self.languages)))
+        self.add_many(tokens, np.array([n]), sents, flags, spans, [source], [language])
 
     def add_many(
         self,
@@ -384,22 +375,21 @@ class ShardWriter:
 
     def add_many(
         self,
-        tokens: np.ndarray,
-        ends: np.ndarray,
-        sents: np.ndarray,
-        words: np.ndarray,
-        spans: np.ndarray | None,
+        pieces,
         sources: list[str],
         languages: list[str],
         stop_docs: int | None = None,
         stop_bytes: int | None = None,
         first: int = 0,
     ) -> tuple[int, bool]:
-        """Documents ``first``.. in bulk (``Block.add_many``'s arguments), the same shard
-        bytes as ``add`` one by one: blocks end after the document that fills them. Stops
-        after the first document at which the shard holds ``stop_docs`` documents or
-        ``size_estimate()`` reaches ``stop_bytes`` (where a caller that adds one by one
-        closes the shard). Returns (the next document, whether it stopped there)."""
+        """Documents ``first``.. of ``pieces`` (a ``segment.PieceBatch``: ``tokens``,
+        ``ends``, ``sents``, ``words``, ``spans``; ``sources``/``languages`` one name per
+        document) in bulk, the same shard bytes as ``add`` one by one: blocks end after the
+        document that fills them. Stops after the first document at which the shard holds
+        ``stop_docs`` documents or ``size_estimate()`` reaches ``stop_bytes`` (where a
+        caller that adds one by one closes the shard). Returns (the next document,
+        whether it stopped there)."""
+        ends = pieces.ends
         n = int(ends.shape[0])
         starts = np.zeros(n, dtype=np.int64)
         starts[1:] = ends[:-1]
@@ -408,10 +398,8 @@ class ShardWriter:
         while i < n:
             block = self._block
             if len(block.sources) + len(set(sources[i:])) >= MAX_BLOCK_SOURCES:
-                return self._add_each(tokens, starts, ends, sents, words, spans, sources,
-                                      languages, i, stop_docs, stop_bytes)  # fmt: skip
-            a = int(starts[i])
-            filled = block.n_tokens + (ends[i:] - a)  # the block's tokens after each document
+                return self._add_each(pieces, starts, sources, languages, i, stop_docs, stop_bytes)
+            filled = block.n_tokens + (ends[i:] - starts[i])  # the block's tokens after each
             full = int(np.searchsorted(filled, self.block_tokens, side="left"))
             stop = n - i  # the first document after which the shard is closed, unless flushed
             if stop_docs:
@@ -420,7 +408,12 @@ class ShardWriter:
                 stop = min(stop, int(np.searchsorted(self.offset + filled * itemsize, stop_bytes)))
             last = min(stop, full, n - i - 1)  # the last document added now
             j = i + last + 1
-            self._take(tokens, starts, ends, sents, words, spans, sources, languages, i, j)
+            a, b = int(starts[i]), int(ends[j - 1])
+            sents, spans = _between(pieces, a, b)
+            self._block.add_many(pieces.tokens[a:b], ends[i:j] - a, sents, pieces.words[a:b],
+                                 spans, sources[i:j], languages[i:j])  # fmt: skip
+            self.n_docs += j - i
+            self.n_tokens += b - a
             if last == full:  # the block is full: flush, then the shard's checks
                 self._flush()
                 if (stop_docs and self.n_docs >= stop_docs) or (
@@ -432,32 +425,14 @@ class ShardWriter:
             i = j
         return n, False
 
-    def _take(self, tokens, starts, ends, sents, words, spans, sources, languages, i, j) -> None:
-        """Documents [i, j) into the block being assembled."""
-        a, b = int(starts[i]), int(ends[j - 1])
-        s0, s1 = np.searchsorted(sents, [a, b], side="right")
-        piece_spans = None
-        if spans is not None:
-            p0, p1 = np.searchsorted(spans[:, 0], [a, b], side="left")
-            piece_spans = spans[p0:p1] - a
-        self._block.add_many(tokens[a:b], ends[i:j] - a, sents[s0:s1] - a, words[a:b],
-                             piece_spans, sources[i:j], languages[i:j])  # fmt: skip
-        self.n_docs += j - i
-        self.n_tokens += b - a
-
-    def _add_each(self, tokens, starts, ends, sents, words, spans, sources, languages, i,
-                  stop_docs, stop_bytes) -> tuple[int, bool]:  # fmt: skip
+    def _add_each(self, pieces, starts, sources, languages, i, stop_docs, stop_bytes):
         """``add_many`` one document at a time (a block near MAX_BLOCK_SOURCES sources)."""
-        n = int(ends.shape[0])
+        n = int(pieces.ends.shape[0])
         while i < n:
-            a, b = int(starts[i]), int(ends[i])
-            s0, s1 = np.searchsorted(sents, [a, b], side="right")
-            doc_spans = None
-            if spans is not None:
-                p0, p1 = np.searchsorted(spans[:, 0], [a, b], side="left")
-                doc_spans = spans[p0:p1] - a
-            self.add(tokens[a:b], sents[s0:s1] - a, np.flatnonzero(words[a:b]), doc_spans,
-                     sources[i], languages[i])  # fmt: skip
+            a, b = int(starts[i]), int(pieces.ends[i])
+            sents, spans = _between(pieces, a, b)
+            words = np.flatnonzero(pieces.words[a:b])
+            self.add(pieces.tokens[a:b], sents, words, spans, sources[i], languages[i])
             i += 1
             if (stop_docs and self.n_docs >= stop_docs) or (
                 stop_bytes and self.size_estimate() >= stop_bytes
@@ -527,6 +502,17 @@ class ShardWriter:
             "bytes": self.offset,
             "sha256": self._sha.hexdigest(),
         }
+
+
+def _between(pieces, a: int, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The sentence ends in (a, b] and the spans starting in [a, b) of ``pieces``,
+    relative to ``a``."""
+    s0, s1 = np.searchsorted(pieces.sents, [a, b], side="right")
+    spans = None
+    if pieces.spans is not None:
+        p0, p1 = np.searchsorted(pieces.spans[:, 0], [a, b], side="left")
+        spans = pieces.spans[p0:p1] - a
+    return pieces.sents[s0:s1] - a, spans
 
 
 def local_fs():
@@ -628,27 +614,38 @@ def read_blocks(fs, path: str) -> Iterator[BlockArrays]:
             data = f.read_at(row[SIZE], row[OFFSET])
             if zlib.crc32(data) != row[CRC]:
                 raise ShardError(f"{path}: block {b} is corrupt (crc32 mismatch)")
-            n_docs, n_tokens = row[N_DOCS], row[N_TOKENS]
+            n_tokens = row[N_TOKENS]
             array = functools.partial(_array_at, data)
             meta = json.loads(data[row[META_AT] : row[META_AT] + row[META_SIZE]])
-            spans = None
-            if row[SPANS_AT] >= 0:
-                spans = array(row[SPANS_AT], 2 * row[N_SPANS], _U32).reshape(-1, 2).astype(np.int64)
-            srcs = array(row[SRCS_AT], n_docs, _U16).tolist()
-            langs = array(row[LANGS_AT], n_docs, np.uint8).tolist()
+            fields = _block_fields(array, row)
             yield BlockArrays(
                 tokens=array(row[TOKENS_AT], n_tokens, _TOKEN_DTYPES[row[TOKEN_BYTES]]),
-                ends=array(row[DOCS_AT], n_docs, _U32).astype(np.int64),
-                sents=array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
-                words=np.unpackbits(
-                    array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8),
-                    count=n_tokens,
-                    bitorder="little",
-                ).astype(bool),
-                spans=spans,
-                sources=[meta["sources"][i] for i in srcs],
-                languages=[meta["languages"][i] for i in langs],
+                ends=fields["ends"],
+                sents=fields["sents"],
+                words=fields["words"],
+                spans=fields["spans"],
+                sources=[meta["sources"][i] for i in fields["srcs"].tolist()],
+                languages=[meta["languages"][i] for i in fields["langs"].tolist()],
             )
+
+
+def _block_fields(array, row: list[int]) -> dict[str, Any]:
+    """A block's arrays but its tokens, from ``array(at, count, dtype)`` (its bytes at an
+    offset of the sample) and its index row."""
+    n_docs, n_tokens = row[N_DOCS], row[N_TOKENS]
+    spans = None
+    if row[SPANS_AT] >= 0:
+        spans = array(row[SPANS_AT], 2 * row[N_SPANS], _U32).reshape(-1, 2).astype(np.int64)
+    return {
+        "ends": array(row[DOCS_AT], n_docs, _U32).astype(np.int64),
+        "sents": array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
+        "words": np.unpackbits(
+            array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8), count=n_tokens, bitorder="little"
+        ).astype(bool),
+        "srcs": array(row[SRCS_AT], n_docs, _U16),
+        "langs": array(row[LANGS_AT], n_docs, np.uint8),
+        "spans": spans,
+    }
 
 
 def _iter_samples(fileobj, url: str) -> Iterator[dict[str, Any]]:
@@ -822,7 +819,7 @@ class DataDir:
             self._tables.move_to_end((shard, b))
             return table
         row = self.index(shard)[b].tolist()
-        n_docs, n_tokens = row[N_DOCS], row[N_TOKENS]
+        n_tokens = row[N_TOKENS]
         try:
             meta = json.loads(self._block_bytes(shard, b, row[META_AT], row[META_SIZE]))
             head = self._block_bytes(shard, b, 0, 100).split(b"\0", 1)[0].decode("ascii")
@@ -831,24 +828,17 @@ class DataDir:
                 dtype = np.dtype(dtype)
                 return np.frombuffer(self._block_bytes(shard, b, at, count * dtype.itemsize), dtype)
 
-            spans = None
-            if row[SPANS_AT] >= 0:
-                spans = array(row[SPANS_AT], 2 * row[N_SPANS], _U32).reshape(-1, 2)
-                spans = spans.astype(np.int64)
+            fields = _block_fields(array, row)
             table = _BlockTable(
                 key=head.split(".", 1)[0],
-                doc_ends=np.concatenate([[0], array(row[DOCS_AT], n_docs, _U32)]).astype(np.int64),
-                sents=array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
-                words=np.unpackbits(
-                    array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8),
-                    count=n_tokens,
-                    bitorder="little",
-                ).astype(bool),
-                srcs=array(row[SRCS_AT], n_docs, _U16),
-                langs=array(row[LANGS_AT], n_docs, np.uint8),
+                doc_ends=np.concatenate([[0], fields["ends"]]),
+                sents=fields["sents"],
+                words=fields["words"],
+                srcs=fields["srcs"],
+                langs=fields["langs"],
                 sources=meta["sources"],
                 languages=meta["languages"],
-                spans=spans,
+                spans=fields["spans"],
             )
         except (ValueError, KeyError, UnicodeDecodeError) as err:
             raise ShardError(

@@ -165,16 +165,7 @@ class _SplitParts:
             if self.writer is None:
                 self._open()
             i, stopped = self.writer.add_many(
-                pieces.tokens,
-                ends,
-                pieces.sents,
-                pieces.words,
-                pieces.spans,
-                sources,
-                languages,
-                stop_docs=spec.shard_docs,
-                stop_bytes=spec.shard_bytes,
-                first=i,
+                pieces, sources, languages, spec.shard_docs, spec.shard_bytes, first=i
             )
             if stopped:
                 self.close()

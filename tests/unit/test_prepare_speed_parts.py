@@ -687,8 +687,7 @@ def _write(tmp_path, name, docs, how, rng, block_tokens, stop_docs, stop_bytes, 
             at = 0
             while at < batch.n_pieces:
                 writer = writer or new()
-                at, stopped = writer.add_many(batch.tokens, batch.ends, batch.sents, batch.words,
-                                              batch.spans, sources[i:j], languages[i:j],
+                at, stopped = writer.add_many(batch, sources[i:j], languages[i:j],
                                               stop_docs, stop_bytes, first=at)  # fmt: skip
                 if stopped:
                     entries.append(writer.close())
