@@ -75,6 +75,9 @@ class UnitResult:
     input_bytes: int = 0
     cpu_seconds: float = 0.0  # the task's, set by job._write_task
     node: str = ""  # the Ray node that wrote the parts
+    # Positions of examples["duplicate"] found by write_unit (repeats inside the unit),
+    # for fix_unit to merge them with those the reducers find.
+    duplicate_positions: list[int] = field(default_factory=list)
 
 
 def part_name(split: str, unit: int, k: int) -> str:
@@ -203,10 +206,12 @@ def write_unit(
     n_partitions: int,
     known_duplicates: frozenset[int] = frozenset(),
 ):
-    """Read, clean, filter, tokenize and write the unit's parts, duplicates included (they
-    are not known yet); see the module doc. Returns (UnitResult, trace, the dedup keys
-    partitioned for the reducers). ``known_duplicates`` (positions) are rejected before
-    anything is written: what ``fix_unit`` must equal (tests/unit/test_prepare_dedup.py)."""
+    """Read, clean, filter, tokenize and write the unit's parts; see the module doc. A
+    repeat of a document earlier in the unit is rejected at once; a repeat of one in an
+    earlier unit is not known yet: written, and dropped by ``fix_unit``. Returns
+    (UnitResult, trace, the dedup keys of the unit's first occurrences partitioned for the
+    reducers). ``known_duplicates`` (positions) are rejected before anything is written:
+    what ``fix_unit`` must equal (tests/unit/test_prepare_dedup.py)."""
     os.environ["RAYON_NUM_THREADS"] = "1"  # one task per CPU is the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
@@ -230,13 +235,16 @@ def write_unit(
     keys: list[bytes] = []
     trace: list[np.ndarray] = []
 
-    def reject(reason: str, part: Slice, doc: RawDocument) -> None:
+    def reject(reason: str, part: Slice, doc: RawDocument, position: int = -1) -> None:
         result.rejected[reason] += 1
         examples = result.examples.setdefault(reason, [])
         if len(examples) < MAX_REJECT_EXAMPLES:
             examples.append(_example(part, doc.source, doc.ordinal, doc.line, doc.detail))
+            if reason == "duplicate":
+                result.duplicate_positions.append(position)
 
     batch: list[tuple[int, Slice, RawDocument, str, str]] = []
+    seen: set[bytes] = set()  # the unit's keys: a repeat inside the unit is never written
 
     def flush() -> None:
         pieces = segment([t for *_, t, _ in batch], [lang for *_, lang in batch])
@@ -244,7 +252,6 @@ def write_unit(
         tokens = np.bincount(pieces.docs, weights=pieces.ends - pieces.starts, minlength=len(batch))
         rows = np.zeros((len(batch), 8), dtype=np.int64)
         for d, (position, part, doc, text, lang) in enumerate(batch):
-            keys.append(dedup_key(text))
             row = rows[d]
             row[T_POSITION], row[T_SLICE] = position, slice_of[id(part)]
             row[T_ORDINAL], row[T_LINE] = doc.ordinal, doc.line or 0
@@ -274,9 +281,13 @@ def write_unit(
         if text is None:
             reject(reason, part, doc)
             continue
-        if position in known_duplicates:
-            reject("duplicate", part, doc)
+        key = dedup_key(text)
+        if key in seen or position in known_duplicates:
+            seen.add(key)
+            reject("duplicate", part, doc, position)
             continue
+        seen.add(key)
+        keys.append(key)
         batch.append((position, part, doc, text, _language(text)))
         if len(batch) >= spec.batch_docs:
             flush()
@@ -326,7 +337,13 @@ def fix_unit(
             out.append(_example(part, source, row[T_ORDINAL], row[T_LINE]))
         return out
 
-    result.examples["duplicate"] = examples(trace[dup])
+    found = [
+        (int(row[T_POSITION]), e) for row, e in zip(trace[dup], examples(trace[dup]), strict=False)
+    ]
+    written = zip(result.duplicate_positions, result.examples.get("duplicate", []), strict=True)
+    merged = sorted([*written, *found], key=lambda item: item[0])[:MAX_REJECT_EXAMPLES]
+    result.examples["duplicate"] = [e for _, e in merged]
+    result.duplicate_positions = [position for position, _ in merged]
     result.examples.pop("no_tokens", None)
     if no_tokens := examples(trace[(split_col == NO_TOKENS) & ~dup]):
         result.examples["no_tokens"] = no_tokens
