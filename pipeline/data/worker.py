@@ -34,7 +34,7 @@ from pipeline.data.clean import (
     reject_reason,
 )
 from pipeline.data.readers import RawDocument, Slice, Source, iter_raw_documents
-from pipeline.data.shards import SPLITS, ShardWriter, index_name, split_of
+from pipeline.data.shards import SPLITS, ShardWriter, split_of
 
 MAX_REJECT_EXAMPLES = 5  # per reason and unit; the driver keeps the first 5 overall
 
@@ -84,6 +84,12 @@ def part_name(split: str, unit: int, k: int) -> str:
     return f"{split}/part-{unit:06d}-{k:03d}.tar"
 
 
+def fix_part_name(split: str, unit: int, k: int) -> str:
+    """The name ``fix_unit`` writes part k under: never one a write task wrote, so a
+    retried fix reads the same parts and writes the same files."""
+    return f"{split}/fix-{unit:06d}-{k:03d}.tar"
+
+
 def _documents(spec: JobSpec, unit: list[Slice]) -> Iterator[tuple[int, Slice, RawDocument]]:
     """(position in the unit, slice, raw document) for everything the unit reads."""
     position = 0
@@ -130,8 +136,9 @@ def _cleaned_documents(
 class _SplitParts:
     """Rolls the unit's parts of one split: a new part after shard_docs / shard_bytes."""
 
-    def __init__(self, spec: JobSpec, unit: int, split: str, dtype: np.dtype):
+    def __init__(self, spec: JobSpec, unit: int, split: str, dtype: np.dtype, naming=part_name):
         self.spec, self.unit, self.split, self.dtype = spec, unit, split, dtype
+        self.naming = naming
         self.entries: list[dict[str, Any]] = []
         self.writer: ShardWriter | None = None
 
@@ -141,7 +148,7 @@ class _SplitParts:
         self.writer = ShardWriter(
             spec.fs,
             spec.output,
-            part_name(self.split, self.unit, k),
+            self.naming(self.split, self.unit, k),
             f"u{self.unit:06d}{self.split[0]}{k:03d}",
             self.dtype,
             spec.block_tokens,
@@ -304,10 +311,11 @@ def fix_unit(
     spec: JobSpec, unit: list[Slice], result: UnitResult, trace: np.ndarray, duplicates: set[int]
 ) -> UnitResult:
     """Drop the unit's duplicates (``duplicates``: their positions) from what
-    ``write_unit`` wrote and counted: the parts of a split that hold one are rewritten
-    from the first such part on, their blocks read back and filtered (no document is
-    read or tokenized again), so the parts are the bytes a write that never saw the
-    duplicates gives; the counts and reject examples are corrected from the trace."""
+    ``write_unit`` wrote and counted: the parts of a split from the first that holds one
+    on are read back block by block, filtered (no document is read or tokenized again)
+    and written as ``fix-`` parts, the bytes a write that never saw the duplicates gives
+    (the written ones are left for the driver to remove: a retried fix reads them
+    again); the counts and reject examples are corrected from the trace."""
     from pipeline.data.segment import PieceBatch
     from pipeline.data.shards import read_blocks, token_dtype
 
@@ -357,17 +365,12 @@ def fix_unit(
         entries = result.parts[split]
         firsts = np.cumsum([0] + [e["n_docs"] for e in entries])
         first = int(np.searchsorted(firsts, np.flatnonzero(drop)[0], side="right")) - 1
-        old = []
-        for entry in entries[first:]:  # out of the way of the new parts' names
-            name = entry["name"][: -len(".tar")] + ".old.tar"
-            spec.fs.move(f"{spec.output}/{entry['name']}", f"{spec.output}/{name}")
-            spec.fs.move(f"{spec.output}/{entry['index']}", f"{spec.output}/{index_name(name)}")
-            old.append(name)
-        writer = _SplitParts(spec, result.unit, split, dtype)
+        # The written parts stay as they are (the driver removes those no entry names).
+        writer = _SplitParts(spec, result.unit, split, dtype, naming=fix_part_name)
         writer.entries = list(entries[:first])
         at = int(firsts[first])
-        for name in old:
-            for block in read_blocks(spec.fs, f"{spec.output}/{name}"):
+        for entry in entries[first:]:
+            for block in read_blocks(spec.fs, f"{spec.output}/{entry['name']}"):
                 n = len(block.ends)
                 keep = ~drop[at : at + n]
                 at += n
@@ -378,9 +381,6 @@ def fix_unit(
                     writer.add_many(pieces, [block.sources[j] for j in kept],
                                     [block.languages[j] for j in kept])  # fmt: skip
         writer.close()
-        for name in old:
-            spec.fs.delete_file(f"{spec.output}/{name}")
-            spec.fs.delete_file(f"{spec.output}/{index_name(name)}")
         result.parts[split] = writer.entries
     return result
 

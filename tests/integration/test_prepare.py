@@ -493,6 +493,8 @@ def test_duplicates_found_after_the_write_are_dropped_from_its_parts(
         assert m["totals"][key] == ref["totals"][key], key
     assert m["totals"]["documents_read"] == ref["totals"]["documents_read"] + len(repeats)
     assert dups.verify() == [] and inspect_data(dups.root, verify=True) == 0
+    left = [p.name for split in ("train", "valid") for p in (dups.root / split).iterdir()]
+    assert all(name.startswith("shard-") for name in left)  # the replaced parts are gone
     # Each example names a repeat: its slice's document at that ordinal came before.
     data = (tmp_path / "a/c.txt").read_bytes()
     examples = m["reject_examples"]["duplicate"]

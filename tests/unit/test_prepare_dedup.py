@@ -5,6 +5,7 @@ No Ray here: the tasks' bodies on real files, a real tokenizer and the real redu
 (``dedup.duplicates``), units cut from real inputs by the driver's plan.
 """
 
+import copy
 import json
 import random
 
@@ -83,6 +84,13 @@ def _files(root) -> dict[str, bytes]:
             if p.is_file()}  # fmt: skip
 
 
+def _as_written(parts: dict) -> dict:
+    """Part entries with ``fix-`` names as a write task would have named them."""
+    return {split: [{**e, "name": e["name"].replace("/fix-", "/part-"),
+                     "index": e["index"].replace("/fix-", "/part-")} for e in entries]
+            for split, entries in parts.items()}  # fmt: skip
+
+
 CASES = [
     {"shard_docs": 5},
     {"shard_bytes": 700, "block_tokens": 25},
@@ -111,27 +119,36 @@ def test_fix_unit_equals_a_write_that_never_saw_the_duplicates(tmp_path, tokeniz
     index = list(range(len(units)))
     reduced = [dedup.duplicates(index, [w[2][p] for w in written]) for p in range(n_partitions)]
     n_fixed = n_rejected = n_inside = 0
+    fixed_results = []
     for i, (unit, (result, trace, _)) in enumerate(zip(units, written, strict=True)):
         n_inside += result.rejected["duplicate"]  # repeats inside the unit, never written
         dups = dedup.of_unit(i, reduced)  # repeats of earlier units' documents
+        again = fix_unit(fused, unit, copy.deepcopy(result), trace, dups)  # a retried task
         fixed = fix_unit(fused, unit, result, trace, dups)
+        assert again == fixed
+        fixed_results.append(fixed)
         want, _, _ = write_unit(never, i, unit, n_partitions, known_duplicates=frozenset(dups))
         n_fixed += bool(dups)
-        assert fixed.parts == want.parts, i
+        assert _as_written(fixed.parts) == want.parts, i  # fix- parts: same bytes
         for name in ("read", "kept", "rejected", "examples", "languages", "n_tokens"):
             assert getattr(fixed, name) == getattr(want, name), (i, name)
         assert fixed.duplicate_positions == want.duplicate_positions
         n_rejected += fixed.rejected["duplicate"]
     assert n_fixed >= 3 and n_inside >= 3
     assert n_rejected == sum(1 for k, d in enumerate(docs) if d in docs[:k] and d != "tiny")
-    assert _files(tmp_path / "fused") == _files(tmp_path / "never")
+    # The same files once the parts the fixes replaced are gone (the driver's job).
+    named = {e[key] for r in fixed_results for es in r.parts.values() for e in es
+             for key in ("name", "index")}  # fmt: skip
+    got = {k.replace("/fix-", "/part-"): v for k, v in _files(tmp_path / "fused").items()
+           if k in named}  # fmt: skip
+    assert got == _files(tmp_path / "never")
+    assert any("/fix-" in name for name in named)
 
 
-def test_old_parts_are_own_files_of_prepare():
-    """A run killed while it rewrites leaves *.old.* parts: the next run cleans them."""
+def test_fix_parts_are_own_files_of_prepare():
+    """A run killed while it fixes parts leaves ``fix-`` parts: the next run cleans them."""
     from pipeline.data.prepare import _OWN_SHARD
 
-    for name in ("part-000001-002.old.tar", "part-000001-002.old.idx.npy",
-                 "part-000001-002.old.tar.tmp"):  # fmt: skip
+    for name in ("fix-000001-002.tar", "fix-000001-002.idx.npy", "fix-000001-002.tar.tmp"):
         assert _OWN_SHARD.fullmatch(name)
-    assert not _OWN_SHARD.fullmatch("part-000001-002.older.tar")
+    assert not _OWN_SHARD.fullmatch("fixed-000001-002.tar")
