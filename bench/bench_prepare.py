@@ -225,8 +225,9 @@ def main() -> int:
     print(f"prepare:            {cpu:8.1f} CPU s (whole tree), {wall:.1f} s wall, "
           f"{st['units']} units, {m['totals']['n_shards']} shards")  # fmt: skip
     print(f"  driver {st['driver_cpu_seconds']:.1f} CPU s, workers' tasks "
-          f"{st['worker_cpu_seconds']:.1f} CPU s (keys + dedup "
-          f"{st['worker_cpu_seconds_keys_and_dedup']:.1f})")  # fmt: skip
+          f"{st['worker_cpu_seconds']:.1f} CPU s (dedup reducers + rewrites "
+          f"{st['worker_cpu_seconds_dedup']:.1f}, {st['units_rewritten_for_duplicates']} "
+          "units rewritten)")  # fmt: skip
     print("ratios (goal):")
     print(f"  prepare CPU / raw encode_batch CPU   {cpu / raw['cpu_seconds']:6.2f}  (<= 1.5)")
     if hf:

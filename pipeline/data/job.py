@@ -1,9 +1,11 @@
 """The Ray plan of `plm data prepare`: units of work, three waves of tasks, progress.
 
     plan (driver)      sources -> slices -> units of about ``split_bytes`` of input
-    keys   (1 / unit)  read, clean, filter; dedup keys, hash-partitioned  (worker.unit_keys)
+    write  (1 / unit)  read, clean, filter, tokenize, write the unit's parts; the dedup
+                       keys, hash-partitioned, and a trace of the documents (worker.write_unit)
     dedup  (1 / part.) the duplicates of one key partition              (dedup.duplicates)
-    write  (1 / unit)  tokenize, segment, write the unit's parts        (worker.write_unit)
+    fix    (1 / unit with a duplicate)  drop them from the unit's parts and counts
+                       (worker.fix_unit: its blocks are filtered, nothing is re-tokenized)
 
 Every task takes one CPU; Ray places them on any node, and each writes its parts to the
 output filesystem itself. The driver holds object refs and per-unit counts only: its
@@ -19,6 +21,8 @@ import os
 import sys
 import time
 from typing import Any
+
+import numpy as np
 
 from pipeline.config import ConfigError
 from pipeline.data.readers import Slice, Source, plan_slices
@@ -44,12 +48,16 @@ def plan_units(sources: list[Source], split_bytes: int) -> list[list[Slice]]:
 # Module-level task bodies, so Ray pickles them by reference.
 
 
-def _keys_task(spec: JobSpec, unit: list[Slice], n_partitions: int):
-    from pipeline.data.worker import unit_keys
+def _write_task(spec: JobSpec, index: int, unit: list[Slice], n_partitions: int):
+    from pipeline.data.worker import write_unit
 
     started = time.process_time()
-    parts = unit_keys(spec, unit, n_partitions)
-    return (*parts, time.process_time() - started)
+    result, trace, parts = write_unit(spec, index, unit, n_partitions)
+    result.cpu_seconds = time.process_time() - started
+    import ray
+
+    result.node = ray.get_runtime_context().get_node_id()
+    return (result, trace, *parts)
 
 
 def _dedup_task(units: list[int], *parts):
@@ -57,21 +65,16 @@ def _dedup_task(units: list[int], *parts):
 
     started = time.process_time()
     dups = duplicates(units, list(parts))
-    return dups, time.process_time() - started
+    return dups, np.unique(dups[:, 0]), time.process_time() - started
 
 
-def _write_task(spec: JobSpec, index: int, unit: list[Slice], *reduced) -> UnitResult:
+def _fix_task(spec: JobSpec, index: int, unit: list[Slice], result: UnitResult, trace, *reduced):
     from pipeline.data.dedup import of_unit
-    from pipeline.data.worker import write_unit
+    from pipeline.data.worker import fix_unit
 
     started = time.process_time()
-    dups = of_unit(index, list(reduced))
-    result = write_unit(spec, index, unit, dups)
-    result.cpu_seconds = time.process_time() - started
-    import ray
-
-    result.node = ray.get_runtime_context().get_node_id()
-    return result
+    result = fix_unit(spec, unit, result, trace, of_unit(index, list(reduced)))
+    return result, time.process_time() - started
 
 
 class _Progress:
@@ -122,45 +125,70 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
 
     spec_ref = ray.put(spec)
     # Reading and writing are the work: spread over the nodes. Without it Ray's locality
-    # preference puts the write tasks where the (small) dedup results sit, which can be
-    # one node of the cluster (seen on a 2-node test cluster).
-    keys = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_keys_task)
-    dedup = ray.remote(num_cpus=1)(_dedup_task)
+    # preference puts tasks where their (small) inputs sit, which can be one node of the
+    # cluster (seen on a 2-node test cluster).
     write = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_write_task)
+    dedup = ray.remote(num_cpus=1)(_dedup_task)
+    fix = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_fix_task)
     index = list(range(len(units)))
-    key_refs = [
-        keys.options(num_returns=n_partitions + 1).remote(spec_ref, unit, n_partitions)
-        for unit in units
+    written = [
+        write.options(num_returns=n_partitions + 2).remote(spec_ref, i, unit, n_partitions)
+        for i, unit in enumerate(units)
     ]
     reducers = [
-        dedup.options(num_returns=2).remote(index, *[refs[p] for refs in key_refs])
+        dedup.options(num_returns=3).remote(index, *[refs[2 + p] for refs in written])
         for p in range(n_partitions)
     ]
-    reduced = [dups for dups, _ in reducers]
-    pending = [write.remote(spec_ref, i, unit, *reduced) for i, unit in enumerate(units)]
+    reduced = [dups for dups, _, _ in reducers]
     progress = _Progress(sum(p.size for unit in units for p in unit), len(units))
     results: list[UnitResult | None] = [None] * len(units)
+    pending = [refs[0] for refs in written]
     try:
         while pending:
             ready, pending = ray.wait(pending, num_returns=1, timeout=5.0)
             for ref in ready:
-                try:
-                    result = ray.get(ref)
-                except ray.exceptions.RayTaskError as err:
-                    raise _unwrap(err) from None
+                result = _get(ref)
                 results[result.unit] = result
                 progress.update(result)
+        # Units with a duplicate (per-unit lists, not the duplicates) get their parts fixed.
+        with_dups = _get([units_of for _, units_of, _ in reducers])
+        affected = sorted({int(u) for units_of in with_dups for u in units_of})
+        fixes = [
+            fix.options(num_returns=2).remote(
+                spec_ref, i, units[i], written[i][0], written[i][1], *reduced
+            )
+            for i in affected
+        ]
+        del written  # the traces and key partitions can go once nothing needs them
+        pending = [result for result, _ in fixes]
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=5.0)
+            for ref in ready:
+                fixed = _get(ref)
+                results[fixed.unit] = fixed
+        fix_cpu = sum(_get([cpu for _, cpu in fixes]))
     finally:
         progress.close()
         for ref in pending:
             ray.cancel(ref, force=True)
-    cpu = sum(ray.get([refs[-1] for refs in key_refs])) + sum(ray.get([c for _, c in reducers]))
+    dedup_cpu = sum(_get([cpu for _, _, cpu in reducers])) + fix_cpu
     return {
         "results": results,
-        "keys_and_dedup_cpu_seconds": cpu,
+        "dedup_cpu_seconds": dedup_cpu,
         "write_cpu_seconds": sum(r.cpu_seconds for r in results if r is not None),
+        "units_fixed": len(affected),
         "nodes": len({r.node for r in results if r is not None}),
     }
+
+
+def _get(refs):
+    """ray.get, with a user-fixable error raised in a task as itself."""
+    import ray
+
+    try:
+        return ray.get(refs)
+    except ray.exceptions.RayTaskError as err:
+        raise _unwrap(err) from None
 
 
 def init_ray(address: str | None, num_cpus: int | None) -> bool:

@@ -223,7 +223,7 @@ def fingerprint(config_hash: str, sources: list[dict[str, Any]], tokenizer_sha: 
 # The output folder, on any pyarrow filesystem
 
 _OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR}
-_OWN_SHARD = re.compile(r"(shard-\d{6}|part-\d{6}-\d{3})(\.tar|\.idx\.npy)(\.tmp)?")
+_OWN_SHARD = re.compile(r"(shard-\d{6}|(part|fix)-\d{6}-\d{3})(\.tar|\.idx\.npy)(\.tmp)?")
 _OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
 
 
@@ -318,7 +318,8 @@ def _cpu_seconds() -> float:
 
 
 def _name_shards(fs, root: str, results) -> dict[str, Any]:
-    """Move every unit's parts to ``SPLIT/shard-NNNNNN`` in unit order; the split entries."""
+    """Move every unit's parts to ``SPLIT/shard-NNNNNN`` in unit order, then remove the
+    parts no entry names (those a fix task replaced); the split entries."""
     splits = {}
     for split in SPLITS:
         entries = []
@@ -328,6 +329,9 @@ def _name_shards(fs, root: str, results) -> dict[str, Any]:
                 fs.move(f"{root}/{part['name']}", f"{root}/{name}")
                 fs.move(f"{root}/{part['index']}", f"{root}/{index_name(name)}")
                 entries.append({**part, "name": name, "index": index_name(name)})
+        for f in _listing(fs, f"{root}/{split}"):
+            if not f.base_name.startswith("shard-") and _OWN_SHARD.fullmatch(f.base_name):
+                fs.delete_file(f.path)
         splits[split] = {
             "shards": entries,
             "n_docs": sum(e["n_docs"] for e in entries),
@@ -442,7 +446,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     n_tokens = sum(info["n_tokens"] for info in splits.values())
     wall = time.perf_counter() - started
     driver_cpu = _cpu_seconds() - cpu_started
-    worker_cpu = job["keys_and_dedup_cpu_seconds"] + job["write_cpu_seconds"]
+    worker_cpu = job["dedup_cpu_seconds"] + job["write_cpu_seconds"]
     stats = {
         "wall_seconds": round(wall, 3),
         "ray_start_seconds": round(ray_ready - started, 3),
@@ -451,7 +455,8 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         "tokens_per_s": round(n_tokens / wall, 1),
         "driver_cpu_seconds": round(driver_cpu, 3),
         "worker_cpu_seconds": round(worker_cpu, 3),
-        "worker_cpu_seconds_keys_and_dedup": round(job["keys_and_dedup_cpu_seconds"], 3),
+        "worker_cpu_seconds_dedup": round(job["dedup_cpu_seconds"], 3),
+        "units_rewritten_for_duplicates": job["units_fixed"],
         "units": len(units),
         "writer_nodes": job["nodes"],
         "dedup_partitions": partitions,

@@ -373,14 +373,127 @@ def mark_batch(texts: list[str]) -> list[str]:
     start or end, or twice at one place, may get a mark of its own, which the batch path
     drops as it drops marks with no token between them). Two regex scans of the batch
     joined by ``_DOC``: ~2.5x cheaper than ``sentence_ends`` and a join per text."""
+    return _mark_joined(texts).split(_DOC)
+
+
+def _mark_joined(texts: list[str]) -> str:
+    """``mark_batch``'s texts, still joined by ``_DOC``."""
     joined = _DOC.join(texts)
     ends = [m.end() for m in _batch_terminator().finditer(joined)]
     if "\n" in joined:
         ends.extend(m.start() for m in _PARAGRAPH.finditer(joined))
         ends.sort()
     bounds = [0, *ends, len(joined)]
-    marked = _MARK.join([joined[a:b] for a, b in itertools.pairwise(bounds)])
-    return marked.split(_DOC)
+    return _MARK.join([joined[a:b] for a, b in itertools.pairwise(bounds)])
+
+
+# ``ChunkIds`` joins a batch's texts with this chunk, and the new chunks it encodes with
+# ``_DOC`` (an added token of its tokenizer copy: a hard cut in the ids).
+_DOC_CHUNK = f" {_DOC} "
+_DOC_ID = -1  # the id ``ChunkIds`` gives ``_DOC``: where one text ends and the next starts
+
+
+def _chunks_compose(tokenizer: Tokenizer, mark_id: int) -> bool:
+    """Can ``ChunkIds`` stand in for ``tokenizer`` (a normalizer-less WordPiece copy behind
+    a BERT pre-tokenizer)? Not when it truncates or pads, or when an added token other
+    than the mark could match across a blank (a special one cannot: encode_special_tokens)."""
+    if tokenizer.truncation is not None or tokenizer.padding is not None:
+        return False
+    added = tokenizer.get_added_tokens_decoder()
+    return all(t.special or i == mark_id for i, t in added.items())
+
+
+class ChunkIds:
+    """Token ids of ASCII texts without controls (but ``_MARK``s), for a normalizer-less
+    WordPiece tokenizer behind a BERT pre-tokenizer, one dict lookup per chunk (a run of
+    non-blanks: ``str.split()``): the ids ``encode_batch_fast`` gives, with less CPU.
+
+    Why the same: blanks (space, tab, newline in such text) split pre-tokens and are
+    dropped, the added mark cuts the text before anything else, and WordPiece encodes
+    each pre-token on its own; so a text's ids are its chunks' ids in order. A chunk's ids
+    come from the tokenizer the first time it is seen (a batch's new chunks in one call,
+    joined by ``_DOC``, an added token of this copy, then cut there) and are kept in a
+    table of at most ``capacity`` chunks, emptied when full: memory stays bounded
+    whatever the corpus. Natural text repeats its words, so most chunks are looked up
+    (tests/unit/test_prepare_speed_parts.py compares with the tokenizer).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, mark_id: int, capacity: int = 1 << 17):
+        self.tokenizer = Tokenizer.from_str(tokenizer.to_str())
+        self.tokenizer.add_tokens([AddedToken(_DOC, normalized=False, special=False)])
+        self.tokenizer.encode_special_tokens = True
+        self.doc_id = self.tokenizer.token_to_id(_DOC)
+        self.mark_id, self.capacity = mark_id, capacity
+        self.misses = 0  # chunks sent to the tokenizer (for tests)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.index: dict[str, int] = {}
+        self.flat = np.zeros(1 << 16, dtype=np.int32)  # the chunks' ids, concatenated
+        self.start = np.zeros(1 << 12, dtype=np.int64)  # per chunk: where its ids start
+        self.length = np.zeros(1 << 12, dtype=np.int64)
+        self.used = 0  # of flat
+        self._add([_DOC], [np.array([_DOC_ID], dtype=np.int32)])
+
+    def _add(self, chunks: list[str], ids: list[np.ndarray]) -> None:
+        first = len(self.index)
+        need = first + len(chunks)
+        if need > len(self.start):
+            size = max(need, 2 * len(self.start))
+            self.start = np.resize(self.start, size)
+            self.length = np.resize(self.length, size)
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        total = int(lengths.sum())
+        if self.used + total > len(self.flat):
+            self.flat = np.resize(self.flat, max(self.used + total, 2 * len(self.flat)))
+        if total:
+            self.flat[self.used : self.used + total] = np.concatenate(ids)
+        self.length[first:need] = lengths
+        self.start[first:need] = self.used + np.cumsum(lengths) - lengths
+        self.used += total
+        self.index.update(zip(chunks, range(first, need), strict=True))
+
+    def _encode(self, chunks: list[str]) -> list[np.ndarray]:
+        """Each chunk's ids from the tokenizer: one call on the chunks joined by ``_DOC``."""
+        self.misses += len(chunks)
+        [encoding] = self.tokenizer.encode_batch_fast([_DOC.join(chunks)], add_special_tokens=False)
+        ids = np.array(encoding.ids, dtype=np.int32)
+        cuts = np.flatnonzero(ids == self.doc_id)
+        if len(cuts) == len(chunks) - 1:
+            ends = np.append(cuts, len(ids))
+            starts = np.insert(cuts + 1, 0, 0)
+            return [ids[a:b] for a, b in zip(starts.tolist(), ends.tolist(), strict=True)]
+        encodings = self.tokenizer.encode_batch_fast(chunks, add_special_tokens=False)
+        return [np.array(e.ids, dtype=np.int32) for e in encodings]
+
+    def __call__(self, text: str) -> np.ndarray:
+        """The ids of ``text`` (a ``_DOC_CHUNK`` gives ``_DOC_ID``)."""
+        chunks = text.split()
+        if not chunks:
+            return np.zeros(0, dtype=np.int32)
+        rows = np.fromiter(
+            map(self.index.get, chunks, itertools.repeat(-1)), dtype=np.int64, count=len(chunks)
+        )
+        missing = np.flatnonzero(rows < 0)
+        if len(missing):
+            new = list(dict.fromkeys([chunks[i] for i in missing.tolist()]))
+            if len(self.index) + len(new) > self.capacity and len(self.index) > 1:
+                self._reset()  # full: start again (one text's own chunks always fit)
+                return self(text)
+            self._add(new, self._encode(new))
+            index = self.index
+            rows[missing] = [index[chunks[i]] for i in missing.tolist()]
+        lengths = self.length[rows]
+        ends = np.cumsum(lengths)
+        shift = np.repeat(self.start[rows] - (ends - lengths), lengths)
+        return self.flat[np.arange(int(ends[-1]), dtype=np.int64) + shift]
+
+    def batch(self, joined: str) -> tuple[np.ndarray, np.ndarray]:
+        """Texts joined by ``_DOC``: (their ids concatenated, each text's count)."""
+        ids = self(joined.replace(_DOC, _DOC_CHUNK))
+        docs = np.flatnonzero(ids == _DOC_ID)
+        lengths = np.diff(docs, prepend=-1, append=len(ids)) - 1
+        return np.delete(ids, docs), lengths
 
 
 class Segmenter:
@@ -400,7 +513,9 @@ class Segmenter:
       Why the other tokens stay the same: a sentence end always falls between two
       pre-tokens (after punctuation, which the BERT pre-tokenizer isolates, or at a
       blank), the added token cuts the text there before the normalizer runs, and
-      BertNormalizer works character by character.
+      BertNormalizer works character by character. ASCII texts without controls skip
+      the normalizer and, through ``ChunkIds``, most of the tokenizer: their ids are
+      looked up per blank-separated chunk (python-docs: see BENCHMARKS.md).
     - **Offsets path**: any other tokenizer, Chinese (jieba's word starts are character
       offsets), entity spans. ``encode_batch``, then ``segment_encoding`` per document.
     """
@@ -419,6 +534,7 @@ class Segmenter:
         self.continuation = wordpiece_continuations(tokenizer)  # reads the whole vocabulary
         self.marking: Tokenizer | None = None
         self.unnormalized: Tokenizer | None = None
+        self.chunks: ChunkIds | None = None  # ASCII texts: one dict lookup per chunk
         self.lowercase = False
         if self.continuation is not None and entities is None:
             self.marking = Tokenizer.from_str(tokenizer.to_str())
@@ -436,38 +552,52 @@ class Segmenter:
                 self.unnormalized.normalizer = None
                 self.unnormalized.encode_special_tokens = True
                 self.lowercase = bool(normalizer.lowercase)
+                if _chunks_compose(self.unnormalized, self.mark_id):
+                    self.chunks = ChunkIds(self.unnormalized, self.mark_id)
         self.batched_documents = 0  # how many documents took the batch path (for tests)
         self.unnormalized_documents = 0  # of which skipped the normalizer (for tests)
 
     def __call__(self, texts: list[str], languages: list[str]) -> list[list[Piece]]:
+        """Each document's pieces."""
+        return self.batch(texts, languages).to_lists(len(texts))
+
+    def batch(self, texts: list[str], languages: list[str]) -> PieceBatch:
+        """The pieces of all the documents, concatenated in document order."""
         if len(texts) != len(languages):
             raise ValueError(f"{len(texts)} texts but {len(languages)} languages")
         batch, other = [], []
-        for i, (text, language) in enumerate(zip(texts, languages, strict=True)):
-            if (
-                self.marking is not None
-                and language != "zh"
-                and _MARK not in text
-                and _DOC not in text
-            ):
-                batch.append(i)
-            else:
-                other.append(i)
-        pieces: list[list[Piece]] = [[] for _ in texts]
+        if self.marking is not None:
+            probe = _DOC.join(texts)
+            clean_batch = _MARK not in probe and probe.count(_DOC) == len(texts) - 1
+            if clean_batch and "zh" not in languages:  # every text takes the batch path
+                batch = list(range(len(texts)))
+        if not batch:
+            for i, (text, language) in enumerate(zip(texts, languages, strict=True)):
+                if (
+                    self.marking is not None
+                    and language != "zh"
+                    and _MARK not in text
+                    and _DOC not in text
+                ):
+                    batch.append(i)
+                else:
+                    other.append(i)
+        found: list[PieceBatch] = []
         if batch:
-            done = self._batch_path([texts[i] for i in batch])
+            done = self._batch_path([texts[i] for i in batch] if other else texts)
             if done is None:  # a mark did not come out as one token: never seen, but safe
                 other = sorted(other + batch)
             else:
                 self.batched_documents += len(batch)
-                for i, doc_pieces in zip(batch, done, strict=True):
-                    pieces[i] = doc_pieces
+                if other:
+                    done.docs = np.asarray(batch, dtype=np.int64)[done.docs]
+                found.append(done)
         if other:
             encodings = self.tokenizer.encode_batch(
                 [texts[i] for i in other], add_special_tokens=False
             )
-            for i, encoding in zip(other, encodings, strict=True):
-                pieces[i] = segment_encoding(
+            pieces = [
+                segment_encoding(
                     texts[i],
                     languages[i],
                     encoding,
@@ -477,79 +607,277 @@ class Segmenter:
                     self.entities,
                     self.continuation,
                 )
-        return pieces
+                for i, encoding in zip(other, encodings, strict=True)
+            ]
+            found.append(PieceBatch.from_pieces(pieces, other))
+        if not found:
+            return PieceBatch.empty(self.entities is not None)
+        return PieceBatch.merge(found) if len(found) > 1 else found[0]
 
-    def _encode_ids(self, texts: list[str], marked: list[str]) -> list[list[int]]:
-        """Token ids of the marked texts: those whose text is ASCII without controls
-        through the copy without the normalizer (see __init__), the others through
-        ``marking``."""
-        plain: list[int] = []
-        rest: list[int] = []
-        for i, text in enumerate(texts):
-            skip = self.unnormalized is not None and text.isascii()
-            (plain if skip and not _has_ascii_control(text) else rest).append(i)
+    def _encode_ids(self, texts: list[str], marked: str) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of the marked texts (``marked``: joined by ``_DOC``), concatenated
+        (int32), and each text's count.
+
+        Texts that are ASCII without controls skip the normalizer (see __init__): through
+        ``chunks`` when there is one, else ``encode_batch_fast`` of the copy without it; the
+        others through ``marking``."""
+        probe = "\n".join(texts)  # a newline is no control
+        skip = self.unnormalized is not None
+        if skip and probe.isascii() and not _has_ascii_control(probe):
+            plain, rest = list(range(len(texts))), []  # the whole batch at once (usual)
+            if self.chunks is not None:
+                self.unnormalized_documents += len(plain)
+                return self.chunks.batch(marked.lower() if self.lowercase else marked)
+        else:
+            plain, rest = [], []
+            for i, text in enumerate(texts):
+                ok = skip and text.isascii() and not _has_ascii_control(text)
+                (plain if ok else rest).append(i)
         self.unnormalized_documents += len(plain)
-        out: list[list[int]] = [[] for _ in texts]
+        each = marked.split(_DOC)
+        parts: list[np.ndarray | None] = [None] * len(texts)
+        if plain and self.chunks is not None:
+            joined = _DOC.join([each[i] for i in plain])
+            ids, lengths = self.chunks.batch(joined.lower() if self.lowercase else joined)
+            ends = np.cumsum(lengths)
+            for i, a, b in zip(plain, (ends - lengths).tolist(), ends.tolist(), strict=True):
+                parts[i] = ids[a:b]
+            plain = []
         for rows, tokenizer, lower in (
             (plain, self.unnormalized, self.lowercase),
             (rest, self.marking, False),
         ):
             if rows:
-                batch = [marked[i].lower() if lower else marked[i] for i in rows]
+                batch = [each[i].lower() if lower else each[i] for i in rows]
                 encodings = tokenizer.encode_batch_fast(batch, add_special_tokens=False)
                 for i, encoding in zip(rows, encodings, strict=True):
-                    out[i] = encoding.ids
-        return out
+                    parts[i] = np.array(encoding.ids, dtype=np.int32)
+        lengths = np.fromiter((len(p) for p in parts), dtype=np.int64, count=len(parts))
+        return np.concatenate(parts) if parts else np.zeros(0, np.int32), lengths
 
-    def _batch_path(self, texts: list[str]) -> list[list[Piece]] | None:
-        marked = mark_batch(texts)
-        n_marks = [t.count(_MARK) for t in marked]
-        id_lists = self._encode_ids(texts, marked)
-        total = sum(map(len, id_lists))
-        ids = np.fromiter(itertools.chain.from_iterable(id_lists), dtype=np.int32, count=total)
+    def _batch_path(self, texts: list[str]) -> PieceBatch | None:
+        """The batch path (see the class docstring); None if a mark did not come out as
+        its one token (never seen, but then the offsets path is safe)."""
+        marked = _mark_joined(texts)
+        ids, doc_lengths = self._encode_ids(texts, marked)
         is_mark = ids == self.mark_id
         marks = np.flatnonzero(is_mark)
-        n_marks = np.asarray(n_marks, dtype=np.int64)
-        if len(marks) != n_marks.sum():
+        if len(marks) != marked.count(_MARK):
             return None
         tokens = ids[~is_mark]
+        # Each mark is one token, so a document's marks are the mark tokens in its ids.
+        n_docs = len(texts)
+        doc_of_id = np.repeat(np.arange(n_docs), doc_lengths)
+        doc_of_mark = doc_of_id[marks]
+        n_marks = np.bincount(doc_of_mark, minlength=n_docs)
         # Token offsets of the documents in the batch, [d] to [d + 1] for document d.
-        doc_lengths = np.fromiter(map(len, id_lists), dtype=np.int64, count=len(id_lists))
-        doc_starts = np.zeros(len(texts) + 1, dtype=np.int64)
+        doc_starts = np.zeros(n_docs + 1, dtype=np.int64)
         np.cumsum(doc_lengths - n_marks, out=doc_starts[1:])
-        has_tokens = doc_lengths > n_marks
         # A mark's token offset: its index among all ids minus the marks before it. Sentence
         # ends strictly inside their document count (text before a mark may hold no token,
         # nor the text after it); two marks with no token between them are one end.
         sent_ends = marks - np.arange(len(marks))
-        doc_of_mark = np.repeat(np.arange(len(texts)), n_marks)
         inside = (sent_ends > doc_starts[doc_of_mark]) & (sent_ends < doc_starts[doc_of_mark + 1])
         sent_ends = _sorted_unique(sent_ends[inside])
         # Word starts: the ids that are not "##" pieces (sentence and document starts
         # among them: a "##" piece never follows a pre-token boundary).
-        word_starts = np.flatnonzero(~self.continuation[tokens]).astype(np.int32)
+        words = ~self.continuation[tokens]
         # A special token written without punctuation ("SEP") is a word the model knows.
         if len(self.specials) and (tokens <= self.specials[-1]).any():
             tokens[np.isin(tokens, self.specials)] = self.unk
-        # Each document's sentence ends and word starts are one slice of these.
+        has_tokens = doc_starts[1:] > doc_starts[:-1]
         doc_ends = doc_starts[1:][has_tokens]
-        all_ends = np.sort(np.concatenate([sent_ends, doc_ends])).astype(np.int32)
-        end_at = np.searchsorted(all_ends, doc_starts, side="right")
-        word_at = np.searchsorted(word_starts, doc_starts, side="left")
-        out = []
-        for d, (a, b) in enumerate(itertools.pairwise(doc_starts.tolist())):
-            if a == b:
-                out.append([])
-                continue
-            out.append(
-                _pieces(
-                    tokens[a:b],
-                    all_ends[end_at[d] : end_at[d + 1]] - a,
-                    word_starts[word_at[d] : word_at[d + 1]] - a,
-                    self.max_doc_tokens,
+        docs = np.flatnonzero(has_tokens)
+        ends = doc_ends
+        sents = np.sort(np.concatenate([sent_ends, doc_ends]))
+        long = np.flatnonzero(doc_lengths - n_marks > self.max_doc_tokens)
+        if len(long):  # cut long documents into pieces (see _pieces)
+            cuts = []
+            for d in long.tolist():
+                a, b = int(doc_starts[d]), int(doc_starts[d + 1])
+                s0, s1 = np.searchsorted(sents, [a, b], side="right")
+                local_words = np.flatnonzero(words[a:b])
+                cuts.extend(a + c for c in _cut_points(b - a, sents[s0:s1] - a, local_words,
+                                                       self.max_doc_tokens)[:-1])  # fmt: skip
+            cuts = np.asarray(cuts, dtype=np.int64)
+            words[cuts] = True  # a piece starts with a word
+            ends = np.sort(np.concatenate([doc_ends, cuts]))
+            sents = _sorted_unique(np.sort(np.concatenate([sents, cuts])))
+            docs = np.flatnonzero(has_tokens)[np.searchsorted(doc_ends, ends, side="left")]
+        return PieceBatch(tokens, ends, sents, words, None, docs)
+
+
+@dataclass
+class PieceBatch:
+    """The pieces of a batch of documents, concatenated: what a writer stores, without
+    a Python object per document. Piece p is ``tokens[ends[p - 1]:ends[p]]``; offsets
+    are into ``tokens``."""
+
+    tokens: np.ndarray  # int32 token ids
+    ends: np.ndarray  # int64 [n_pieces] end offset of each piece (ascending)
+    sents: np.ndarray  # int64 sentence ends, ascending; every piece end among them
+    words: np.ndarray  # bool [n_tokens] word-start flags; every piece start among them
+    spans: np.ndarray | None  # int64 (n, 2) [start, end) entity spans, inside a piece
+    docs: np.ndarray  # int64 [n_pieces] the document (index in the batch) of each piece
+
+    @property
+    def n_pieces(self) -> int:
+        return int(self.ends.shape[0])
+
+    @property
+    def starts(self) -> np.ndarray:
+        return np.concatenate([[0], self.ends[:-1]]).astype(np.int64)
+
+    @classmethod
+    def empty(cls, with_spans: bool = False) -> PieceBatch:
+        i64 = np.zeros(0, dtype=np.int64)
+        spans = np.zeros((0, 2), dtype=np.int64) if with_spans else None
+        return cls(np.zeros(0, np.int32), i64, i64, np.zeros(0, bool), spans, i64)
+
+    @classmethod
+    def from_pieces(cls, pieces: list[list[Piece]], docs: list[int] | None = None) -> PieceBatch:
+        """From each document's pieces (document d is ``docs[d]``, default d)."""
+        flat = [p for doc_pieces in pieces for p in doc_pieces]
+        if docs is None:
+            docs = list(range(len(pieces)))
+        doc_of = np.repeat(np.asarray(docs, dtype=np.int64),
+                           [len(doc_pieces) for doc_pieces in pieces])  # fmt: skip
+        if not flat:
+            batch = cls.empty(with_spans=False)
+            batch.docs = doc_of
+            return batch
+        lengths = np.fromiter((p.n_tokens for p in flat), dtype=np.int64, count=len(flat))
+        ends = np.cumsum(lengths)
+        starts = (ends - lengths).tolist()
+        words = np.zeros(int(ends[-1]), dtype=bool)
+        words[np.concatenate([p.words + a for p, a in zip(flat, starts, strict=True)])] = True
+        spans = None
+        if any(p.spans is not None for p in flat):
+            spans = np.concatenate(
+                [np.zeros((0, 2), np.int64)]
+                + [
+                    p.spans.astype(np.int64) + a
+                    for p, a in zip(flat, starts, strict=True)
+                    if p.spans is not None
+                ]  # fmt: skip
+            )
+        return cls(
+            tokens=np.concatenate([p.tokens for p in flat]).astype(np.int32, copy=False),
+            ends=ends,
+            sents=np.concatenate(
+                [p.sents.astype(np.int64) + a for p, a in zip(flat, starts, strict=True)]
+            ),
+            words=words,
+            spans=spans,
+            docs=doc_of,
+        )
+
+    def select(self, keep: np.ndarray) -> PieceBatch:
+        """The pieces where ``keep`` (bool per piece) holds, in order."""
+        if keep.all():
+            return self
+        starts, ends = self.starts, self.ends
+        lengths = ends - starts
+        kept_lengths = lengths[keep]
+        new_ends = np.cumsum(kept_lengths)
+        shift = np.zeros(self.n_pieces, dtype=np.int64)  # new offset - old, per kept piece
+        shift[keep] = (new_ends - kept_lengths) - starts[keep]
+        tokens_kept = np.repeat(keep, lengths)
+        # A sentence end belongs to the piece it ends or lies in; a span to the one it starts in.
+        sent_piece = np.searchsorted(ends, self.sents, side="left")
+        sent_keep = keep[sent_piece]
+        spans = None
+        if self.spans is not None:
+            span_piece = np.searchsorted(ends, self.spans[:, 0], side="right")
+            span_keep = keep[span_piece] if len(self.spans) else np.zeros(0, bool)
+            spans = self.spans[span_keep] + shift[span_piece[span_keep]][:, None]
+        return PieceBatch(
+            tokens=self.tokens[tokens_kept],
+            ends=new_ends,
+            sents=self.sents[sent_keep] + shift[sent_piece[sent_keep]],
+            words=self.words[tokens_kept],
+            spans=spans,
+            docs=self.docs[keep],
+        )
+
+    def to_lists(self, n_docs: int) -> list[list[Piece]]:
+        """Each document's pieces (``Segmenter``'s answer)."""
+        out: list[list[Piece]] = [[] for _ in range(n_docs)]
+        starts = self.starts.tolist()
+        ends = self.ends.tolist()
+        s_at = np.searchsorted(self.sents, self.starts, side="right").tolist()
+        s_to = np.searchsorted(self.sents, self.ends, side="right").tolist()
+        word_starts = np.flatnonzero(self.words)
+        w_at = np.searchsorted(word_starts, self.starts, side="left").tolist()
+        w_to = np.searchsorted(word_starts, self.ends, side="left").tolist()
+        if self.spans is not None:
+            p_at = np.searchsorted(self.spans[:, 0], self.starts, side="left").tolist()
+            p_to = np.searchsorted(self.spans[:, 0], self.ends, side="left").tolist()
+        for p, d in enumerate(self.docs.tolist()):
+            a = starts[p]
+            spans = None
+            if self.spans is not None:
+                spans = (self.spans[p_at[p] : p_to[p]] - a).astype(np.int32).reshape(-1, 2)
+            out[d].append(
+                Piece(
+                    tokens=self.tokens[a : ends[p]],
+                    sents=(self.sents[s_at[p] : s_to[p]] - a).astype(np.int32),
+                    words=(word_starts[w_at[p] : w_to[p]] - a).astype(np.int32),
+                    spans=spans,
                 )
             )
         return out
+
+    @staticmethod
+    def merge(batches: list[PieceBatch]) -> PieceBatch:
+        """One batch of the pieces of several, ordered by document (stable)."""
+        batches = [b for b in batches if b.n_pieces]
+        if len(batches) == 1:
+            return batches[0]
+        if not batches:
+            return PieceBatch.empty()
+        offsets = np.cumsum([0] + [len(b.tokens) for b in batches])
+        cat = PieceBatch(
+            tokens=np.concatenate([b.tokens for b in batches]),
+            ends=np.concatenate([b.ends + o for b, o in zip(batches, offsets, strict=False)]),
+            sents=np.concatenate([b.sents + o for b, o in zip(batches, offsets, strict=False)]),
+            words=np.concatenate([b.words for b in batches]),
+            spans=None
+            if all(b.spans is None for b in batches)
+            else np.concatenate(
+                [np.zeros((0, 2), np.int64)]
+                + [
+                    b.spans + o
+                    for b, o in zip(batches, offsets, strict=False)
+                    if b.spans is not None
+                ]
+            ),
+            docs=np.concatenate([b.docs for b in batches]),
+        )
+        order = np.argsort(cat.docs, kind="stable")
+        if np.array_equal(order, np.arange(len(order))):
+            return cat
+        return cat.reorder(order)
+
+    def reorder(self, order: np.ndarray) -> PieceBatch:
+        """The pieces in the order ``order`` (a permutation of the piece indexes)."""
+        starts, ends = self.starts, self.ends
+        lengths = ends - starts
+        new_lengths = lengths[order]
+        new_ends = np.cumsum(new_lengths)
+        new_starts = new_ends - new_lengths
+        shift = np.empty(self.n_pieces, dtype=np.int64)
+        shift[order] = new_starts - starts[order]
+        gather = np.repeat(starts[order] - new_starts, new_lengths) + np.arange(int(new_ends[-1]))
+        sent_piece = np.searchsorted(ends, self.sents, side="left")
+        sents = np.sort(self.sents + shift[sent_piece])
+        spans = None
+        if self.spans is not None:
+            span_piece = np.searchsorted(ends, self.spans[:, 0], side="right")
+            spans = self.spans + shift[span_piece][:, None]
+            spans = spans[np.argsort(spans[:, 0], kind="stable")]
+        return PieceBatch(self.tokens[gather], new_ends, sents, self.words[gather], spans,
+                          self.docs[order])  # fmt: skip
 
 
 def process_documents(

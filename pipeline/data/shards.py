@@ -255,19 +255,38 @@ class Block:
         source: str,
         language: str,
     ) -> None:
-        n, at = int(tokens.shape[0]), self.n_tokens
-        self.tokens.append(np.asarray(tokens, dtype=self.dtype))
-        self.sents.append(np.asarray(sents, dtype=np.int64) + at)
+        n = int(tokens.shape[0])
         flags = np.zeros(n, dtype=bool)
         flags[np.asarray(words, dtype=np.int64)] = True
-        self.words.append(flags)
+        self.add_many(tokens, np.array([n]), sents, flags, spans, [source], [language])
+
+    def add_many(
+        self,
+        tokens: np.ndarray,
+        ends: np.ndarray,
+        sents: np.ndarray,
+        words: np.ndarray,
+        spans: np.ndarray | None,
+        sources: list[str],
+        languages: list[str],
+    ) -> None:
+        """Several documents at once, the same block as ``add`` one by one: ``ends`` their
+        end offsets into ``tokens``, ``sents`` sentence ends and ``spans`` in the same
+        offsets, ``words`` a word-start flag per token; ``sources`` and ``languages`` one
+        name per document (a batch of pieces, see ``segment.PieceBatch``)."""
+        at = self.n_tokens
+        self.tokens.append(np.asarray(tokens, dtype=self.dtype))
+        self.sents.append(np.asarray(sents, dtype=np.int64) + at)
+        self.words.append(np.asarray(words, dtype=bool))
         if spans is not None:
             self.with_spans = True
             self.spans.append(np.asarray(spans, dtype=np.int64).reshape(-1, 2) + at)
-        self.n_tokens += n
-        self.doc_ends.append(self.n_tokens)
-        self.srcs.append(self.sources.setdefault(source, len(self.sources)))
-        self.langs.append(self.languages.setdefault(language, len(self.languages)))
+        self.n_tokens += int(tokens.shape[0])
+        self.doc_ends.extend((np.asarray(ends, dtype=np.int64) + at).tolist())
+        codes = self.sources
+        self.srcs.extend([codes.setdefault(name, len(codes)) for name in sources])
+        codes = self.languages
+        self.langs.extend([codes.setdefault(name, len(codes)) for name in languages])
 
     @property
     def n_docs(self) -> int:
@@ -354,6 +373,73 @@ class ShardWriter:
         if self._block.n_tokens >= self.block_tokens or self._block.full_of_sources():
             self._flush()
 
+    def add_many(
+        self,
+        pieces,
+        sources: list[str],
+        languages: list[str],
+        stop_docs: int | None = None,
+        stop_bytes: int | None = None,
+        first: int = 0,
+    ) -> tuple[int, bool]:
+        """Documents ``first``.. of ``pieces`` (a ``segment.PieceBatch``: ``tokens``,
+        ``ends``, ``sents``, ``words``, ``spans``; ``sources``/``languages`` one name per
+        document) in bulk, the same shard bytes as ``add`` one by one: blocks end after the
+        document that fills them. Stops after the first document at which the shard holds
+        ``stop_docs`` documents or ``size_estimate()`` reaches ``stop_bytes`` (where a
+        caller that adds one by one closes the shard). Returns (the next document,
+        whether it stopped there)."""
+        ends = pieces.ends
+        n = int(ends.shape[0])
+        starts = np.zeros(n, dtype=np.int64)
+        starts[1:] = ends[:-1]
+        itemsize = self.dtype.itemsize
+        i = first
+        while i < n:
+            block = self._block
+            if len(block.sources) + len(set(sources[i:])) >= MAX_BLOCK_SOURCES:
+                return self._add_each(pieces, starts, sources, languages, i, stop_docs, stop_bytes)
+            filled = block.n_tokens + (ends[i:] - starts[i])  # the block's tokens after each
+            full = int(np.searchsorted(filled, self.block_tokens, side="left"))
+            stop = n - i  # the first document after which the shard is closed, unless flushed
+            if stop_docs:
+                stop = min(stop, stop_docs - self.n_docs - 1)
+            if stop_bytes:
+                stop = min(stop, int(np.searchsorted(self.offset + filled * itemsize, stop_bytes)))
+            last = min(stop, full, n - i - 1)  # the last document added now
+            j = i + last + 1
+            a, b = int(starts[i]), int(ends[j - 1])
+            sents, spans = _between(pieces, a, b)
+            self._block.add_many(pieces.tokens[a:b], ends[i:j] - a, sents, pieces.words[a:b],
+                                 spans, sources[i:j], languages[i:j])  # fmt: skip
+            self.n_docs += j - i
+            self.n_tokens += b - a
+            if last == full:  # the block is full: flush, then the shard's checks
+                self._flush()
+                if (stop_docs and self.n_docs >= stop_docs) or (
+                    stop_bytes and self.size_estimate() >= stop_bytes
+                ):
+                    return j, True
+            elif last == stop:
+                return j, True
+            i = j
+        return n, False
+
+    def _add_each(self, pieces, starts, sources, languages, i, stop_docs, stop_bytes):
+        """``add_many`` one document at a time (a block near MAX_BLOCK_SOURCES sources)."""
+        n = int(pieces.ends.shape[0])
+        while i < n:
+            a, b = int(starts[i]), int(pieces.ends[i])
+            sents, spans = _between(pieces, a, b)
+            words = np.flatnonzero(pieces.words[a:b])
+            self.add(pieces.tokens[a:b], sents, words, spans, sources[i], languages[i])
+            i += 1
+            if (stop_docs and self.n_docs >= stop_docs) or (
+                stop_bytes and self.size_estimate() >= stop_bytes
+            ):
+                return i, True
+        return n, False
+
     @classmethod
     def local(
         cls,
@@ -416,6 +502,17 @@ class ShardWriter:
             "bytes": self.offset,
             "sha256": self._sha.hexdigest(),
         }
+
+
+def _between(pieces, a: int, b: int) -> tuple[np.ndarray, np.ndarray | None]:
+    """The sentence ends in (a, b] and the spans starting in [a, b) of ``pieces``,
+    relative to ``a``."""
+    s0, s1 = np.searchsorted(pieces.sents, [a, b], side="right")
+    spans = None
+    if pieces.spans is not None:
+        p0, p1 = np.searchsorted(pieces.spans[:, 0], [a, b], side="left")
+        spans = pieces.spans[p0:p1] - a
+    return pieces.sents[s0:s1] - a, spans
 
 
 def local_fs():
@@ -487,6 +584,68 @@ class _BlockTable:
     sources: list[str]
     languages: list[str]
     spans: np.ndarray | None  # int64 (n, 2)
+
+
+@dataclass
+class BlockArrays:
+    """One block's contents as arrays (what ``Block.add_many`` takes back)."""
+
+    tokens: np.ndarray
+    ends: np.ndarray  # int64 document end offsets
+    sents: np.ndarray  # int64
+    words: np.ndarray  # bool, one per token
+    spans: np.ndarray | None  # int64 (n, 2)
+    sources: list[str]  # one name per document
+    languages: list[str]
+
+
+def _array_at(data: bytes, at: int, count: int, dtype) -> np.ndarray:
+    return np.frombuffer(data, np.dtype(dtype), count, at)
+
+
+def read_blocks(fs, path: str) -> Iterator[BlockArrays]:
+    """The blocks of the shard at ``path`` of pyarrow filesystem ``fs``, in order, found
+    through its index and checked against their crc32 (a part a write task just wrote,
+    read back to drop documents from it: see worker.fix_unit)."""
+    with fs.open_input_file(index_name(path)) as f:
+        rows = np.load(io.BytesIO(f.read()), allow_pickle=False)
+    with fs.open_input_file(path) as f:
+        for b, row in enumerate(rows.tolist()):
+            data = f.read_at(row[SIZE], row[OFFSET])
+            if zlib.crc32(data) != row[CRC]:
+                raise ShardError(f"{path}: block {b} is corrupt (crc32 mismatch)")
+            n_tokens = row[N_TOKENS]
+            array = functools.partial(_array_at, data)
+            meta = json.loads(data[row[META_AT] : row[META_AT] + row[META_SIZE]])
+            fields = _block_fields(array, row)
+            yield BlockArrays(
+                tokens=array(row[TOKENS_AT], n_tokens, _TOKEN_DTYPES[row[TOKEN_BYTES]]),
+                ends=fields["ends"],
+                sents=fields["sents"],
+                words=fields["words"],
+                spans=fields["spans"],
+                sources=[meta["sources"][i] for i in fields["srcs"].tolist()],
+                languages=[meta["languages"][i] for i in fields["langs"].tolist()],
+            )
+
+
+def _block_fields(array, row: list[int]) -> dict[str, Any]:
+    """A block's arrays but its tokens, from ``array(at, count, dtype)`` (its bytes at an
+    offset of the sample) and its index row."""
+    n_docs, n_tokens = row[N_DOCS], row[N_TOKENS]
+    spans = None
+    if row[SPANS_AT] >= 0:
+        spans = array(row[SPANS_AT], 2 * row[N_SPANS], _U32).reshape(-1, 2).astype(np.int64)
+    return {
+        "ends": array(row[DOCS_AT], n_docs, _U32).astype(np.int64),
+        "sents": array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
+        "words": np.unpackbits(
+            array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8), count=n_tokens, bitorder="little"
+        ).astype(bool),
+        "srcs": array(row[SRCS_AT], n_docs, _U16),
+        "langs": array(row[LANGS_AT], n_docs, np.uint8),
+        "spans": spans,
+    }
 
 
 def _iter_samples(fileobj, url: str) -> Iterator[dict[str, Any]]:
@@ -660,7 +819,7 @@ class DataDir:
             self._tables.move_to_end((shard, b))
             return table
         row = self.index(shard)[b].tolist()
-        n_docs, n_tokens = row[N_DOCS], row[N_TOKENS]
+        n_tokens = row[N_TOKENS]
         try:
             meta = json.loads(self._block_bytes(shard, b, row[META_AT], row[META_SIZE]))
             head = self._block_bytes(shard, b, 0, 100).split(b"\0", 1)[0].decode("ascii")
@@ -669,24 +828,17 @@ class DataDir:
                 dtype = np.dtype(dtype)
                 return np.frombuffer(self._block_bytes(shard, b, at, count * dtype.itemsize), dtype)
 
-            spans = None
-            if row[SPANS_AT] >= 0:
-                spans = array(row[SPANS_AT], 2 * row[N_SPANS], _U32).reshape(-1, 2)
-                spans = spans.astype(np.int64)
+            fields = _block_fields(array, row)
             table = _BlockTable(
                 key=head.split(".", 1)[0],
-                doc_ends=np.concatenate([[0], array(row[DOCS_AT], n_docs, _U32)]).astype(np.int64),
-                sents=array(row[SENTS_AT], row[N_SENTS], _U32).astype(np.int64),
-                words=np.unpackbits(
-                    array(row[WORDS_AT], (n_tokens + 7) // 8, np.uint8),
-                    count=n_tokens,
-                    bitorder="little",
-                ).astype(bool),
-                srcs=array(row[SRCS_AT], n_docs, _U16),
-                langs=array(row[LANGS_AT], n_docs, np.uint8),
+                doc_ends=np.concatenate([[0], fields["ends"]]),
+                sents=fields["sents"],
+                words=fields["words"],
+                srcs=fields["srcs"],
+                langs=fields["langs"],
                 sources=meta["sources"],
                 languages=meta["languages"],
-                spans=spans,
+                spans=fields["spans"],
             )
         except (ValueError, KeyError, UnicodeDecodeError) as err:
             raise ShardError(

@@ -1,14 +1,16 @@
 """The worker stage of `plm data prepare`: what one Ray task does with one unit of work.
 
 A unit is a run of consecutive ``Slice``s of the corpus (byte ranges of big files, or
-several small files), numbered in source order. Two passes over it:
+several small files), numbered in source order. One pass over it, then a fix-up:
 
-1. ``unit_keys``: read, clean, filter; the dedup key of every document that survives,
-   hash-partitioned (``dedup.partition``) for the reducers.
-2. ``write_unit``: read, clean, filter again, drop the duplicates the reducers found,
-   tokenize and segment (one ``encode_batch`` per ``batch_docs`` documents), and write
-   the unit's own shards (``train/part-UUUUUU-KKK.tar``, ``valid/...``) straight to the
-   output filesystem. Returns counts and the part entries, never documents.
+1. ``write_unit``: read, clean, filter, tokenize and segment (one Segmenter batch per
+   ``batch_docs`` documents), and write the unit's own shards
+   (``train/part-UUUUUU-KKK.tar``, ``valid/...``) straight to the output filesystem;
+   the dedup key of every document that survived cleaning, hash-partitioned
+   (``dedup.partition``) for the reducers, and a trace of those documents (where each
+   went). Returns counts and the part entries, never documents.
+2. ``fix_unit`` (only for a unit the reducers found a duplicate in): drop the
+   duplicates from its parts (blocks read back and filtered) and from its counts.
 
 Documents are numbered inside a unit by their position among everything read (rejects
 included), so (unit, position) is the document's place in source order.
@@ -24,7 +26,13 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.data.clean import CleanConfig, clean, dedup_key, language_of, reject_reason
+from pipeline.data.clean import (
+    CleanConfig,
+    clean_many,
+    dedup_key,
+    language_of,
+    reject_reason,
+)
 from pipeline.data.readers import RawDocument, Slice, Source, iter_raw_documents
 from pipeline.data.shards import SPLITS, ShardWriter, split_of
 
@@ -67,10 +75,19 @@ class UnitResult:
     input_bytes: int = 0
     cpu_seconds: float = 0.0  # the task's, set by job._write_task
     node: str = ""  # the Ray node that wrote the parts
+    # Positions of examples["duplicate"] found by write_unit (repeats inside the unit),
+    # for fix_unit to merge them with those the reducers find.
+    duplicate_positions: list[int] = field(default_factory=list)
 
 
 def part_name(split: str, unit: int, k: int) -> str:
     return f"{split}/part-{unit:06d}-{k:03d}.tar"
+
+
+def fix_part_name(split: str, unit: int, k: int) -> str:
+    """The name ``fix_unit`` writes part k under: never one a write task wrote, so a
+    retried fix reads the same parts and writes the same files."""
+    return f"{split}/fix-{unit:06d}-{k:03d}.tar"
 
 
 def _documents(spec: JobSpec, unit: list[Slice]) -> Iterator[tuple[int, Slice, RawDocument]]:
@@ -88,50 +105,60 @@ def _documents(spec: JobSpec, unit: list[Slice]) -> Iterator[tuple[int, Slice, R
             position += 1
 
 
-def _cleaned(doc: RawDocument, cfg: CleanConfig) -> tuple[str | None, str | None]:
-    """(cleaned text, None) or (None, reject reason)."""
-    if doc.reject:
-        return None, doc.reject
-    text = clean(doc.text or "", cfg)
-    reason = reject_reason(text, cfg)
-    return (None, reason) if reason else (text, None)
+_CLEAN_GROUP = 256  # documents cleaned together (clean_many)
 
 
-def unit_keys(spec: JobSpec, unit: list[Slice], n_partitions: int):
-    """Pass 1: the dedup keys of the unit's surviving documents, partitioned."""
-    from pipeline.data.dedup import partition
+def _cleaned_documents(
+    spec: JobSpec, unit: list[Slice], cfg: CleanConfig
+) -> Iterator[tuple[int, Slice, RawDocument, str | None, str | None]]:
+    """(position, slice, raw document, cleaned text or None, reject reason or None) of
+    everything the unit reads, in order: ``_cleaned`` of each, cleaned a group at a time."""
+    group: list[tuple[int, Slice, RawDocument]] = []
 
-    cfg = CleanConfig(**spec.clean)
-    keys, positions = [], []
-    for position, _, doc in _documents(spec, unit):
-        text, _ = _cleaned(doc, cfg)
-        if text is not None:
-            keys.append(dedup_key(text))
-            positions.append(position)
-    return partition(b"".join(keys), np.asarray(positions, dtype=np.int64), n_partitions)
+    def done() -> Iterator[tuple[int, Slice, RawDocument, str | None, str | None]]:
+        texts = iter(clean_many([doc.text or "" for _, _, doc in group if not doc.reject], cfg))
+        for position, part, doc in group:
+            if doc.reject:
+                yield position, part, doc, None, doc.reject
+                continue
+            text = next(texts)
+            reason = reject_reason(text, cfg)
+            yield position, part, doc, (None if reason else text), reason
+        group.clear()
+
+    for item in _documents(spec, unit):
+        group.append(item)
+        if len(group) >= _CLEAN_GROUP:
+            yield from done()
+    yield from done()
 
 
 class _SplitParts:
     """Rolls the unit's parts of one split: a new part after shard_docs / shard_bytes."""
 
-    def __init__(self, spec: JobSpec, unit: int, split: str, dtype: np.dtype):
+    def __init__(self, spec: JobSpec, unit: int, split: str, dtype: np.dtype, naming=part_name):
         self.spec, self.unit, self.split, self.dtype = spec, unit, split, dtype
+        self.naming = naming
         self.entries: list[dict[str, Any]] = []
         self.writer: ShardWriter | None = None
+
+    def _open(self) -> None:
+        spec = self.spec
+        k = len(self.entries)
+        self.writer = ShardWriter(
+            spec.fs,
+            spec.output,
+            self.naming(self.split, self.unit, k),
+            f"u{self.unit:06d}{self.split[0]}{k:03d}",
+            self.dtype,
+            spec.block_tokens,
+            spec.entities is not None,
+        )
 
     def add(self, piece, source: str, language: str) -> None:
         spec = self.spec
         if self.writer is None:
-            k = len(self.entries)
-            self.writer = ShardWriter(
-                spec.fs,
-                spec.output,
-                part_name(self.split, self.unit, k),
-                f"u{self.unit:06d}{self.split[0]}{k:03d}",
-                self.dtype,
-                spec.block_tokens,
-                spec.entities is not None,
-            )
+            self._open()
         w = self.writer
         w.add(piece.tokens, piece.sents, piece.words, piece.spans, source, language)
         if (spec.shard_docs and w.n_docs >= spec.shard_docs) or (
@@ -139,18 +166,64 @@ class _SplitParts:
         ):
             self.close()
 
+    def add_many(self, pieces, sources: list[str], languages: list[str]) -> None:
+        """A batch of pieces (``segment.PieceBatch``; ``sources``/``languages`` one name per
+        piece): the same parts as ``add`` piece by piece, with a few numpy calls per block."""
+        spec = self.spec
+        ends, i = pieces.ends, 0
+        while i < len(ends):
+            if self.writer is None:
+                self._open()
+            i, stopped = self.writer.add_many(
+                pieces, sources, languages, spec.shard_docs, spec.shard_bytes, first=i
+            )
+            if stopped:
+                self.close()
+
     def close(self) -> None:
         if self.writer is not None:
             self.entries.append(self.writer.close())
             self.writer = None
 
 
-def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int]) -> UnitResult:
-    """Pass 2: tokenize the unit's kept documents and write its parts; see the module doc."""
+# The trace of a unit: one row per document that survived cleaning, in source order.
+(T_POSITION, T_SLICE, T_ORDINAL, T_LINE, T_SPLIT, T_LANGUAGE, T_PIECES, T_TOKENS) = range(8)
+NO_TOKENS = -1  # T_SPLIT of a document that gave no token
+LANGUAGES = ("other", "zh")  # T_LANGUAGE codes
+
+
+def _example(part: Slice, source: str, ordinal: int, line: int | None, detail=None):
+    """Where a reject is: what the manifest's reject_examples hold."""
+    example: dict[str, Any] = {"source": source, "ordinal": ordinal}
+    if part.start:
+        example["from_byte"] = part.start  # ordinal and line count from there
+    if part.row_groups is not None:
+        example["row_groups"] = list(part.row_groups)
+    if line:
+        example["line"] = line
+    if detail:
+        example["detail"] = detail
+    return example
+
+
+def write_unit(
+    spec: JobSpec,
+    index: int,
+    unit: list[Slice],
+    n_partitions: int,
+    known_duplicates: frozenset[int] = frozenset(),
+):
+    """Read, clean, filter, tokenize and write the unit's parts; see the module doc. A
+    repeat of a document earlier in the unit is rejected at once; a repeat of one in an
+    earlier unit is not known yet: written, and dropped by ``fix_unit``. Returns
+    (UnitResult, trace, the dedup keys of the unit's first occurrences partitioned for the
+    reducers). ``known_duplicates`` (positions) are rejected before anything is written:
+    what ``fix_unit`` must equal (tests/unit/test_prepare_dedup.py)."""
     os.environ["RAYON_NUM_THREADS"] = "1"  # one task per CPU is the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
+    from pipeline.data.dedup import partition
     from pipeline.data.segment import Segmenter, entity_pattern
     from pipeline.data.shards import token_dtype
 
@@ -159,59 +232,154 @@ def write_unit(spec: JobSpec, index: int, unit: list[Slice], duplicates: set[int
         tokenizer,
         spec.max_doc_tokens,
         entity_pattern(spec.entities) if spec.entities else None,
-    )
+    ).batch
     dtype = token_dtype(spec.vocab_size)
     cfg = CleanConfig(**spec.clean)
     result = UnitResult(index)
     result.input_bytes = sum(part.size for part in unit)
     parts = {split: _SplitParts(spec, index, split, dtype) for split in SPLITS}
+    slice_of = {id(part): k for k, part in enumerate(unit)}
+    keys: list[bytes] = []
+    trace: list[np.ndarray] = []
 
-    def reject(reason: str, part: Slice, doc: RawDocument) -> None:
+    def reject(reason: str, part: Slice, doc: RawDocument, position: int = -1) -> None:
         result.rejected[reason] += 1
         examples = result.examples.setdefault(reason, [])
         if len(examples) < MAX_REJECT_EXAMPLES:
-            example: dict[str, Any] = {"source": doc.source, "ordinal": doc.ordinal}
-            if part.start:
-                example["from_byte"] = part.start  # ordinal and line count from there
-            if part.row_groups is not None:
-                example["row_groups"] = list(part.row_groups)
-            if doc.line:
-                example["line"] = doc.line
-            if doc.detail:
-                example["detail"] = doc.detail
-            examples.append(example)
+            examples.append(_example(part, doc.source, doc.ordinal, doc.line, doc.detail))
+            if reason == "duplicate":
+                result.duplicate_positions.append(position)
 
-    batch: list[tuple[Slice, RawDocument, str, str]] = []
+    batch: list[tuple[int, Slice, RawDocument, str, str]] = []
+    seen: set[bytes] = set()  # the unit's keys: a repeat inside the unit is never written
 
     def flush() -> None:
-        pieces = segment([t for _, _, t, _ in batch], [lang for *_, lang in batch])
-        for (part, doc, text, lang), doc_pieces in zip(batch, pieces, strict=True):
-            if not doc_pieces:
+        pieces = segment([t for *_, t, _ in batch], [lang for *_, lang in batch])
+        counts = np.bincount(pieces.docs, minlength=len(batch))
+        tokens = np.bincount(pieces.docs, weights=pieces.ends - pieces.starts, minlength=len(batch))
+        rows = np.zeros((len(batch), 8), dtype=np.int64)
+        for d, (position, part, doc, text, lang) in enumerate(batch):
+            row = rows[d]
+            row[T_POSITION], row[T_SLICE] = position, slice_of[id(part)]
+            row[T_ORDINAL], row[T_LINE] = doc.ordinal, doc.line or 0
+            row[T_LANGUAGE] = LANGUAGES.index(lang)
+            if not counts[d]:
                 reject("no_tokens", part, doc)
+                row[T_SPLIT] = NO_TOKENS
                 continue
             result.kept[part.source] += 1
             result.languages[lang] += 1
-            split = split_of(text, spec.valid_fraction)
-            for piece in doc_pieces:
-                parts[split].add(piece, doc.source, lang)
-                result.n_tokens += piece.n_tokens
+            row[T_SPLIT] = SPLITS.index(split_of(text, spec.valid_fraction))
+        rows[:, T_PIECES], rows[:, T_TOKENS] = counts, tokens
+        trace.append(rows)
+        result.n_tokens += int(pieces.tokens.shape[0])
+        piece_split = rows[pieces.docs, T_SPLIT]
+        for k, split in enumerate(SPLITS):
+            mine = pieces.select(piece_split == k)
+            if mine.n_pieces:
+                docs = mine.docs.tolist()
+                parts[split].add_many(
+                    mine, [batch[d][2].source for d in docs], [batch[d][4] for d in docs]
+                )
         batch.clear()
 
-    for position, part, doc in _documents(spec, unit):
+    for position, part, doc, text, reason in _cleaned_documents(spec, unit, cfg):
         result.read[part.source] += 1
-        text, reason = _cleaned(doc, cfg)
         if text is None:
             reject(reason, part, doc)
             continue
-        if position in duplicates:
-            reject("duplicate", part, doc)
+        key = dedup_key(text)
+        if key in seen or position in known_duplicates:
+            seen.add(key)
+            reject("duplicate", part, doc, position)
             continue
-        batch.append((part, doc, text, _language(text)))
+        seen.add(key)
+        keys.append(key)
+        batch.append((position, part, doc, text, _language(text)))
         if len(batch) >= spec.batch_docs:
             flush()
     if batch:
         flush()
     for split, writer in parts.items():
+        writer.close()
+        result.parts[split] = writer.entries
+    rows = np.concatenate(trace) if trace else np.zeros((0, 8), dtype=np.int64)
+    return result, rows, partition(b"".join(keys), rows[:, T_POSITION], n_partitions)
+
+
+def fix_unit(
+    spec: JobSpec, unit: list[Slice], result: UnitResult, trace: np.ndarray, duplicates: set[int]
+) -> UnitResult:
+    """Drop the unit's duplicates (``duplicates``: their positions) from what
+    ``write_unit`` wrote and counted: the parts of a split from the first that holds one
+    on are read back block by block, filtered (no document is read or tokenized again)
+    and written as ``fix-`` parts, the bytes a write that never saw the duplicates gives
+    (the written ones are left for the driver to remove: a retried fix reads them
+    again); the counts and reject examples are corrected from the trace."""
+    from pipeline.data.segment import PieceBatch
+    from pipeline.data.shards import read_blocks, token_dtype
+
+    if not duplicates:
+        return result
+    dup = np.isin(trace[:, T_POSITION], np.fromiter(duplicates, dtype=np.int64))
+    split_col = trace[:, T_SPLIT]
+    # Counts: a duplicate is never kept, never "no_tokens" (dedup comes first).
+    for row in trace[dup].tolist():
+        part = unit[row[T_SLICE]]
+        if row[T_SPLIT] == NO_TOKENS:
+            result.rejected["no_tokens"] -= 1
+        else:
+            result.kept[part.source] -= 1
+            result.languages[LANGUAGES[row[T_LANGUAGE]]] -= 1
+            result.n_tokens -= row[T_TOKENS]
+        result.rejected["duplicate"] += 1
+    for counter in (result.kept, result.languages, result.rejected):
+        for key in [k for k, v in counter.items() if v == 0]:
+            del counter[key]
+
+    def examples(rows: np.ndarray) -> list[dict[str, Any]]:
+        out = []
+        for row in rows[:MAX_REJECT_EXAMPLES].tolist():
+            part = unit[row[T_SLICE]]
+            source = spec.sources[part.source].uri
+            out.append(_example(part, source, row[T_ORDINAL], row[T_LINE]))
+        return out
+
+    found = [
+        (int(row[T_POSITION]), e) for row, e in zip(trace[dup], examples(trace[dup]), strict=False)
+    ]
+    written = zip(result.duplicate_positions, result.examples.get("duplicate", []), strict=True)
+    merged = sorted([*written, *found], key=lambda item: item[0])[:MAX_REJECT_EXAMPLES]
+    result.examples["duplicate"] = [e for _, e in merged]
+    result.duplicate_positions = [position for position, _ in merged]
+    result.examples.pop("no_tokens", None)
+    if no_tokens := examples(trace[(split_col == NO_TOKENS) & ~dup]):
+        result.examples["no_tokens"] = no_tokens
+    # Parts: each split's pieces in order, those of a duplicate dropped.
+    dtype = token_dtype(spec.vocab_size)
+    for s, split in enumerate(SPLITS):
+        mine = split_col == s
+        if not (dup & mine).any():
+            continue
+        drop = np.repeat(dup[mine], trace[mine, T_PIECES])
+        entries = result.parts[split]
+        firsts = np.cumsum([0] + [e["n_docs"] for e in entries])
+        first = int(np.searchsorted(firsts, np.flatnonzero(drop)[0], side="right")) - 1
+        # The written parts stay as they are (the driver removes those no entry names).
+        writer = _SplitParts(spec, result.unit, split, dtype, naming=fix_part_name)
+        writer.entries = list(entries[:first])
+        at = int(firsts[first])
+        for entry in entries[first:]:
+            for block in read_blocks(spec.fs, f"{spec.output}/{entry['name']}"):
+                n = len(block.ends)
+                keep = ~drop[at : at + n]
+                at += n
+                pieces = PieceBatch(block.tokens, block.ends, block.sents, block.words,
+                                    block.spans, np.arange(n)).select(keep)  # fmt: skip
+                if pieces.n_pieces:
+                    kept = np.flatnonzero(keep).tolist()
+                    writer.add_many(pieces, [block.sources[j] for j in kept],
+                                    [block.languages[j] for j in kept])  # fmt: skip
         writer.close()
         result.parts[split] = writer.entries
     return result

@@ -454,6 +454,64 @@ def test_dedup_is_the_same_across_units_and_partitions(
     assert kept == [i for i in range(30) if i not in (20, 25)] + [40]
 
 
+def test_duplicates_found_after_the_write_are_dropped_from_its_parts(
+    ray_local, tokenizer_dir, tmp_path
+):
+    """The write tasks write every document; the duplicates found afterwards are dropped
+    from the parts that hold them (tests/unit/test_prepare_dedup.py: the same bytes as a
+    write that never saw them). End to end: the kept documents are the corpus without
+    its repeats, in order, pieces of long documents included; a document that gives no
+    token is ``no_tokens`` and its repeat a ``duplicate``; the data dir verifies."""
+    no_tokens = "\ufffd" * 20  # BertNormalizer drops U+FFFD: no token at all
+    originals = [paragraph(i, n_sent=12 if i % 5 == 0 else 3) for i in range(60)]
+    originals[13] = no_tokens
+    repeats = {3: 0, 9: 2, 21: 5, 30: 13, 38: 20, 44: 5, 52: 41, 58: 10, 59: 57}
+    with_repeats = []
+    for i, doc in enumerate(originals):
+        with_repeats.append(doc)
+        if i in repeats:
+            with_repeats.append(originals[repeats[i]])
+    kw = {"split_bytes": 2500, "block_tokens": 50, "shard_docs": 6}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a/c.txt").write_text("\n\n".join(with_repeats) + "\n", "utf-8")
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b/c.txt").write_text("\n\n".join(originals) + "\n", "utf-8")
+    dups = DataDir(
+        run_prepare(config([tmp_path / "a/c.txt"], tokenizer_dir, tmp_path / "dups", **kw))
+    )
+    never = DataDir(
+        run_prepare(config([tmp_path / "b/c.txt"], tokenizer_dir, tmp_path / "never", **kw))
+    )
+    m, ref = dups.manifest, never.manifest
+    assert m["stats"]["units"] >= 5 and m["stats"]["units_rewritten_for_duplicates"] >= 4
+    assert ref["stats"]["units_rewritten_for_duplicates"] == 0
+    assert m["rejected"] == {"duplicate": len(repeats), "no_tokens": 1}
+    assert ref["rejected"] == {"no_tokens": 1}
+    for split in ("train", "valid"):
+        assert numbers(dups, split) == numbers(never, split) != []
+    for key in ("n_docs", "n_tokens", "documents_kept", "languages"):
+        assert m["totals"][key] == ref["totals"][key], key
+    assert m["totals"]["documents_read"] == ref["totals"]["documents_read"] + len(repeats)
+    assert dups.verify() == [] and inspect_data(dups.root, verify=True) == 0
+    left = [p.name for split in ("train", "valid") for p in (dups.root / split).iterdir()]
+    assert all(name.startswith("shard-") for name in left)  # the replaced parts are gone
+    # Each example names a repeat: its slice's document at that ordinal came before.
+    data = (tmp_path / "a/c.txt").read_bytes()
+    examples = m["reject_examples"]["duplicate"]
+    assert len(examples) == 5
+
+    def place(e):  # (the document an example names, its index in the corpus)
+        before = data[: e.get("from_byte", 0)].decode().count("\n\n")
+        docs = data[e.get("from_byte", 0) :].decode().split("\n\n")
+        return docs[e["ordinal"]].strip(), before + e["ordinal"]
+
+    for e in examples:
+        doc, at = place(e)
+        assert with_repeats.index(doc) < at
+    [example] = m["reject_examples"]["no_tokens"]  # the first one, not its repeat
+    assert place(example) == (no_tokens, with_repeats.index(no_tokens))
+
+
 def test_an_unusable_output_uri_is_refused_before_ray(corpus, tokenizer_dir, monkeypatch):
     monkeypatch.setattr(job, "init_ray", _ray_must_not_start)
     with pytest.raises(PrepareError, match=r"output nosuch://bucket/data: not a usable"):

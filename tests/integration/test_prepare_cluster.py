@@ -1,5 +1,6 @@
 """`plm data prepare` on a multi-node Ray cluster (ray.cluster_utils.Cluster on this
-machine): the worker nodes write the shards, and the bytes equal a one-CPU run's."""
+machine): the worker nodes write the shards (and drop the duplicates found after the
+write from them), and the bytes equal a one-CPU run's."""
 
 import pytest
 
@@ -24,7 +25,9 @@ def test_worker_nodes_write_the_same_bytes_as_one_cpu(tmp_path):
     from ray.cluster_utils import Cluster
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(synthetic_corpus(n_docs=400), encoding="utf-8")
+    docs = synthetic_corpus(n_docs=400).strip().split("\n\n")
+    docs += docs[::37] + docs[5:8]  # repeats in later units: fix tasks on the worker nodes
+    corpus.write_text("\n\n".join(docs) + "\n", encoding="utf-8")
     tok = train_tokenizer([str(corpus)], TokenizerSpec(kind="wordpiece", vocab_size=300),
                           tmp_path / "tok")  # fmt: skip
 
@@ -43,7 +46,8 @@ def test_worker_nodes_write_the_same_bytes_as_one_cpu(tmp_path):
         ray.shutdown()
         cluster.shutdown()
     stats = DataDir(many).manifest["stats"]
-    assert stats["units"] >= 4
+    assert stats["units"] >= 4 and stats["units_rewritten_for_duplicates"] >= 1
+    assert DataDir(many).manifest["rejected"] == {"duplicate": len(docs) - 400}
     assert stats["writer_nodes"] == 2  # both worker nodes wrote parts, the head none
     assert DataDir(one).manifest["stats"]["writer_nodes"] == 1
     assert files(many) == files(one)
