@@ -105,7 +105,6 @@ def load_base_config(spec: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
 # they only add a second fp32 copy of the weights (+419 MiB of tensors at bert-base fp32,
 # `bench/bench_zero_memory.py --ranks 1 --stages 0,2`) and their buckets.
 AUTO = "auto"
-AUTO_STAGE = {True: 0, False: 2}  # one rank? -> stage
 
 
 def resolve_auto(cfg: Any, world_size: int, saved_stage: int | None = None) -> Any:
@@ -115,7 +114,10 @@ def resolve_auto(cfg: Any, world_size: int, saved_stage: int | None = None) -> A
     on any number of ranks). Any other value is returned unchanged."""
     if cfg.deepspeed != AUTO:
         return cfg
-    stage = AUTO_STAGE[world_size == 1] if saved_stage is None else int(saved_stage)
+    if saved_stage is not None:
+        stage = int(saved_stage)
+    else:
+        stage = 0 if world_size == 1 else 2
     return cfg.model_copy(update={"deepspeed": f"configs/deepspeed/zero{stage}.json"})
 
 
