@@ -17,8 +17,8 @@ Printed, each measured in this run:
   ``load_dataset("json")``, ``map(tokenize, batched)``, ``save_to_disk``, CPU seconds of
   its process.
 - prepare: the whole `plm data prepare --num-cpus N` command as a user runs it, CPU
-  seconds of its whole process tree (driver, Ray's own processes, workers; sampled
-  every 0.1 s with psutil), the driver's own CPU from the manifest's ``stats``, bytes on
+  seconds of its whole process tree (driver, Ray's own processes, workers; each counted
+  once, see ``tree_cpu``), the driver's own CPU from the manifest's ``stats``, bytes on
   disk (shards + indexes) against the token ids' bytes (n_tokens x itemsize).
 - start-up: a data dir 1x and 8x as large (the second made by listing every shard
   eight times in a copy of the manifest: the same files, eight times the documents for
@@ -29,8 +29,10 @@ Printed, each measured in this run:
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -40,7 +42,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 
 RAW = r"""
 import json, os, sys, time
@@ -112,25 +113,36 @@ def make_corpus(path: Path, mb: int, seed: int = 0) -> int:
 
 
 def tree_cpu(cmd: list[str], env: dict) -> tuple[float, float, str]:
-    """(wall seconds, CPU seconds of the whole process tree, stdout)."""
+    """(wall seconds, CPU seconds of the whole process tree, stdout).
+
+    This process becomes the tree's subreaper (Linux ``PR_SET_CHILD_SUBREAPER``): a
+    descendant whose parent is gone (Ray's daemons after the driver exits) is reparented
+    here and reaped, and a reaped process's CPU includes its own reaped children's. So
+    ``RUSAGE_CHILDREN`` after the last one counts every process of the tree exactly once
+    (sampling each process's times, and its children's, counted reaped ones twice)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, 1, 0, 0, 0) != 0:  # 36: PR_SET_CHILD_SUBREAPER
+        raise SystemExit(f"prctl(PR_SET_CHILD_SUBREAPER) failed: errno {ctypes.get_errno()}")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    proc = psutil.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    cpu: dict[int, float] = {}
-    while proc.poll() is None:
-        try:
-            for p in [proc, *proc.children(recursive=True)]:
-                try:
-                    t = p.cpu_times()
-                    cpu[p.pid] = t.user + t.system + t.children_user + t.children_system
-                except psutil.Error:
-                    pass
-        except psutil.Error:
-            pass
-        time.sleep(0.1)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     out, err = proc.communicate()
+    wall = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"{cmd[:4]} failed:\n{err[-3000:]}")
-    return time.perf_counter() - start, sum(cpu.values()), out
+    deadline = time.monotonic() + 120  # Ray's daemons stop within seconds of the driver
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            break  # none left
+        if pid == 0:
+            if time.monotonic() > deadline:
+                raise SystemExit("processes of the prepare run were still alive after 120 s")
+            time.sleep(0.1)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, cpu, out
 
 
 def eight_times(src: Path, dst: Path) -> None:

@@ -37,10 +37,20 @@ def summarize(data: DataDir) -> list[str]:
     sources = m.get("sources", [])
     lines.append(f"sources      {len(sources)}")
     for src in sources[:20]:
-        lines.append(f"  {src['uri']}  {src['size']:,} bytes  sha256 {src['sha256'][:16]}")
+        lines.append(f"  {src['uri']}  {src['size']:,} bytes  {_digest_text(src)}")
     if len(sources) > 20:
         lines.append(f"  ... {len(sources) - 20} more")
     return lines
+
+
+def _digest_text(source: dict) -> str:
+    """One sha256 for a source read whole; a count of the ranges for one read in slices."""
+    digests = source.get("digests")
+    if digests is None:  # a manifest written before the tasks hashed their slices
+        return f"sha256 {str(source.get('sha256', '?'))[:16]}"
+    if len(digests) == 1:
+        return f"sha256 {digests[0]['sha256'][:16]}"
+    return f"sha256 of {len(digests)} byte ranges"
 
 
 def inspect_data(dir: str | Path, verify: bool = False) -> int:

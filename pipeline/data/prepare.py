@@ -8,8 +8,10 @@ The driver never sees a document: it plans, renames and counts, so its work and 
 grow with the number of units and shards. Output (any pyarrow filesystem URI, or a
 local path) is byte-identical whatever the number of CPUs, workers or nodes.
 
-Idempotence: the manifest records a fingerprint of (sources' sha256, tokenizer sha256,
-output-relevant config, code version); the same fingerprint means "up to date". The
+Idempotence: the manifest records a fingerprint of (sources' size and modification
+time, tokenizer sha256, output-relevant config, code version); the same fingerprint
+means "up to date". The driver never reads a source's bytes: the write tasks hash the
+slices they read, and the manifest lists those sha256 per source (its ``digests``). The
 manifest is removed before a rebuild starts and written last, so a run killed half-way
 leaves a folder without manifest that the next run cleans and completes.
 """
@@ -33,11 +35,12 @@ from pipeline.config import ConfigError, config_file
 from pipeline.data.clean import CleanConfig, clean
 from pipeline.data.readers import (
     DEFAULT_MAX_DOC_BYTES,
+    Digest,
     InputError,
     Source,
+    hash_docs,
     python_docs,
     resolve_inputs,
-    source_sha256,
 )
 from pipeline.data.shards import (
     FORMAT_VERSION,
@@ -201,10 +204,18 @@ def _sha256_json(obj: Any) -> str:
 
 
 def _source_entries(sources: list[Source]) -> list[dict[str, Any]]:
-    return [
-        {"uri": s.uri, "format": s.format, "size": s.size, "sha256": source_sha256(s)}
-        for s in sources
-    ]
+    """The sources as the manifest lists them, before the job adds their digests. What
+    identifies a file is its size and modification time (as ``make`` and ``rsync`` do):
+    a listing, never a read. A builtin corpus without a file is identified by its text."""
+    entries = []
+    for s in sources:
+        entry = {"uri": s.uri, "format": s.format, "size": s.size, "mtime_ns": s.mtime_ns}
+        if s.mtime_ns is None:
+            digest = Digest()
+            hash_docs(python_docs(), digest)
+            entry["text_sha256"] = digest.hexdigest()
+        entries.append(entry)
+    return entries
 
 
 def fingerprint(config_hash: str, sources: list[dict[str, Any]], tokenizer_sha: str) -> str:
@@ -213,17 +224,32 @@ def fingerprint(config_hash: str, sources: list[dict[str, Any]], tokenizer_sha: 
             "format_version": FORMAT_VERSION,
             "prepare_version": PREPARE_VERSION,
             "data_config_hash": config_hash,
-            "sources": [(s["uri"], s["sha256"]) for s in sources],
+            "sources": [
+                (s["uri"], s["size"], s["mtime_ns"], s.get("text_sha256")) for s in sources
+            ],
             "tokenizer": tokenizer_sha,
         }
     )
+
+
+def _digests(results, n_sources: int) -> list[list[dict[str, Any]]]:
+    """Per source, the sha256 of each slice the tasks read, in byte order: the ranges tile
+    the file, and a file read whole has one whose sha256 is the file's."""
+    found: list[list[tuple[int, int, str]]] = [[] for _ in range(n_sources)]
+    for result in results:
+        for source, start, end, sha in result.digests:
+            found[source].append((start, end, sha))
+    return [
+        [{"bytes": [start, end], "sha256": sha} for start, end, sha in sorted(ranges)]
+        for ranges in found
+    ]
 
 
 # ---------------------------------------------------------------------------
 # The output folder, on any pyarrow filesystem
 
 _OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR}
-_OWN_SHARD = re.compile(r"(shard-\d{6}|(part|fix)-\d{6}-\d{3})(\.tar|\.idx\.npy)(\.tmp)?")
+_OWN_SHARD = re.compile(r"(shard-\d{6,}|(part|fix)-\d{6,}-\d{3,})(\.tar|\.idx\.npy)(\.tmp)?")
 _OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
 
 
@@ -440,8 +466,10 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         for reason, found in r.examples.items():
             kept = examples.setdefault(reason, [])
             kept.extend(found[: MAX_REJECT_EXAMPLES - len(kept)])
+    digests = _digests(results, len(entries))
     for i, entry in enumerate(entries):
         entry["n_docs_read"], entry["n_docs_kept"] = tally_read[i], tally_kept[i]
+        entry["digests"] = digests[i]
     all_shards = [s for info in splits.values() for s in info["shards"]]
     n_tokens = sum(info["n_tokens"] for info in splits.values())
     wall = time.perf_counter() - started

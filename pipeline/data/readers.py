@@ -34,6 +34,7 @@ import re
 import sysconfig
 import zlib
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -76,16 +77,21 @@ class Source:
     format: str  # txt, txt.gz, txt.zst, jsonl, jsonl.gz, jsonl.zst, parquet, builtin
     size: int  # bytes on disk (builtin: bytes of UTF-8 text)
     text_field: str = "text"
+    # Last modification in ns (None for builtin:python-docs): with ``size`` what the
+    # idempotence check compares, so the driver never reads a source's bytes to plan.
+    mtime_ns: int | None = None
 
 
 @dataclass(frozen=True)
 class Slice:
     """A part of a source one task reads: a byte range of an uncompressed txt/jsonl file
     (cut on a document boundary, see ``find_cut``), some row groups of a parquet file,
-    or the whole source."""
+    or the whole source. The slices of a source tile its bytes: ``[start, end)`` is what
+    the task reads (txt/jsonl) or hashes (parquet: its row groups' bytes, the first slice
+    from byte 0 and the last to the end of the file, so header and footer are covered)."""
 
     source: int  # index into the resolved sources
-    start: int = 0  # first byte (txt/jsonl)
+    start: int = 0  # first byte
     end: int | None = None  # one past the last byte; None: the end of the file
     row_groups: tuple[int, ...] | None = None  # parquet: only these row groups
     size: int = 0  # bytes it covers (parquet: its row groups' share of the file)
@@ -165,10 +171,10 @@ def _local_source(path: str, text_field: str) -> Source:
     try:
         with open(path, "rb"):
             pass
-        size = os.path.getsize(path)
+        stat = os.stat(path)
     except OSError as err:
         raise InputError(f"input {path!r} cannot be read: {err.strerror}") from err
-    return Source(uri=os.path.abspath(path), format=fmt, size=size, text_field=text_field)
+    return Source(os.path.abspath(path), fmt, stat.st_size, text_field, stat.st_mtime_ns)
 
 
 def _expand_local(item: str, text_field: str) -> list[Source]:
@@ -203,9 +209,7 @@ def _expand_uri(item: str, text_field: str) -> list[Source]:
         fs, pattern = _split_uri(item)
         folder = pattern[: min(pattern.find(c) for c in "*?[" if c in pattern)].rsplit("/", 1)[0]
         infos = fs.get_file_info(pafs.FileSelector(folder or "/", recursive=True))
-        paths = sorted(
-            i.path for i in infos if i.type == pafs.FileType.File and fnmatchcase(i.path, pattern)
-        )
+        infos = [i for i in infos if i.type == pafs.FileType.File and fnmatchcase(i.path, pattern)]
     else:
         fs, path = _split_uri(item)
         info = fs.get_file_info(path)
@@ -213,18 +217,18 @@ def _expand_uri(item: str, text_field: str) -> list[Source]:
             raise InputError(f"input {item!r} does not exist")
         if info.type == pafs.FileType.Directory:
             infos = fs.get_file_info(pafs.FileSelector(path, recursive=True))
-            paths = sorted(i.path for i in infos if i.type == pafs.FileType.File)
+            infos = [i for i in infos if i.type == pafs.FileType.File]
         else:
             if format_of(path) is None:
                 raise InputError(f"input {item!r}: unknown format (see --help for the formats)")
-            paths = [path]
+            infos = [info]
     sources = []
-    for path in paths:
-        fmt = format_of(path)
-        if fmt is None or path.rsplit("/", 1)[-1].startswith("."):
+    for info in sorted(infos, key=lambda i: i.path):  # one listing: size and mtime in it
+        fmt = format_of(info.path)
+        if fmt is None or info.base_name.startswith("."):
             continue
-        size = fs.get_file_info(path).size or 0
-        sources.append(Source(_uri_for(item, path), fmt, size, text_field))
+        uri = _uri_for(item, info.path)
+        sources.append(Source(uri, fmt, info.size or 0, text_field, info.mtime_ns))
     if not sources:
         raise InputError(f"input {item!r} holds no .txt/.jsonl(.gz/.zst)/.parquet files")
     return sources
@@ -235,7 +239,8 @@ def _builtin_source(item: str, text_field: str) -> Source:
         size = sum(len(d.encode("utf-8")) for d in python_docs())
         return Source(item, "builtin", size, text_field)
     if item == "builtin:zh-sample":
-        return Source(item, "txt", (CORPORA_DIR / "zh_sample.txt").stat().st_size, text_field)
+        stat = (CORPORA_DIR / "zh_sample.txt").stat()
+        return Source(item, "txt", stat.st_size, text_field, stat.st_mtime_ns)
     raise InputError(f"unknown builtin corpus {item!r}; known: {', '.join(BUILTINS)}")
 
 
@@ -274,16 +279,6 @@ def _builtin_path(uri: str) -> str:
     if uri == "builtin:zh-sample":
         return str(CORPORA_DIR / "zh_sample.txt")
     raise InputError(f"{uri}: not a file-backed source")
-
-
-def _open_raw(source: Source) -> BinaryIO:
-    if source.uri.startswith("builtin:"):
-        return open(_builtin_path(source.uri), "rb")
-    if _is_uri(source.uri):
-        fs, path = _split_uri(source.uri)
-        # compression=None: we decompress ourselves, the same way for every filesystem.
-        return io.BufferedReader(fs.open_input_stream(path, compression=None), _CHUNK)
-    return open(source.uri, "rb", buffering=_CHUNK)
 
 
 def _open_random_access(source: Source):
@@ -398,22 +393,93 @@ def _truncated(source: Source, ordinal: int, line: int | None, error: str) -> Ra
 SPLITTABLE = ("txt", "jsonl")  # formats a task can read from a byte offset
 
 
-def _open_text_stream(source: Source, start: int = 0, end: int | None = None) -> BinaryIO:
+class Digest:
+    """sha256 of the stored bytes a reader went through, and their count: what the
+    manifest records per slice (the driver never reads a source's bytes)."""
+
+    def __init__(self) -> None:
+        self._sha = hashlib.sha256()
+        self.n_bytes = 0
+
+    def update(self, data: bytes) -> None:
+        self._sha.update(data)
+        self.n_bytes += len(data)
+
+    def hexdigest(self) -> str:
+        return self._sha.hexdigest()
+
+
+class _Hashed(io.RawIOBase):
+    """A raw stream that feeds every byte read through it to a ``Digest``, in file order;
+    ``drain`` reads (and hashes) what the reader left, so the digest covers the stream."""
+
+    def __init__(self, inner, digest: Digest):
+        self._inner, self._digest = inner, digest
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        data = self._inner.read(len(b))
+        b[: len(data)] = data
+        self._digest.update(data)
+        return len(data)
+
+    def drain(self) -> None:
+        while self.readinto(bytearray(_CHUNK)):
+            pass
+
+    def close(self) -> None:
+        self._inner.close()
+        super().close()
+
+
+@contextmanager
+def _open_text_stream(
+    source: Source, start: int = 0, end: int | None = None, digest: Digest | None = None
+) -> Iterator[BinaryIO]:
     """The decompressed byte stream of a txt/jsonl source (bytes [start, end) of an
-    uncompressed one); supports readline(limit)."""
+    uncompressed one); supports readline(limit). With ``digest``: every stored byte of
+    [start, end) goes through it once the block ends without an error (a compressed
+    file's bytes as stored, also those after a break in the data)."""
     if start or end is not None:
         if source.format not in SPLITTABLE:
             raise ValueError(f"{source.uri}: a {source.format} source is read whole")
         f = _open_random_access(source) if _is_uri(source.uri) else open(source.uri, "rb")
-        return io.BufferedReader(_Window(f, start, end), _CHUNK)  # type: ignore[arg-type]
-    raw = _open_raw(source)
-    if source.format.endswith(".gz"):
-        inner = gzip.GzipFile(fileobj=raw, mode="rb")
-    elif source.format.endswith(".zst"):
-        inner = _ZstdFrames(raw)
+        raw = _Window(f, start, end)
+    elif _is_uri(source.uri):
+        fs, path = _split_uri(source.uri)
+        # compression=None: we decompress ourselves, the same way for every filesystem.
+        raw = fs.open_input_stream(path, compression=None)
     else:
-        return raw
-    return io.BufferedReader(_Decompressed(inner), _CHUNK)  # type: ignore[return-value]
+        local = _builtin_path(source.uri) if source.uri.startswith("builtin:") else source.uri
+        raw = open(local, "rb", buffering=0)
+    hashed = None
+    if digest is not None:
+        raw = hashed = _Hashed(raw, digest)
+    stream = io.BufferedReader(raw, _CHUNK)  # type: ignore[arg-type]
+    if source.format.endswith(".gz"):
+        stream = io.BufferedReader(_Decompressed(gzip.GzipFile(fileobj=stream, mode="rb")), _CHUNK)
+    elif source.format.endswith(".zst"):
+        stream = io.BufferedReader(_Decompressed(_ZstdFrames(stream)), _CHUNK)
+    with stream:
+        yield stream
+        if hashed is not None:
+            hashed.drain()
+
+
+def hash_range(source: Source, start: int, end: int | None, digest: Digest) -> None:
+    """Feed bytes [start, end) of a stored source (end None: to its end) to ``digest``."""
+    with _open_random_access(source) as f:
+        f.seek(start)
+        left = None if end is None else end - start
+        while left is None or left > 0:
+            data = f.read(_CHUNK if left is None else min(_CHUNK, left))
+            if not data:
+                return
+            digest.update(data)
+            if left is not None:
+                left -= len(data)
 
 
 # ---------------------------------------------------------------------------
@@ -482,7 +548,11 @@ def _blank_lines(
 
 
 def _iter_txt(
-    source: Source, max_doc_bytes: int, part: Slice | None = None, chunk_size: int = _CHUNK
+    source: Source,
+    max_doc_bytes: int,
+    part: Slice | None = None,
+    digest: Digest | None = None,
+    chunk_size: int = _CHUNK,
 ) -> Iterator[RawDocument]:
     """Documents of a txt source: runs of non-blank lines.
 
@@ -499,7 +569,7 @@ def _iter_txt(
     line = 1  # the number of buf's first line
     skipping = False  # inside a too-long document already reported: drop to a blank line
     start, end = (part.start, part.end) if part else (0, None)
-    with _open_text_stream(source, start, end) as stream:
+    with _open_text_stream(source, start, end, digest) as stream:
         chunk = stream.read(max(chunk_size, 3))
         buf = _strip_bom(chunk, start == 0)
         while True:
@@ -613,7 +683,11 @@ def _valid_utf8(data: bytes) -> bool:
 
 
 def _iter_jsonl(
-    source: Source, max_doc_bytes: int, part: Slice | None = None, batch_bytes: int = 0
+    source: Source,
+    max_doc_bytes: int,
+    part: Slice | None = None,
+    digest: Digest | None = None,
+    batch_bytes: int = 0,
 ) -> Iterator[RawDocument]:
     """Documents of a jsonl source: lines are read one by one (bounded, see
     ``_bounded_lines``), the ordinary ones (not blank, not too long) parsed by pyarrow a
@@ -655,7 +729,7 @@ def _iter_jsonl(
         numbers.clear()
         size = 0
 
-    with _open_text_stream(source, start, end) as stream:
+    with _open_text_stream(source, start, end, digest) as stream:
         for number, line in enumerate(_bounded_lines(stream, max_doc_bytes), start=1):
             if line is not None and not line.endswith(b"\n") and _read_error(stream):
                 break  # the last line was cut by the break: the truncated reject below
@@ -682,7 +756,7 @@ def _iter_jsonl(
 
 
 def _iter_parquet(
-    source: Source, max_doc_bytes: int, part: Slice | None = None
+    source: Source, max_doc_bytes: int, part: Slice | None = None, digest: Digest | None = None
 ) -> Iterator[RawDocument]:
     # Memory is bounded by one batch of the text column (plus the row group the
     # parquet reader decodes it from), never by the file.
@@ -710,13 +784,23 @@ def _iter_parquet(
                     doc = RawDocument(source.uri, ordinal, text, reject, None, detail)
                 yield doc
                 ordinal += 1
+    if digest is not None:  # a second read of the slice's bytes: parquet reads by column
+        hash_range(source, part.start if part else 0, part.end if part else None, digest)
 
 
 def _iter_builtin(
-    source: Source, max_doc_bytes: int, part: Slice | None = None
+    source: Source, max_doc_bytes: int, part: Slice | None = None, digest: Digest | None = None
 ) -> Iterator[RawDocument]:
-    for ordinal, text in enumerate(python_docs()):
-        yield RawDocument(source.uri, ordinal, text)
+    docs = python_docs()
+    yield from (RawDocument(source.uri, ordinal, text) for ordinal, text in enumerate(docs))
+    if digest is not None:
+        hash_docs(docs, digest)
+
+
+def hash_docs(docs: tuple[str, ...], digest: Digest) -> None:
+    """A builtin corpus's digest: its documents in UTF-8, each followed by a NUL."""
+    for text in docs:
+        digest.update(text.encode("utf-8") + b"\x00")
 
 
 _READERS = {
@@ -732,31 +816,22 @@ _READERS = {
 
 
 def iter_raw_documents(
-    source: Source, max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES, part: Slice | None = None
+    source: Source,
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+    part: Slice | None = None,
+    digest: Digest | None = None,
 ) -> Iterator[RawDocument]:
     """The documents of one source (or of a ``Slice`` of it), in file order, rejects
-    included (with a reason). Ordinals and line numbers count from the slice's start."""
+    included (with a reason). Ordinals and line numbers count from the slice's start.
+    With ``digest``: once the documents are exhausted, it holds the sha256 of the stored
+    bytes [start, end) of the slice (of the whole source without one)."""
     if max_doc_bytes <= 0:
         raise ValueError(f"max_doc_bytes must be positive, got {max_doc_bytes}")
     try:
-        yield from _READERS[source.format](source, max_doc_bytes, part)
+        yield from _READERS[source.format](source, max_doc_bytes, part, digest)
     except (OSError, EOFError, pa.ArrowException) as err:
         # A truncated gzip, a corrupt zstd frame or parquet footer: name the file.
         raise InputError(f"{source.uri}: cannot read ({type(err).__name__}: {err})") from err
-
-
-def source_sha256(source: Source) -> str:
-    """sha256 of the source's bytes as stored (builtin: of its documents), streamed."""
-    h = hashlib.sha256()
-    if source.format == "builtin":
-        for text in python_docs():
-            h.update(text.encode("utf-8"))
-            h.update(b"\x00")
-        return h.hexdigest()
-    with _open_raw(source) as f:
-        while block := f.read(_CHUNK):
-            h.update(block)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------
@@ -916,20 +991,47 @@ def plan_slices(sources: list[Source], split_bytes: int) -> list[Slice]:
                 start, at = cut, cut + split_bytes
             out.append(Slice(i, start, None, size=source.size - start))
         elif source.format == "parquet" and source.size > split_bytes:
-            with _open_random_access(source) as f:
-                meta = pq.ParquetFile(f).metadata
-            sizes = [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
-            share = source.size / max(sum(sizes), 1)
-            group: list[int] = []
-            size = 0
-            for g, n in enumerate(sizes):
-                group.append(g)
-                size += n
-                if size >= split_bytes or g == len(sizes) - 1:
-                    out.append(Slice(i, row_groups=tuple(group), size=round(size * share)))
-                    group, size = [], 0
-            if not sizes:
-                out.append(Slice(i, size=source.size))
+            out.extend(_parquet_slices(i, source, split_bytes))
         else:
             out.append(Slice(i, size=source.size))
     return out
+
+
+def _row_group_start(meta, g: int) -> int:
+    """The first byte of row group ``g``: its lowest page offset."""
+    group = meta.row_group(g)
+    offsets = []
+    for c in range(group.num_columns):
+        column = group.column(c)
+        offsets.append(column.data_page_offset)
+        if column.has_dictionary_page and column.dictionary_page_offset:
+            offsets.append(column.dictionary_page_offset)
+    return min(offsets)
+
+
+def _parquet_slices(i: int, source: Source, split_bytes: int) -> list[Slice]:
+    """Runs of row groups of about ``split_bytes``; their byte ranges tile the file (the
+    first from byte 0, the last to the end), for the digests."""
+    with _open_random_access(source) as f:
+        meta = pq.ParquetFile(f).metadata
+    sizes = [meta.row_group(g).total_byte_size for g in range(meta.num_row_groups)]
+    if not sizes:
+        return [Slice(i, size=source.size)]
+    share = source.size / max(sum(sizes), 1)
+    runs: list[tuple[list[int], int]] = []
+    group: list[int] = []
+    size = 0
+    for g, n in enumerate(sizes):
+        group.append(g)
+        size += n
+        if size >= split_bytes or g == len(sizes) - 1:
+            runs.append((group, round(size * share)))
+            group, size = [], 0
+    starts = [0]
+    for run, _ in runs[1:]:  # increasing, whatever order a writer put the groups in
+        starts.append(max(starts[-1], _row_group_start(meta, run[0])))
+    ends: list[int | None] = [*starts[1:], None]
+    return [
+        Slice(i, start, end, row_groups=tuple(run), size=size)
+        for (run, size), start, end in zip(runs, starts, ends, strict=True)
+    ]

@@ -33,7 +33,14 @@ from pipeline.data.clean import (
     language_of,
     reject_reason,
 )
-from pipeline.data.readers import RawDocument, Slice, Source, iter_raw_documents
+from pipeline.data.readers import (
+    Digest,
+    RawDocument,
+    Slice,
+    Source,
+    hash_docs,
+    iter_raw_documents,
+)
 from pipeline.data.shards import SPLITS, ShardWriter, split_of
 
 MAX_REJECT_EXAMPLES = 5  # per reason and unit; the driver keeps the first 5 overall
@@ -78,6 +85,8 @@ class UnitResult:
     # Positions of examples["duplicate"] found by write_unit (repeats inside the unit),
     # for fix_unit to merge them with those the reducers find.
     duplicate_positions: list[int] = field(default_factory=list)
+    # Per slice: (source index, first byte, end byte, sha256 of the stored bytes between).
+    digests: list[tuple[int, int, int, str]] = field(default_factory=list)
 
 
 def part_name(split: str, unit: int, k: int) -> str:
@@ -90,29 +99,42 @@ def fix_part_name(split: str, unit: int, k: int) -> str:
     return f"{split}/fix-{unit:06d}-{k:03d}.tar"
 
 
-def _documents(spec: JobSpec, unit: list[Slice]) -> Iterator[tuple[int, Slice, RawDocument]]:
-    """(position in the unit, slice, raw document) for everything the unit reads."""
+def _documents(
+    spec: JobSpec, unit: list[Slice], digests: list[tuple[int, int, int, str]]
+) -> Iterator[tuple[int, Slice, RawDocument]]:
+    """(position in the unit, slice, raw document) for everything the unit reads; each
+    slice's digest is appended to ``digests`` once its documents are out."""
     position = 0
     for part in unit:
         source = spec.sources[part.source]
-        if source.format == "builtin" and spec.builtin_docs is not None:
-            # The driver's copy: its docstrings can differ in a Ray worker (see readers).
-            docs = (RawDocument(source.uri, k, t) for k, t in enumerate(spec.builtin_docs))
+        digest = Digest()
+        # The driver's copy of a builtin corpus: its docstrings can differ in a Ray
+        # worker (see readers).
+        builtin = spec.builtin_docs if source.format == "builtin" else None
+        if builtin is not None:
+            docs = (RawDocument(source.uri, k, t) for k, t in enumerate(builtin))
         else:
-            docs = iter_raw_documents(source, spec.max_doc_bytes, part)
+            docs = iter_raw_documents(source, spec.max_doc_bytes, part, digest)
         for doc in docs:
             yield position, part, doc
             position += 1
+        if builtin is not None:
+            hash_docs(builtin, digest)
+            digests.append((part.source, 0, source.size, digest.hexdigest()))
+        else:
+            end = part.start + digest.n_bytes
+            digests.append((part.source, part.start, end, digest.hexdigest()))
 
 
 _CLEAN_GROUP = 256  # documents cleaned together (clean_many)
 
 
 def _cleaned_documents(
-    spec: JobSpec, unit: list[Slice], cfg: CleanConfig
+    spec: JobSpec, unit: list[Slice], cfg: CleanConfig, digests: list[tuple[int, int, int, str]]
 ) -> Iterator[tuple[int, Slice, RawDocument, str | None, str | None]]:
     """(position, slice, raw document, cleaned text or None, reject reason or None) of
-    everything the unit reads, in order: ``_cleaned`` of each, cleaned a group at a time."""
+    everything the unit reads, in order: ``_cleaned`` of each, cleaned a group at a time;
+    the slices' digests go to ``digests`` (see ``_documents``)."""
     group: list[tuple[int, Slice, RawDocument]] = []
 
     def done() -> Iterator[tuple[int, Slice, RawDocument, str | None, str | None]]:
@@ -126,7 +148,7 @@ def _cleaned_documents(
             yield position, part, doc, (None if reason else text), reason
         group.clear()
 
-    for item in _documents(spec, unit):
+    for item in _documents(spec, unit, digests):
         group.append(item)
         if len(group) >= _CLEAN_GROUP:
             yield from done()
@@ -195,7 +217,7 @@ LANGUAGES = ("other", "zh")  # T_LANGUAGE codes
 def _example(part: Slice, source: str, ordinal: int, line: int | None, detail=None):
     """Where a reject is: what the manifest's reject_examples hold."""
     example: dict[str, Any] = {"source": source, "ordinal": ordinal}
-    if part.start:
+    if part.start and part.row_groups is None:
         example["from_byte"] = part.start  # ordinal and line count from there
     if part.row_groups is not None:
         example["row_groups"] = list(part.row_groups)
@@ -283,7 +305,8 @@ def write_unit(
                 )
         batch.clear()
 
-    for position, part, doc, text, reason in _cleaned_documents(spec, unit, cfg):
+    read = _cleaned_documents(spec, unit, cfg, result.digests)
+    for position, part, doc, text, reason in read:
         result.read[part.source] += 1
         if text is None:
             reject(reason, part, doc)

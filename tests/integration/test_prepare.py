@@ -1,7 +1,10 @@
 """`plm data prepare` end to end on tiny corpora, with a real (local) Ray and a real tokenizer."""
 
+import hashlib
 import json
+import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -106,7 +109,12 @@ def test_prepare_writes_a_valid_data_dir(ray_local, corpus, tokenizer_dir, tmp_p
         tokenizer_dir / "tokenizer.json"
     ).read_bytes()
     assert [s["uri"].rsplit("/", 1)[1] for s in m["sources"]] == ["a.txt", "b.jsonl"]
-    assert all(len(s["sha256"]) == 64 and s["size"] > 0 for s in m["sources"])
+    for s in m["sources"]:  # read whole: one digest, the file's sha256, hashed by a task
+        stored = Path(s["uri"]).read_bytes()
+        assert s["size"] == len(stored) and s["mtime_ns"] == Path(s["uri"]).stat().st_mtime_ns
+        assert s["digests"] == [
+            {"bytes": [0, len(stored)], "sha256": hashlib.sha256(stored).hexdigest()}
+        ]
     assert m["totals"]["documents_read"] == 60 and m["totals"]["documents_kept"] == 60
     # Long jsonl documents (12 sentences) were split into pieces of <= 64 tokens.
     docs = [d for split in ("train", "valid") for d in data.iter_split(split)]
@@ -126,6 +134,7 @@ def test_prepare_writes_a_valid_data_dir(ray_local, corpus, tokenizer_dir, tmp_p
     assert inspect_data(out, verify=True) == 0
     shown = capsys.readouterr().out
     assert "train" in shown and "valid" in shown and "verify       ok" in shown
+    assert f"sha256 {m['sources'][0]['digests'][0]['sha256'][:16]}" in shown
 
 
 def test_rerun_is_up_to_date_and_force_rebuilds_identical_bytes(
@@ -140,6 +149,12 @@ def test_rerun_is_up_to_date_and_force_rebuilds_identical_bytes(
     # Another dir, other execution settings (tiny encode batches): the same bytes.
     second = run_prepare(config([corpus], tokenizer_dir, tmp_path / "two", batch_docs=3))
     assert shard_bytes(first) == shard_bytes(second)
+    # An input written again (a new modification time) is another input: not up to date.
+    source = Path(DataDir(first).manifest["sources"][0]["uri"])
+    later = source.stat().st_mtime_ns + 1_000_000_000
+    os.utime(source, ns=(later, later))
+    with pytest.raises(PrepareError, match="other inputs"):
+        run_prepare(config([corpus], tokenizer_dir, tmp_path / "one"))
 
 
 def test_changed_config_over_existing_dir_needs_force(ray_local, corpus, tokenizer_dir, tmp_path):
@@ -423,6 +438,14 @@ def test_one_large_file_is_read_by_several_tasks(ray_local, tokenizer_dir, tmp_p
     assert numbers(cut, "train") == numbers(whole, "train") == sorted(numbers(whole, "train"))
     assert tokens_of(cut) == tokens_of(whole)
     assert cut.manifest["totals"]["documents_read"] == 120
+    # Each task hashed its own range; the ranges tile the file.
+    stored = big.read_bytes()
+    digests = cut.manifest["sources"][0]["digests"]
+    assert len(digests) == len(units) and digests[-1]["bytes"][1] == len(stored)
+    for d, nxt in zip(digests, digests[1:] + [None], strict=True):
+        start, end = d["bytes"]
+        assert d["sha256"] == hashlib.sha256(stored[start:end]).hexdigest()
+        assert nxt is None or nxt["bytes"][0] == end
 
 
 def test_dedup_is_the_same_across_units_and_partitions(

@@ -10,11 +10,13 @@ import pytest
 import zstandard
 
 from pipeline.data.readers import (
+    Digest,
     InputError,
+    hash_docs,
     iter_raw_documents,
+    plan_slices,
     python_docs,
     resolve_inputs,
-    source_sha256,
 )
 
 DOCS = ["First document.\nIt has two lines.", "Second one, 第二个文档。", "Third!"]
@@ -24,6 +26,14 @@ def read_all(inputs, **kw):
     return [
         d for s in resolve_inputs([str(i) for i in inputs], **kw) for d in iter_raw_documents(s)
     ]
+
+
+def digest_of(source, part=None) -> Digest:
+    """Read the source (or slice) to its end with a digest; the digest."""
+    digest = Digest()
+    for _ in iter_raw_documents(source, part=part, digest=digest):
+        pass
+    return digest
 
 
 def texts(inputs, **kw):
@@ -124,18 +134,62 @@ def test_file_uri_for_a_file_and_a_folder(tmp_path):
     assert [d.text for s in sources for d in iter_raw_documents(s)] == DOCS + ["from parquet"]
     assert texts([f"{uri}/a.jsonl"]) == DOCS
     local = resolve_inputs([str(tmp_path / "d" / "a.jsonl")])[0]
-    assert source_sha256(sources[0]) == source_sha256(local)
-    assert sources[0].size == local.size
+    assert digest_of(sources[0]).hexdigest() == digest_of(local).hexdigest()
+    assert (sources[0].size, sources[0].mtime_ns) == (local.size, local.mtime_ns)
+    assert local.mtime_ns == (tmp_path / "d" / "a.jsonl").stat().st_mtime_ns
     with pytest.raises(InputError, match="does not exist"):
         resolve_inputs([f"file://{tmp_path}/missing.jsonl"])
 
 
-def test_source_sha256_hashes_the_stored_bytes(tmp_path):
-    path = tmp_path / "c.jsonl.gz"
-    write_jsonl(path, DOCS)
-    [source] = resolve_inputs([str(path)])
-    assert source_sha256(source) == hashlib.sha256(path.read_bytes()).hexdigest()
-    assert source.size == path.stat().st_size
+def test_reading_with_a_digest_hashes_exactly_the_stored_bytes(tmp_path):
+    """The digest the write tasks report is the file's sha256 (`sha256sum` of it), for
+    every format, also for a compressed file that breaks off (its unread rest counts)."""
+    lines = "".join(json.dumps({"text": d}) + "\n" for d in DOCS).encode()
+    files = {
+        "a.txt": "\n\n".join(DOCS).encode(),
+        "b.jsonl": lines,
+        "c.jsonl.gz": gzip.compress(lines),
+        "d.txt.zst": zstandard.ZstdCompressor().compress("\n\n".join(DOCS).encode()),
+        "e.jsonl.gz": gzip.compress(lines * 50)[:-30],  # cut: the last documents are lost
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    pq.write_table(pa.table({"text": DOCS}), tmp_path / "f.parquet")
+    for source in resolve_inputs([str(tmp_path)]):
+        stored = Path(source.uri).read_bytes()
+        digest = digest_of(source)
+        assert digest.hexdigest() == hashlib.sha256(stored).hexdigest(), source.uri
+        assert digest.n_bytes == len(stored) == source.size
+    assert digest_of(resolve_inputs([str(tmp_path / "e.jsonl.gz")])[0]).n_bytes > 0
+    [zh] = resolve_inputs(["builtin:zh-sample"])
+    assert digest_of(zh).hexdigest() == hashlib.sha256(Path(
+        "pipeline/data/corpora/zh_sample.txt").read_bytes()).hexdigest()  # fmt: skip
+
+
+def test_the_slices_of_a_file_tile_it_and_their_digests_hash_their_ranges(tmp_path):
+    """Byte ranges of txt/jsonl and runs of parquet row groups: together they cover the
+    file once, and each slice's digest is the sha256 of its range."""
+    docs = [f"document {i}" + " word" * (i % 17) for i in range(400)]
+    (tmp_path / "a.txt").write_text("\n\n".join(docs))
+    write_jsonl(tmp_path / "b.jsonl", docs)
+    pq.write_table(pa.table({"text": docs, "id": list(range(400))}), tmp_path / "c.parquet",
+                   row_group_size=40)  # fmt: skip
+    sources = resolve_inputs([str(tmp_path)])
+    slices = plan_slices(sources, 2000)
+    for i, source in enumerate(sources):
+        stored = Path(source.uri).read_bytes()
+        mine = [part for part in slices if part.source == i]
+        assert len(mine) > 2, source.format
+        at = 0
+        for part in mine:
+            digest = digest_of(source, part)
+            end = part.end if part.end is not None else len(stored)
+            assert part.start == at and digest.n_bytes == end - at
+            assert digest.hexdigest() == hashlib.sha256(stored[at:end]).hexdigest()
+            at = end
+        assert at == len(stored)
+        texts = [d.text for part in mine for d in iter_raw_documents(source, part=part)]
+        assert texts == docs
 
 
 def test_invalid_utf8_is_a_counted_reject_and_reading_goes_on(tmp_path):
@@ -275,7 +329,9 @@ def test_builtin_python_docs_is_real_english_and_deterministic():
         assert phrase in joined
     python_docs.cache_clear()
     assert [d.text for d in iter_raw_documents(source)] == [d.text for d in docs]
-    assert len(source_sha256(source)) == 64
+    want = Digest()
+    hash_docs(python_docs(), want)
+    assert digest_of(source).hexdigest() == want.hexdigest()
 
 
 def test_builtin_corpus_does_not_depend_on_patched_hooks(monkeypatch):
