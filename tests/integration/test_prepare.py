@@ -157,6 +157,27 @@ def test_rerun_is_up_to_date_and_force_rebuilds_identical_bytes(
         run_prepare(config([corpus], tokenizer_dir, tmp_path / "one"))
 
 
+def test_the_up_to_date_check_lists_the_inputs_and_never_reads_them(tmp_path):
+    """The driver's fingerprint costs a listing, not a pass over a TB of input: bytes
+    rewritten under the same size and modification time give the same fingerprint (the
+    documented blind spot, `--force` rebuilds); a new modification time another one."""
+    from pipeline.data.readers import resolve_inputs
+
+    path = tmp_path / "a.txt"
+    path.write_text("one document\n\nanother one\n")
+    stat = path.stat()
+
+    def fp() -> str:
+        return prep.fingerprint("cfg", prep._source_entries(resolve_inputs([str(path)])), "tok")
+
+    before = fp()
+    path.write_bytes(b"X" * stat.st_size)
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert fp() == before
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
+    assert fp() != before
+
+
 def test_changed_config_over_existing_dir_needs_force(ray_local, corpus, tokenizer_dir, tmp_path):
     out = tmp_path / "data"
     run_prepare(config([corpus], tokenizer_dir, out))
