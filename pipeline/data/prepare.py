@@ -442,8 +442,9 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         builtin_docs=python_docs() if any(s.format == "builtin" for s in sources) else None,
     )
     partitions = n_partitions(input_bytes)
+    cpu_before_ray = _cpu_seconds()
     own_ray = init_ray(cfg.ray_address, cfg.num_cpus)
-    ray_ready = time.perf_counter()
+    ray_ready, ray_start_cpu = time.perf_counter(), _cpu_seconds() - cpu_before_ray
     try:
         job = run_job(spec, units, partitions)
     finally:
@@ -482,6 +483,8 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         "input_mb_per_s": round(input_bytes / 1e6 / wall, 3),
         "tokens_per_s": round(n_tokens / wall, 1),
         "driver_cpu_seconds": round(driver_cpu, 3),
+        # Of it, importing Ray and starting (or joining) it: a fixed cost.
+        "driver_cpu_seconds_ray_start": round(ray_start_cpu, 3),
         "worker_cpu_seconds": round(worker_cpu, 3),
         "worker_cpu_seconds_dedup": round(job["dedup_cpu_seconds"], 3),
         "units_rewritten_for_duplicates": job["units_fixed"],
