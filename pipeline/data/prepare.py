@@ -39,6 +39,7 @@ from pipeline.data.readers import (
     InputError,
     Source,
     hash_docs,
+    hash_range,
     python_docs,
     resolve_inputs,
 )
@@ -206,14 +207,18 @@ def _sha256_json(obj: Any) -> str:
 def _source_entries(sources: list[Source]) -> list[dict[str, Any]]:
     """The sources as the manifest lists them, before the job adds their digests. What
     identifies a file is its size and modification time (as ``make`` and ``rsync`` do):
-    a listing, never a read. A builtin corpus without a file is identified by its text."""
+    a listing, never a read. Only a source without a modification time (builtin:python-
+    docs, or a filesystem that reports none) is identified by its content, hashed here."""
     entries = []
     for s in sources:
         entry = {"uri": s.uri, "format": s.format, "size": s.size, "mtime_ns": s.mtime_ns}
         if s.mtime_ns is None:
             digest = Digest()
-            hash_docs(python_docs(), digest)
-            entry["text_sha256"] = digest.hexdigest()
+            if s.format == "builtin":
+                hash_docs(python_docs(), digest)
+            else:
+                hash_range(s, 0, None, digest)
+            entry["sha256"] = digest.hexdigest()
         entries.append(entry)
     return entries
 
@@ -224,9 +229,7 @@ def fingerprint(config_hash: str, sources: list[dict[str, Any]], tokenizer_sha: 
             "format_version": FORMAT_VERSION,
             "prepare_version": PREPARE_VERSION,
             "data_config_hash": config_hash,
-            "sources": [
-                (s["uri"], s["size"], s["mtime_ns"], s.get("text_sha256")) for s in sources
-            ],
+            "sources": [(s["uri"], s["size"], s["mtime_ns"], s.get("sha256")) for s in sources],
             "tokenizer": tokenizer_sha,
         }
     )

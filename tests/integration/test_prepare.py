@@ -1,5 +1,6 @@
 """`plm data prepare` end to end on tiny corpora, with a real (local) Ray and a real tokenizer."""
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -176,6 +177,10 @@ def test_the_up_to_date_check_lists_the_inputs_and_never_reads_them(tmp_path):
     assert fp() == before
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))
     assert fp() != before
+    # A filesystem that reports no modification time: the content identifies the source.
+    [source] = resolve_inputs([str(path)])
+    [entry] = prep._source_entries([dataclasses.replace(source, mtime_ns=None)])
+    assert entry["sha256"] == hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def test_changed_config_over_existing_dir_needs_force(ray_local, corpus, tokenizer_dir, tmp_path):
