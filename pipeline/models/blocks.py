@@ -81,6 +81,10 @@ def padding_mask(attention_mask: Tensor | None) -> Tensor | None:
     """
     if attention_mask is None or bool(attention_mask.all()):
         return None  # no padding (one host sync): mask-free SDPA may use its fastest kernel
+    return _may_attend(attention_mask)
+
+
+def _may_attend(attention_mask: Tensor) -> Tensor:
     keep = attention_mask.bool()
     keep = keep | ~keep.any(dim=-1, keepdim=True)
     return keep[:, None, None, :]
@@ -145,6 +149,15 @@ class Dense:
         return y.transpose(1, 2).reshape(B, T, C3 // 3)
 
 
+def true_positions(flags: Tensor, n: int, sync_free: bool) -> Tensor:
+    """[M] bool -> [n] the positions of its n True entries, in order. ``nonzero`` reads
+    its output size to the host (a GPU sync); with n known, a stable sort that puts the
+    True entries first gives the same positions without one (``sync_free``)."""
+    if sync_free:
+        return torch.argsort((~flags).to(torch.uint8), stable=True)[:n]
+    return flags.nonzero().squeeze(1)
+
+
 class Packed:
     """The real tokens of a [B,T] batch packed into one row, [1,N,...]: every layer but
     attention computes on N tokens, never on padding. Attention is confined to each
@@ -162,13 +175,13 @@ class Packed:
     kernel: Literal["auto", "nested", "padded"] = "auto"  # auto: nested on a GPU
 
     def __init__(
-        self, index: Tensor, seq: Tensor, offset: Tensor, lengths: Tensor,
+        self, index: Tensor, seq: Tensor, offset: Tensor, lengths: Tensor, max_len: int,
         shape: tuple[int, int], causal: bool,
     ):  # fmt: skip
         self.index, self.seq, self.offset = index, seq, offset  # [N] each
         self.shape, self.causal = shape, causal
         self.n_seqs = int(lengths.shape[0])
-        self.max_len = int(lengths.max()) if self.n_seqs else 0  # one host read
+        self.max_len = max_len
         self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
         self.dense = index.shape[0] == shape[0] * shape[1]  # no padding: views, no gathers
         self.nested = index.is_cuda if self.kernel == "auto" else self.kernel == "nested"
@@ -181,15 +194,16 @@ class Packed:
                 self.key_mask = real[:, None, None]  # [S,1,1,L]
 
     @classmethod
-    def from_mask(cls, attention_mask: Tensor) -> Packed:
-        """Each row's real tokens (attention_mask 1) form one bidirectional sequence."""
+    def from_mask(cls, attention_mask: Tensor, lengths: Tensor, host: list[int]) -> Packed:
+        """Each row's real tokens (attention_mask 1) form one bidirectional sequence.
+        ``lengths`` [B]: real tokens per row; ``host``: the same, read to the host once
+        by the caller (the number of tokens and the longest row come from it)."""
         B, T = attention_mask.shape
         keep = attention_mask.bool()
-        index = keep.flatten().nonzero().squeeze(1)  # the one data-dependent size
-        lengths = keep.sum(1)
+        index = true_positions(keep.flatten(), sum(host), sync_free=keep.is_cuda)
         seq = index // T
         offset = (keep.cumsum(1) - 1).flatten()[index]  # the token's rank within its row
-        return cls(index, seq, offset, lengths, (B, T), causal=False)
+        return cls(index, seq, offset, lengths, max(host, default=0), (B, T), causal=False)
 
     @classmethod
     def from_documents(cls, document_ids: Tensor) -> Packed:
@@ -203,7 +217,8 @@ class Packed:
         lengths = torch.diff(first, append=first.new_tensor([B * T]))
         index = torch.arange(B * T, device=document_ids.device)
         offset = index - first[seq]
-        return cls(index, seq, offset, lengths, (B, T), causal=True)
+        max_len = int(lengths.max()) if lengths.shape[0] else 0  # one host read
+        return cls(index, seq, offset, lengths, max_len, (B, T), causal=True)
 
     def pack(self, x: Tensor | None) -> Tensor | None:
         """[B,T,...] -> [1,N,...]"""
@@ -271,10 +286,19 @@ Attention = Dense | Packed
 
 def encoder_attention(attention_mask: Tensor | None, unpad: bool) -> Attention:
     """The layout of a bidirectional encoder's batch: ``Packed`` when ``unpad`` and the
-    batch has padding, else ``Dense`` (no padding: nothing to save, no gathers)."""
-    if unpad and attention_mask is not None and not bool(attention_mask.all()):
-        return Packed.from_mask(attention_mask)
-    return Dense(padding_mask(attention_mask))
+    batch has padding, else ``Dense`` (no padding: nothing to save, no gathers).
+
+    One host read per forward, the rows' lengths: they say whether there is padding, how
+    many real tokens there are and the longest row (on a GPU, three syncs otherwise)."""
+    if attention_mask is None:
+        return Dense(None)
+    lengths = attention_mask.sum(1, dtype=torch.int64)
+    host = lengths.tolist()
+    if min(host, default=attention_mask.shape[1]) == attention_mask.shape[1]:
+        return Dense(None)  # no padding: mask-free SDPA may use its fastest kernel
+    if unpad:
+        return Packed.from_mask(attention_mask, lengths, host)
+    return Dense(_may_attend(attention_mask))
 
 
 def decoder_attention(

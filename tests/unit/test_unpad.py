@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from pipeline.models.blocks import Packed
+from pipeline.models.blocks import Packed, true_positions
 from pipeline.objectives.mlm import masked_lm_loss
 from pipeline.objectives.rtd import generator_loss, rtd_loss
 from pipeline.train.trainer import forward_keys
@@ -109,6 +109,18 @@ def test_full_rows_keep_the_dense_path():
     model.blocks[0].mlp.fc.register_forward_hook(lambda m, a, o: seen.append(a[0].shape))
     model(torch.randint(5, 100, (2, 8)), attention_mask=torch.ones(2, 8, dtype=torch.long))
     assert seen == [torch.Size([2, 8, model.config.hidden_size])]
+
+
+def test_sync_free_positions_equal_nonzero():
+    """What a GPU forward packs with (no host read of nonzero's size) is nonzero's
+    answer, for masks with empty, full and ragged rows."""
+    gen = torch.Generator().manual_seed(0)
+    for p in (0.0, 0.3, 0.9, 1.0):
+        keep = torch.rand(6, 37, generator=gen) < p
+        keep[0] = False
+        flags = keep.flatten()
+        n = int(flags.sum())
+        assert torch.equal(true_positions(flags, n, sync_free=True), flags.nonzero().squeeze(1))
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
