@@ -426,7 +426,8 @@ class _Hashed(io.RawIOBase):
         return len(data)
 
     def drain(self) -> None:
-        while self.readinto(bytearray(_CHUNK)):
+        buf = bytearray(_CHUNK)
+        while self.readinto(buf):
             pass
 
     def close(self) -> None:
@@ -470,16 +471,8 @@ def _open_text_stream(
 
 def hash_range(source: Source, start: int, end: int | None, digest: Digest) -> None:
     """Feed bytes [start, end) of a stored source (end None: to its end) to ``digest``."""
-    with _open_random_access(source) as f:
-        f.seek(start)
-        left = None if end is None else end - start
-        while left is None or left > 0:
-            data = f.read(_CHUNK if left is None else min(_CHUNK, left))
-            if not data:
-                return
-            digest.update(data)
-            if left is not None:
-                left -= len(data)
+    with _Hashed(_Window(_open_random_access(source), start, end), digest) as raw:
+        raw.drain()
 
 
 # ---------------------------------------------------------------------------
