@@ -288,6 +288,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     setup.set_defaults(func=_setup)
 
+    rig = sub.add_parser(
+        "rig", help="a rehearsal cluster on this machine: hosts as network namespaces"
+    ).add_subparsers(dest="rig_command", required=True)
+    for name, text in (
+        ("up", "create the hosts, their links, sshd and the S3 server"),
+        ("exec", "run a command on one host: plm rig exec node1 -- CMD"),
+        ("env", "the laptop's shell lines for the rig's S3 server"),
+        ("down", "stop what the rig started (by PID) and remove its namespaces"),
+    ):
+        cmd = rig.add_parser(name, help=text)
+        cmd.add_argument("--name", default="rig", help="the rig's name (several may be up)")
+        cmd.add_argument("--root", default="/var/tmp/plm-rig", help="where rigs keep their dirs")
+        cmd.set_defaults(func=_rig)
+        if name == "up":
+            cmd.add_argument("--hosts", type=int, default=3)
+            cmd.add_argument(
+                "--subnet",
+                default="198.18.0.0/24",
+                help="a part of 198.18.0.0/24 (the only range the rig uses)",
+            )
+            cmd.add_argument("--no-s3", action="store_true", help="no S3 server on node0")
+            cmd.add_argument("--no-ssh", action="store_true", help="no sshd on the hosts")
+        if name == "exec":
+            cmd.add_argument("host")
+            cmd.add_argument("cmd", nargs=argparse.REMAINDER)
+
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
     demo.add_argument("--workdir", default="demo")
     demo.add_argument(
@@ -300,6 +326,16 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_demo)
     _verbose_everywhere(parser)
     return parser
+
+
+def _rig(args: argparse.Namespace) -> int:
+    from pipeline.rig import RigError, main
+
+    try:
+        return main(args)
+    except RigError as err:
+        print(f"plm: rig: {err}", file=sys.stderr)
+        return 2
 
 
 def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Any
@@ -57,6 +58,7 @@ def _write_task(spec: JobSpec, index: int, unit: list[Slice], n_partitions: int)
     import ray
 
     result.node = ray.get_runtime_context().get_node_id()
+    result.host = socket.gethostname()
     return (result, trace, *parts)
 
 
@@ -178,6 +180,7 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
         "write_cpu_seconds": sum(r.cpu_seconds for r in results if r is not None),
         "units_fixed": len(affected),
         "nodes": len({r.node for r in results if r is not None}),
+        "hosts": sorted({r.host for r in results if r is not None}),
     }
 
 

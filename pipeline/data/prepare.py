@@ -507,6 +507,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         "units_rewritten_for_duplicates": job["units_fixed"],
         "units": len(units),
         "writer_nodes": job["nodes"],
+        "writer_hosts": job["hosts"],  # the hostnames of the nodes that wrote parts
         "dedup_partitions": partitions,
     }
     manifest = {

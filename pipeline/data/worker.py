@@ -82,6 +82,7 @@ class UnitResult:
     input_bytes: int = 0
     cpu_seconds: float = 0.0  # the task's, set by job._write_task
     node: str = ""  # the Ray node that wrote the parts
+    host: str = ""  # that node's hostname
     # Positions of examples["duplicate"] found by write_unit (repeats inside the unit),
     # for fix_unit to merge them with those the reducers find.
     duplicate_positions: list[int] = field(default_factory=list)
