@@ -299,6 +299,11 @@ def _no_ipv6(link: str) -> None:
     Path(f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6").write_text("1")
 
 
+def _software() -> list[Path]:
+    """Where this code and its Python live."""
+    return [Path(__file__).resolve().parents[1], Path(sys.prefix).resolve()]
+
+
 def _make_host(rig: Rig, h: Host) -> int:
     """The process that holds the host's mount and UTS namespaces, set up; its PID."""
     base = Path(rig.root)
@@ -319,10 +324,15 @@ def _make_host(rig: Rig, h: Host) -> int:
                 shutil.copy2(f, own / ".ssh" / f.name)
     for sub in PRIVATE_HOME_DIRS:
         (home / sub).mkdir(exist_ok=True)  # a mount point; the host's own dir goes over it
+    # The software (this checkout, the Python environment) stays at its path on every
+    # host, as on nodes built from one image, even where it lies under /tmp.
+    keep = [p for p in _software() if p.is_relative_to("/tmp")]
     steps = [
         f"hostname {h.name}",
         f"mount --bind {base / 'hosts.txt'} /etc/hosts",
-        f"mount --bind {own / 'tmp'} /tmp",
+        *(f"mkdir -p {own / 'tmp' / p.relative_to('/tmp')}" for p in keep),
+        *(f"mount --bind {p} {own / 'tmp' / p.relative_to('/tmp')}" for p in keep),
+        f"mount --rbind {own / 'tmp'} /tmp",
         "mount -t tmpfs -o size=1m,mode=755 plm-rig /mnt",
         f"mkdir {LOCAL_DISK}",
         f"mount --bind {own / 'local'} {LOCAL_DISK}",
