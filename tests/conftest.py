@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -247,3 +248,38 @@ def one_plm_line(proc, code: int = 2) -> str:
     lines = [x for x in proc.stderr.splitlines() if x.startswith("plm:")]
     assert len(lines) == 1, proc.stderr[-4000:]
     return lines[0]
+
+
+# --- the rehearsal cluster (tests/cluster) -------------------------------------------------
+
+RIG_SUBNETS = ("198.18.0.128/26", "198.18.0.192/26", "198.18.0.64/26", "198.18.0.0/26")
+
+
+@pytest.fixture(scope="session")
+def rig():
+    """The rehearsal cluster (pipeline/rig.py) of the `cluster` tests: 3 hosts, one for the
+    session, on a part of 198.18.0.0/24 no other rig here uses; skipped, saying why, where
+    this machine cannot make one (no root, iproute2, sshd or pdsh)."""
+    from pipeline import rig as rigmod
+
+    why = rigmod.check_prerequisites(ssh=True)
+    if why:
+        pytest.skip(why)
+    if shutil.which("pdsh") is None:
+        pytest.skip("the hostfile launch needs pdsh (Debian: pdsh)")
+    name = f"t{os.getpid() % 100000}"
+    made = None
+    for subnet in RIG_SUBNETS:
+        try:
+            made = rigmod.up(3, name=name, subnet=subnet)
+            break
+        except rigmod.RigError as err:
+            if "overlaps" not in str(err):
+                raise
+    assert made is not None, "every test subnet is in use: `plm rig down` the other rigs"
+    try:
+        yield made
+    finally:
+        rigmod.down(name)
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"plm-{name}-" not in left
