@@ -17,8 +17,9 @@ variables starting with NCCL (GPU), PYTHON and MLFLOW, plus the KEY=VALUE lines 
 ``.deepspeed_env`` in the home and the current folder. This script adds a generated env
 file (``DS_ENV_FILE``) holding those lines plus the variables named by ``--export``
 (defaults: DS_ACCELERATOR, OMP_NUM_THREADS, TORCH_*, GLOO_*, CUDA_DEVICE_MAX_CONNECTIONS,
-HF_HOME, PLM_*). Names that look like secrets are never written to the file; give those
-to the nodes another way. With ``--no-ssh`` each node's own environment is used as is.
+HF_HOME, PLM_*, and the object store's AWS_ENDPOINT_URL*, AWS_REGION, AWS_DEFAULT_REGION,
+AWS_PROFILE). Names that look like secrets (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) are
+never written to the file; give those to the nodes another way (~/.aws/credentials). With ``--no-ssh`` each node's own environment is used as is.
 """
 
 from __future__ import annotations
@@ -41,6 +42,12 @@ DEFAULT_EXPORTS = (
     "CUDA_DEVICE_MAX_CONNECTIONS",
     "HF_HOME",
     "PLM_*",
+    # Where the object store is (data.path=s3://...); the keys are secrets and stay out:
+    # each node has its own (~/.aws/credentials, an instance role, a pod's service account).
+    "AWS_ENDPOINT_URL*",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_PROFILE",
 )
 # Written to a file on disk and put on the pdsh command line: keep credentials out.
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)", re.I)
