@@ -6,11 +6,19 @@ full dotted path, before any process or engine starts.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout, when there is one
 # The presets, DeepSpeed JSONs and example configs, shipped in the wheel as package data
@@ -160,6 +168,19 @@ class SourceSpec(Strict):
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")  # default: the folder's name
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+               "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+               "gib": 1 << 30, "tib": 1 << 40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """``"2GiB"``, ``"500MB"``, ``"1.5g"``, ``"1048576"`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([A-Za-z]*)\s*", text)
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{text!r} is not a size: give bytes or e.g. 2GiB, 500MB")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
 class DataSection(Strict):
     path: str | None = None  # one data dir, or:
     sources: list[SourceSpec] | None = None  # a weighted mixture of data dirs (path: null)
@@ -167,6 +188,29 @@ class DataSection(Strict):
     workers: int = Field(2, ge=0)
     verify_checksums: bool = True
     on_bad_shard: Literal["error", "skip"] = "error"
+    # A data dir on an object store (data.path=s3://bucket/prefix, any pyarrow URI): its
+    # blocks are fetched by range reads into a node-local cache (pipeline/data/remote.py).
+    # cache_dir null: $XDG_CACHE_HOME/plm/blocks if XDG_CACHE_HOME is set, else
+    # $TMPDIR/plm-cache-<uid> (/tmp/plm-cache-<uid>). cache_bytes bounds the cached blocks
+    # (bytes, or a size such as 2GiB / 500MB; 0: none kept); prefetch_blocks: blocks
+    # fetched in the background at once ahead of the reader (0: none).
+    cache_dir: str | None = None
+    cache_bytes: int = Field(2 << 30, ge=0)
+    prefetch_blocks: int = Field(4, ge=0, le=64)
+
+    @field_validator("cache_bytes", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        return parse_size(value) if isinstance(value, str) else value
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _local_dir(cls, value: str | None) -> str | None:
+        if value is not None and ("://" in value or not value.strip()):
+            raise ValueError(
+                f"{value!r} is not a local folder: the block cache lives on the node's own disk"
+            )
+        return value
 
     @model_validator(mode="after")
     def _one_kind_of_data(self) -> DataSection:

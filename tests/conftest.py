@@ -16,8 +16,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# A line while a test runs for minutes: `pytest -q` is never silent that long.
-pytest_plugins = ["heartbeat"]
+# heartbeat: a line while a test runs for minutes (`pytest -q` is never silent that long);
+# s3_server: a real S3 endpoint on loopback (moto) for data dirs on an object store.
+pytest_plugins = ["heartbeat", "s3_server"]
 
 _SUBJECTS = [
     "the cat",

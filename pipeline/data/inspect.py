@@ -13,7 +13,7 @@ def summarize(data: DataDir) -> list[str]:
     m = data.manifest
     totals = m.get("totals", {})
     lines = [
-        f"data dir     {data.root}",
+        f"data dir     {data.where()}",
         f"format       v{m['format_version']}  token dtype {m.get('token_dtype', '?')}  "
         f"config hash {str(m.get('data_config_hash', '?'))[:16]}",
         f"totals       {totals.get('n_docs', 0):,} docs  {totals.get('n_tokens', 0):,} tokens  "
@@ -32,7 +32,7 @@ def summarize(data: DataDir) -> list[str]:
     tok = m.get("tokenizer", {})
     lines.append(
         f"tokenizer    {tok.get('kind', '?')}  vocab {tok.get('vocab_size', '?')}  "
-        f"{data.root / tok.get('path', '?')}  sha256 {str(tok.get('fingerprint', '?'))[:16]}"
+        f"{data.where(tok.get('path', '?'))}  sha256 {str(tok.get('fingerprint', '?'))[:16]}"
     )
     sources = m.get("sources", [])
     lines.append(f"sources      {len(sources)}")
@@ -54,7 +54,9 @@ def _digest_text(source: dict) -> str:
 
 
 def inspect_data(dir: str | Path, verify: bool = False) -> int:
-    """Print the summary; with ``verify`` re-hash every shard. Exit code 1 on any problem."""
+    """Print the summary; with ``verify`` re-hash every shard. Exit code 1 on any problem.
+    ``dir``: a folder, or a URI (``s3://bucket/prefix``: only the manifest is read unless
+    ``verify``)."""
     try:
         data = DataDir(dir)
     except ShardError as err:
@@ -66,7 +68,7 @@ def inspect_data(dir: str | Path, verify: bool = False) -> int:
     problems = data.verify()
     if problems:
         for problem in problems:
-            print(f"plm: verify: {data.root}: {problem}", file=sys.stderr)
+            print(f"plm: verify: {data.where()}: {problem}", file=sys.stderr)
         print(f"verify       FAILED: {len(problems)} problem(s)")
         return 1
     n = sum(len(info["shards"]) for info in data.manifest["splits"].values())

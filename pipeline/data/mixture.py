@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipeline.config import ConfigError, DataSection
+from pipeline.data.remote import CacheConfig
 from pipeline.data.shards import DataDir, ShardError
 from pipeline.data.stream import MixSource, units_per_epoch
 from pipeline.objectives.base import Objective
@@ -23,10 +24,11 @@ def open_sources(data: DataSection) -> list[MixSource]:
         [(data.path, 1.0)] if data.sources is None else [(s.path, s.weight) for s in data.sources]
     )
     key = "data.path" if data.sources is None else "data.sources"
+    cache = CacheConfig.of(data)  # for data dirs on an object store
     sources = []
     for (path, weight), name in zip(specs, data.source_names(), strict=True):
         try:
-            sources.append(MixSource(DataDir(path), weight, name))
+            sources.append(MixSource(DataDir(path, cache), weight, name))
         except ShardError as err:
             raise ConfigError(f"{key}: {err}") from None
     check_same_tokenizer(sources)
@@ -45,7 +47,7 @@ def check_same_tokenizer(sources: list[MixSource]) -> None:
         got = tokenizer_fingerprint(source.path)
         if got != want:
             raise ConfigError(
-                f"data.sources: source {source.name!r} ({source.path.root}) was prepared with "
+                f"data.sources: source {source.name!r} ({source.path.where()}) was prepared with "
                 f"another tokenizer (fingerprint {got[:12] or 'none'}) than {first.name!r} "
                 f"({want[:12] or 'none'}); sources of a mixture must share one: re-run "
                 f"`plm data prepare --tokenizer {first.path.tokenizer_path.parent}` for it"

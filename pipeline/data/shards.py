@@ -44,9 +44,12 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from pipeline.data.remote import CacheConfig
 
 FORMAT_VERSION = 3
 SPLITS = ("train", "valid")
@@ -65,6 +68,7 @@ _TOKEN_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _U32 = np.dtype("<u4")
 _U16 = np.dtype("<u2")
 MAX_OPEN_SHARDS = 64  # memory maps a DataDir keeps open per process
+MAX_OPEN_BLOCKS = 128  # a remote DataDir's blocks kept mapped (or in memory) per process
 MAX_BLOCK_SOURCES = 1 << 16  # srcs.npy is uint16: a block ends before a 65537th source
 _BLOCK_CACHE = 16  # decoded block tables kept per DataDir
 
@@ -529,7 +533,7 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     return (json.dumps(manifest, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
 
 
-def _check_names(path: Path, manifest: dict[str, Any]) -> None:
+def _check_names(path: str | Path, manifest: dict[str, Any]) -> None:
     """Every file the manifest names must stay inside the data dir."""
     names = [manifest.get("tokenizer", {}).get("path", TOKENIZER_DIR)]
     for split, info in manifest.get("splits", {}).items():
@@ -553,9 +557,14 @@ def load_manifest(root: str | Path) -> dict[str, Any]:
             f"{path} does not exist: {root} is not a finished data directory "
             "(run `plm data prepare` to create or complete it)"
         )
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def parse_manifest(data: bytes, path: str) -> dict[str, Any]:
+    """The manifest from its bytes, checked (format version, names inside the data dir)."""
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as err:
+        manifest = json.loads(data.decode("utf-8"))
+    except ValueError as err:  # UnicodeDecodeError included
         raise ShardError(f"{path} is not valid JSON ({err}); re-run `plm data prepare`") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
@@ -629,6 +638,11 @@ def read_blocks(fs, path: str) -> Iterator[BlockArrays]:
             )
 
 
+def _crc_ok(buf, offset: int, size: int, crc: int) -> bool:
+    with memoryview(buf) as view, view[offset : offset + size] as sample:
+        return zlib.crc32(sample) == crc
+
+
 def _block_fields(array, row: list[int]) -> dict[str, Any]:
     """A block's arrays but its tokens, from ``array(at, count, dtype)`` (its bytes at an
     offset of the sample) and its index row."""
@@ -700,11 +714,35 @@ def _document(table: _BlockTable, j: int, tokens: np.ndarray) -> Document:
 
 
 class DataDir:
-    """Read access to a prepared data directory: manifest, block indexes, documents."""
+    """Read access to a prepared data directory: manifest, block indexes, documents.
 
-    def __init__(self, root: str | Path):
-        self.root = Path(root)
-        self.manifest = load_manifest(self.root)
+    ``root``: a local folder (shards memory-mapped), or a URI of any pyarrow filesystem
+    (``s3://bucket/prefix``, ``file://...``): then blocks are fetched by range reads into
+    a node-local cache (``cache``: its folder, size bound and prefetch depth; see
+    pipeline/data/remote.py) and ``root`` is None: ``where()`` names things for messages.
+    """
+
+    def __init__(self, root: str | Path, cache: CacheConfig | None = None):
+        from pipeline.data import remote
+
+        self._store: remote.RemoteStore | None = None
+        self.root: Path | None
+        if remote.is_uri(root):
+            self.root, self.uri = None, str(root).rstrip("/")
+            self._store = remote.RemoteStore(self.uri, cache)
+            data = self._store.manifest_bytes()
+            self._manifest_sha = hashlib.sha256(data).hexdigest()
+            self.manifest = parse_manifest(data, self.where(MANIFEST))
+        else:
+            self.root = Path(root)
+            self.uri = str(self.root)
+            self.manifest = load_manifest(self.root)
+        self._entries = {
+            e.get("name"): e for info in self.manifest["splits"].values() for e in info["shards"]
+        }
+        self._blocks: OrderedDict[tuple[str, int], Any] = OrderedDict()  # remote: mapped blocks
+        self._lengths: dict[str, np.ndarray] = {}  # remote: token counts per shard
+        self._tokenizer_dir: Path | None = None
         self._indexes: dict[str, np.ndarray] = {}
         self._firsts: dict[str, np.ndarray] = {}  # per shard: first document of each block
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
@@ -716,6 +754,7 @@ class DataDir:
         # Memory maps do not pickle (spawned loader workers, Ray): the copy opens its own.
         state = dict(self.__dict__)
         state["_maps"], state["_tables"] = OrderedDict(), OrderedDict()
+        state["_blocks"] = OrderedDict()
         return state
 
     def close(self) -> None:
@@ -723,18 +762,66 @@ class DataDir:
         maps, self._maps = self._maps, OrderedDict()
         for mm in maps.values():
             mm.close()
+        self._blocks = OrderedDict()  # remote maps close when the last slice is dropped
+        if self._store is not None:
+            self._store.close()
+
+    # --- where things are ------------------------------------------------------------------
+    @property
+    def is_remote(self) -> bool:
+        return self._store is not None
+
+    @property
+    def name(self) -> str:
+        """A short name (the folder's, or the URI's last part): a mixture source's default."""
+        from pipeline.data.remote import uri_name
+
+        return self.root.name if self.root is not None else uri_name(self.uri)
+
+    def where(self, name: str = "") -> str:
+        """The data dir, or one of its files, as a message names it (path or URI)."""
+        if self.root is None:
+            return f"{self.uri}/{name}" if name else self.uri
+        return str(self.root / name) if name else str(self.root)
+
+    def stats(self) -> dict[str, int]:
+        """A remote data dir's counters in this process (see pipeline/data/remote.py)."""
+        return self._store.stats() if self._store is not None else {}
+
+    def size(self, name: str) -> int | None:
+        """Bytes of a file of the data dir; None when it is missing."""
+        if self._store is not None:
+            return self._store.size(name)
+        path = self.root / name
+        return path.stat().st_size if path.is_file() else None
+
+    def sha256(self, name: str) -> str:
+        if self._store is not None:
+            if name.endswith(INDEX_SUFFIX):  # the bytes the reader uses (cached)
+                shard = name[: -len(INDEX_SUFFIX)] + ".tar"
+                sha = self._entries.get(shard, {}).get("index_sha256")
+                return hashlib.sha256(self._store.index_bytes(name, sha)).hexdigest()
+            return self._store.sha256(name)
+        return sha256_file(self.root / name)
 
     @property
     def tokenizer_path(self) -> Path:
-        return self.root / self.manifest["tokenizer"]["path"] / "tokenizer.json"
+        """The tokenizer.json (a local file: a remote data dir's is downloaded to the cache)."""
+        tok = self.manifest["tokenizer"]
+        if self._store is None:
+            return self.root / tok["path"] / "tokenizer.json"
+        if self._tokenizer_dir is None:
+            key = str(tok.get("fingerprint") or self._manifest_sha)
+            self._tokenizer_dir = self._store.tokenizer_dir(tok["path"], key)
+        return self._tokenizer_dir / "tokenizer.json"
 
     def shards(self, split: str) -> list[dict[str, Any]]:
         if split not in self.manifest["splits"]:
-            raise ShardError(f"{self.root}: no split {split!r} in the manifest")
+            raise ShardError(f"{self.where()}: no split {split!r} in the manifest")
         return self.manifest["splits"][split]["shards"]
 
     def urls(self, split: str) -> list[str]:
-        return [str(self.root / s["name"]) for s in self.shards(split)]
+        return [self.where(s["name"]) for s in self.shards(split)]
 
     def index(self, shard: str) -> np.ndarray:
         """The shard's block index: int64 (n_blocks, INDEX_COLUMNS)."""
@@ -749,9 +836,14 @@ class DataDir:
         return int(self._firsts[shard][-1])
 
     def _load_index(self, shard: str) -> np.ndarray:
-        path = self.root / index_name(shard)
+        path = self.where(index_name(shard))
         try:
-            rows = np.load(path, allow_pickle=False)
+            if self._store is None:
+                rows = np.load(path, allow_pickle=False)
+            else:
+                sha = self._entries.get(shard, {}).get("index_sha256")
+                data = self._store.index_bytes(index_name(shard), sha)
+                rows = np.load(io.BytesIO(data), allow_pickle=False)
         except (OSError, ValueError) as err:
             raise ShardError(
                 f"index {path} is missing or unreadable ({err}); re-run `plm data prepare --force`"
@@ -761,6 +853,8 @@ class DataDir:
                 f"index {path} has shape {rows.shape}, expected (n_blocks, {INDEX_COLUMNS}); "
                 "re-run `plm data prepare --force`"
             )
+        if self._store is not None:
+            self._store.indexes[shard] = rows
         return rows
 
     def _shard_map(self, shard: str) -> mmap.mmap:
@@ -788,30 +882,75 @@ class DataDir:
         """Bytes [start, start + size) of block b's sample, its crc32 checked once per
         process (``check=False``: not checked, for the stream's start-up table)."""
         row = self._indexes[shard][b]
-        offset, total = int(row[OFFSET]), int(row[SIZE])
-        mm = self._shard_map(shard)
+        total = int(row[SIZE])
+        mm, offset = self._block_buffer(shard, b, row)
         if offset < 0 or total <= 0 or offset + total > len(mm):
             raise ShardError(
-                f"{self.root / shard}: block {b} at byte {offset} (+{total} bytes) lies outside "
+                f"{self.where(shard)}: block {b} at byte {offset} (+{total} bytes) lies outside "
                 f"the shard ({len(mm)} bytes): the shard is truncated or its index is stale; "
                 "re-run `plm data prepare --force`"
             )
         if check and (shard, b) not in self._checked:
-            with memoryview(mm) as view, view[offset : offset + total] as sample:
-                crc = zlib.crc32(sample)
-            if crc != int(row[CRC]):
-                raise ShardError(
-                    f"{self.root / shard}: block {b} at byte {offset} is corrupt (crc32 "
-                    "mismatch); `plm data inspect --verify` checks the whole directory, "
-                    "`plm data prepare --force` rebuilds it"
-                )
+            if not _crc_ok(mm, offset, total, int(row[CRC])):
+                if self._store is None:
+                    raise ShardError(
+                        f"{self.where(shard)}: block {b} at byte {offset} is corrupt (crc32 "
+                        "mismatch); `plm data inspect --verify` checks the whole directory, "
+                        "`plm data prepare --force` rebuilds it"
+                    )
+                # A cached copy that went bad on this disk: dropped and fetched again (the
+                # fetch checks the crc32 of what the store holds).
+                self._store.drop(shard, b, row.tolist(), self._shard_sha(shard))
+                self._blocks.pop((shard, b), None)
+                mm, offset = self._block_buffer(shard, b, row)
             self._checked.add((shard, b))
         if start < 0 or start + size > total:
             raise ShardError(
-                f"{self.root / shard}: block {b}: its index points outside the block; "
+                f"{self.where(shard)}: block {b}: its index points outside the block; "
                 "re-run `plm data prepare --force`"
             )
         return mm[offset + start : offset + start + size]
+
+    def _block_buffer(self, shard: str, b: int, row: np.ndarray) -> tuple[Any, int]:
+        """(a buffer holding block b's sample, the sample's offset in it): the shard's
+        memory map, or a remote block (a map of its cached file, or its bytes)."""
+        if self._store is None:
+            return self._shard_map(shard), int(row[OFFSET])
+        if self._pid != os.getpid():
+            self._maps, self._blocks, self._pid = OrderedDict(), OrderedDict(), os.getpid()
+        buf = self._blocks.get((shard, b))
+        if buf is not None:
+            self._blocks.move_to_end((shard, b))
+            return buf, 0
+        buf, checked = self._store.block(shard, b, row.tolist(), self._shard_sha(shard))
+        if checked:
+            self._checked.add((shard, b))
+        self._blocks[(shard, b)] = buf
+        if len(self._blocks) > MAX_OPEN_BLOCKS:
+            self._blocks.popitem(last=False)
+        return buf, 0
+
+    def _shard_sha(self, shard: str) -> str | None:
+        return self._entries.get(shard, {}).get("sha256")
+
+    def will_need(self, ranges: list[tuple[str, int, int]]) -> None:
+        """Documents [start, stop) of these shards will be read soon, in about this order:
+        a remote data dir fetches their blocks in the background (a local one: nothing)."""
+        if self._store is None or not self._store.prefetch_blocks:
+            return
+        items, seen = [], set()
+        for shard, start, stop in ranges:
+            rows = self.index(shard)
+            firsts = self._firsts[shard]
+            if stop <= start:
+                continue
+            first = int(np.searchsorted(firsts, start, side="right")) - 1
+            last = int(np.searchsorted(firsts, stop - 1, side="right")) - 1
+            for b in range(max(first, 0), min(last, len(rows) - 1) + 1):
+                if (shard, b) not in seen and (shard, b) not in self._blocks:
+                    seen.add((shard, b))
+                    items.append((shard, b, rows[b].tolist(), self._shard_sha(shard)))
+        self._store.prefetch(items)
 
     def _table(self, shard: str, b: int) -> _BlockTable:
         table = self._tables.get((shard, b))
@@ -842,12 +981,12 @@ class DataDir:
             )
         except (ValueError, KeyError, UnicodeDecodeError) as err:
             raise ShardError(
-                f"{self.root / shard}: block {b} is corrupt ({err}); re-run "
+                f"{self.where(shard)}: block {b} is corrupt ({err}); re-run "
                 "`plm data prepare --force`"
             ) from None
         if table.doc_ends[-1] != n_tokens:
             raise ShardError(
-                f"{self.root / shard}: block {b}: docs.npy ends at {table.doc_ends[-1]}, the "
+                f"{self.where(shard)}: block {b}: docs.npy ends at {table.doc_ends[-1]}, the "
                 f"index says {n_tokens} tokens; re-run `plm data prepare --force`"
             )
         self._tables[(shard, b)] = table
@@ -866,6 +1005,12 @@ class DataDir:
             raise IndexError(f"{shard}: documents [{start}, {stop}) of {int(firsts[-1])}")
         if start == stop:
             return np.zeros(0, dtype=np.int64)
+        if self._store is not None:
+            lengths = self._lengths.get(shard)
+            if lengths is None:
+                lengths = self._store.doc_lengths(shard, rows, self._shard_sha(shard))
+                self._lengths[shard] = lengths
+            return np.asarray(lengths[start:stop], dtype=np.int64)
         first = int(np.searchsorted(firsts, start, side="right")) - 1
         last = int(np.searchsorted(firsts, stop - 1, side="right")) - 1
         out = []
@@ -897,7 +1042,12 @@ class DataDir:
         return _document(table, j, np.frombuffer(raw, dtype))
 
     def iter_shard(self, shard: str) -> Iterator[Document]:
-        """A shard's documents in order, through webdataset's tar iterator."""
+        """A shard's documents in order, through webdataset's tar iterator (a remote data
+        dir: by ``read``, its blocks fetched ahead)."""
+        if self._store is not None:
+            for i in range(self.n_docs(shard)):
+                yield self.read(shard, i)
+            return
         with open(self.root / shard, "rb") as f:
             for sample in _iter_samples(f, shard):
                 yield from documents_of_sample(sample)
@@ -913,15 +1063,14 @@ class DataDir:
         for split in self.manifest["splits"]:
             for shard in self.shards(split):
                 name = shard["name"]
-                path = self.root / name
-                if not path.is_file():
+                if self.size(name) is None:
                     problems.append(f"{name}: missing")
                     continue
-                if sha256_file(path) != shard["sha256"]:
+                if self.sha256(name) != shard["sha256"]:
                     problems.append(f"{name}: sha256 does not match the manifest")
                     continue
-                index = self.root / shard["index"]
-                if not index.is_file() or sha256_file(index) != shard["index_sha256"]:
+                index = shard["index"]
+                if self.size(index) is None or self.sha256(index) != shard["index_sha256"]:
                     problems.append(f"{shard['index']}: missing or sha256 does not match")
                     continue
                 rows = self.index(name)

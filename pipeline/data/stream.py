@@ -83,7 +83,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from pipeline.config import ConfigError
-from pipeline.data.shards import DataDir, Document, ShardError, sha256_file
+from pipeline.data.shards import DataDir, Document, ShardError
 from pipeline.objectives.base import Layout, Objective, Unit
 
 # 2: groups laid out lazily (session 11): the same seed gives another order than 1.
@@ -201,6 +201,9 @@ class _EpochPlan:
             keep = np.flatnonzero(n > 0)
             ids.append(src.doc_base[shard] + first + keep)
             lengths.append(n[keep])
+        # A remote data dir fetches the blocks of this group and of the next one in the
+        # background (the next group's: while this one is read).
+        src.data.will_need(self.chunk_ranges(group) + self.chunk_ranges(group + 1))
         seed = [src.seed, _GROUP, src.split_salt, self.epoch, group]
         docs, n = np.concatenate(ids), np.concatenate(lengths)
         perm = np.random.default_rng(seed).permutation(docs.shape[0])
@@ -208,6 +211,16 @@ class _EpochPlan:
         if len(self._groups) > src.cache_groups:
             self._groups.popitem(last=False)
         return found
+
+    def chunk_ranges(self, group: int) -> list[tuple[str, int, int]]:
+        """(shard, first document, stop) of each chunk of a group, in the group's order."""
+        src = self.source
+        chunks = self.chunks[group * src.group_chunks : (group + 1) * src.group_chunks]
+        return [
+            (src.shards[int(src.chunk_shard[c])], int(src.chunk_first[c]),
+             int(src.chunk_first[c] + src.chunk_size[c]))
+            for c in chunks.tolist()
+        ]  # fmt: skip
 
     def _perm(self, group: int) -> np.ndarray:
         perm = self._perms.get(group)
@@ -268,7 +281,7 @@ class _Source:
         )
         self.doc_base = np.concatenate([[0], np.cumsum(n_docs)]).astype(np.int64)
         if not self.chunk_extent.any():
-            raise ShardError(f"{data.root}: split {split!r} has no non-empty documents")
+            raise ShardError(f"{data.where()}: split {split!r} has no non-empty documents")
         self._all_docs: np.ndarray | None = None
         self._plans: OrderedDict[int, _EpochPlan] = OrderedDict()
         self._cache: OrderedDict[int, Document] = OrderedDict()
@@ -312,7 +325,7 @@ class _Source:
         self.docs_read += 1
         if doc.n_tokens and int(doc.tokens.max()) >= self.objective.vocab_size:
             raise ShardError(
-                f"{self.data.root / shard} document {sample} ({doc.key}) holds token id "
+                f"{self.data.where(shard)} document {sample} ({doc.key}) holds token id "
                 f"{int(doc.tokens.max())} >= the vocabulary size {self.objective.vocab_size}: "
                 "the shards and the tokenizer do not match"
             )
@@ -572,8 +585,7 @@ class PretrainStream:
         dirs = [m.path if isinstance(m.path, DataDir) else DataDir(m.path) for m in mixture]
         self.data = dirs[0]
         self.mixture = [
-            MixSource(d, m.weight, m.name or d.root.name)
-            for d, m in zip(dirs, mixture, strict=True)
+            MixSource(d, m.weight, m.name or d.name) for d, m in zip(dirs, mixture, strict=True)
         ]
         self.split, self.objective, self.num_workers = split, objective, num_workers
         self.seed, self.rank, self.world_size = seed, rank, world_size
@@ -586,7 +598,7 @@ class PretrainStream:
         for d in dirs:
             good = self._check_shards(d, verify_checksums, on_bad_shard)
             if not good:
-                raise ShardError(f"{d.root}: no usable shard left in split {split!r}")
+                raise ShardError(f"{d.where()}: no usable shard left in split {split!r}")
             sources.append(
                 _Source(
                     d,
@@ -613,7 +625,7 @@ class PretrainStream:
                 else (dirs[small], sources[small].n_units)
             )
             raise ConfigError(
-                f"split {split!r} of {where.root} yields {n} {objective.kind} examples, too "
+                f"split {split!r} of {where.where()} yields {n} {objective.kind} examples, too "
                 f"few for a global batch of world_size * train.micro_batch_size = "
                 f"{world_size * micro_batch_size}; lower train.micro_batch_size or "
                 "data.seq_len, or add data"
@@ -632,27 +644,32 @@ class PretrainStream:
             if problem is None:
                 good.append(name)
                 continue
-            message = f"{data.root / name}: {problem}"
+            message = f"{data.where(name)}: {problem}"
             if on_bad == "error":
                 raise ShardError(
                     f"{message}; re-run `plm data prepare --force`, or set "
                     "data.on_bad_shard=skip to train without this shard"
                 )
             warnings.warn(f"skipping bad shard {message}", stacklevel=3)
-            self.skipped_shards.append(name if data is self.data else str(data.root / name))
+            self.skipped_shards.append(name if data is self.data else data.where(name))
         return good
 
     def _shard_problem(self, data: DataDir, entry: dict[str, Any], verify: bool) -> str | None:
-        path = data.root / entry["name"]
-        if not path.is_file():
+        name = entry["name"]
+        size = data.size(name)
+        if size is None:
             return "missing"
-        if "bytes" in entry and path.stat().st_size != entry["bytes"]:
-            return f"{path.stat().st_size} bytes, the manifest says {entry['bytes']}"
-        if verify and self._skip_bad and sha256_file(path) != entry["sha256"]:
+        if "bytes" in entry and size != entry["bytes"]:
+            return f"{size} bytes, the manifest says {entry['bytes']}"
+        if verify and self._skip_bad and data.sha256(name) != entry["sha256"]:
             return "sha256 does not match the manifest (corrupted or changed)"
-        index = data.root / entry.get("index", "")
-        if verify and "index_sha256" in entry and sha256_file(index) != entry["index_sha256"]:
-            return f"its index {index.name} does not match the manifest's sha256"
+        index = entry.get("index", "")
+        if verify and "index_sha256" in entry:
+            try:
+                if data.sha256(index) != entry["index_sha256"]:
+                    return f"its index {Path(index).name} does not match the manifest's sha256"
+            except (OSError, ShardError):
+                return f"its index {Path(index).name} is missing or unreadable"
         try:
             n_docs = data.n_docs(entry["name"])
         except ShardError as err:

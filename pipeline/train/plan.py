@@ -189,7 +189,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
     for source in sources:
         for split in ("train", "valid"):
             if not source.path.manifest["splits"].get(split, {}).get("shards"):
-                raise ConfigError(f"{key}: {source.path.root} has no {split} shards")
+                raise ConfigError(f"{key}: {source.path.where()} has no {split} shards")
     model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
     check_positions(cfg, model_cfg)
     parallelize.check_compile(cfg.train)
