@@ -43,7 +43,7 @@ def s3_data(rig):
     s3 = pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
                            secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
     pafs.copy_files(str(local), f"{rigmod.S3_BUCKET}/train/data", destination_filesystem=s3)
-    return local, str(local)  # TEMP f"s3://{rigmod.S3_BUCKET}/train/data"
+    return local, f"s3://{rigmod.S3_BUCKET}/train/data"
 
 
 @pytest.fixture(scope="module")
@@ -130,13 +130,23 @@ def test_hostfile_launch_over_ssh_matches_one_host(rig, s3_data, hostfile_run, t
         assert got[step] == pytest.approx(value, rel=1e-4), (step, got, ref)
 
 
-def test_each_node_reads_only_what_it_needs_into_its_own_cache(rig, hostfile_run):
+def test_each_node_reads_only_blocks_into_its_own_cache(rig, s3_data, hostfile_run):
+    """The training hosts fetched blocks into their own /tmp (the default data.cache_dir);
+    no host holds a shard file, and the host that did not train has no cache."""
+    local, _ = s3_data
+    shard_bytes = sum(p.stat().st_size for p in local.glob("*/*.tar"))
+    cache = f"/tmp/plm-cache-{os.getuid()}"
     for host in ("node0", "node1"):
-        cached = on(rig, host, ["sh", "-c", "find / -xdev -path /proc -prune -o -name "
-                                "'*.block' -print 2>/dev/null | head -1"])  # fmt: skip
-        del cached  # (the cache layout is the loader's; the bytes are checked below)
-    # No host holds the data dir: the shards were never copied to node1.
-    assert on(rig, "node1", ["ls", "/mnt/local"]).stdout.split() == []
+        listing = on(rig, host, ["find", cache, "-type", "f", "-printf", "%s %P\\n"]).stdout
+        files = [
+            (int(size), name) for size, name in (x.split(" ", 1) for x in listing.splitlines())
+        ]
+        blocks = [(size, name) for size, name in files if not name.startswith("meta/")]
+        assert blocks, (host, listing)
+        assert sum(size for size, _ in blocks) <= shard_bytes
+        tars = on(rig, host, ["find", "/tmp", "/mnt/local", "-name", "*.tar"]).stdout
+        assert tars == "", tars
+    assert on(rig, "node2", ["test", "-e", cache], check=False).returncode == 1
 
 
 def test_the_rendezvous_and_gloo_listen_on_the_hosts_own_addresses(rig, hostfile_run):
@@ -160,13 +170,33 @@ def test_per_node_launch_resumes_bit_for_bit(rig, s3_data, hostfile_run, mlflow_
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **RANK_ENV,
            "MLFLOW_TRACKING_URI": mlflow_server[0]}  # fmt: skip
     procs = [
-        rig.popen(f"node{r}", [
-            sys.executable, str(REPO / "launch" / "deepspeed_train.py"), "--hostfile",
-            str(rig.shared / "hostfile"), "--no-ssh", "--node-rank", str(r),
-            "--master-addr", "node0", "--master-port", "29600", BERT, f"data.path={uri}",
-            f"train.out_dir={run_dir}", "name=bert-rig", "mlflow.register=false", *STEPS,
-        ], env=env, cwd=str(rig.shared), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-           text=True)  # fmt: skip
+        rig.popen(
+            f"node{r}",
+            [
+                sys.executable,
+                str(REPO / "launch" / "deepspeed_train.py"),
+                "--hostfile",
+                str(rig.shared / "hostfile"),
+                "--no-ssh",
+                "--node-rank",
+                str(r),
+                "--master-addr",
+                "node0",
+                "--master-port",
+                "29600",
+                BERT,
+                f"data.path={uri}",
+                f"train.out_dir={run_dir}",
+                "name=bert-rig",
+                "mlflow.register=false",
+                *STEPS,
+            ],
+            env=env,
+            cwd=str(rig.shared),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
         for r in (0, 1)
     ]
     outs = [p.communicate(timeout=600)[0] for p in procs]
