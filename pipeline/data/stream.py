@@ -141,11 +141,13 @@ class _EpochPlan:
         self._groups: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._layouts: OrderedDict[tuple[int, int], Layout] = OrderedDict()
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+        self._ahead: set[int] = set()  # groups whose next group was asked for
 
     def locate(self, positions: np.ndarray, shuffle: bool = True) -> tuple[list[Unit], np.ndarray]:
         """(units at these positions of the epoch's unit order, their groups); with
         ``shuffle=False`` the units keep the layout order inside their group."""
         groups = np.searchsorted(self.span_starts, positions, side="right") - 1
+        self._look_ahead(int(groups.max()), int(positions.max()))
         units = positions.copy()
         if shuffle and groups.min() == groups.max():  # the usual case: one group
             start = int(self.span_starts[groups[0]])
@@ -156,6 +158,19 @@ class _EpochPlan:
                 start = int(self.span_starts[group])
                 units[inside] = start + self._perm(group)[positions[inside] - start]
         return self._units(units), groups
+
+    def _look_ahead(self, group: int, position: int) -> None:
+        """Past the middle of a group: the next group's blocks, fetched in the background
+        while the rest of this one is read (a remote data dir; a local one has nothing to
+        do). Not earlier, so a run that stops has fetched little it never read."""
+        start, stop = (
+            self.span_starts[group],
+            self.span_starts[min(group + 1, len(self.span_starts) - 1)],
+        )
+        if group in self._ahead or position - start < (stop - start) // 2:
+            return
+        self._ahead.add(group)
+        self.source.data.will_need(self.chunk_ranges(group + 1))
 
     def _units(self, us: np.ndarray) -> list[Unit]:
         """Units by number, each from a layout of the groups its span touches."""
@@ -201,9 +216,9 @@ class _EpochPlan:
             keep = np.flatnonzero(n > 0)
             ids.append(src.doc_base[shard] + first + keep)
             lengths.append(n[keep])
-        # A remote data dir fetches the blocks of this group and of the next one in the
-        # background (the next group's: while this one is read).
-        src.data.will_need(self.chunk_ranges(group) + self.chunk_ranges(group + 1))
+        # A remote data dir fetches this group's blocks in the background (the next
+        # group's are asked for once half of this one is read: ``locate``).
+        src.data.will_need(self.chunk_ranges(group))
         seed = [src.seed, _GROUP, src.split_salt, self.epoch, group]
         docs, n = np.concatenate(ids), np.concatenate(lengths)
         perm = np.random.default_rng(seed).permutation(docs.shape[0])
