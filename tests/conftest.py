@@ -132,14 +132,34 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def deepspeed_argv(target: list[str], port: int, master_addr: str | None = None,
+                   hostfile: Path | None = None) -> list[str]:  # fmt: skip
+    """The `deepspeed` command for 2 ranks on this machine. Without a hostfile DeepSpeed's
+    runner always gives the ranks MASTER_ADDR=127.0.0.1; ``master_addr`` needs a HOSTFILE
+    (written here: ``localhost slots=2``) and ``--no_ssh``, which launches locally too."""
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner"]
+    if master_addr is None:
+        cmd += ["--num_gpus", "2"]
+    else:
+        if hostfile is None:
+            raise AssertionError("master_addr needs a hostfile path")
+        hostfile.write_text("localhost slots=2\n")
+        cmd += ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", "0",
+                "--master_addr", master_addr]  # fmt: skip
+    return [*cmd, "--master_port", str(port), *target]
+
+
+def deepspeed_env() -> dict[str, str]:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
+
+
 def deepspeed_launch(target: list[str], cwd: Path, timeout: int = 900):
     """``deepspeed --num_gpus 2 TARGET`` on the CPU accelerator (gloo); asserts exit 0.
     TARGET: ``["--module", "pipeline.cli", "train", ...]`` or a script and its arguments."""
     port = free_port()
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2",
-           "--master_port", str(port), *target]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    cmd = deepspeed_argv(target, port)
+    proc = subprocess.run(cmd, cwd=cwd, env=deepspeed_env(), capture_output=True, text=True,
+                          timeout=timeout)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     # DeepSpeed's CPU all-reduce files: the ranks unlink them (engine.init_distributed).
     assert not list(Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))

@@ -12,13 +12,14 @@ import copy
 import json
 import os
 import socket
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from pipeline.config import ConfigError, ExperimentConfig, config_file
-from pipeline.train import ds_ops
+from pipeline.train import ds_ops, rendezvous
 
 # Before anything imports DeepSpeed: DS_ACCELERATOR=cpu on a CPU-only machine (no
 # "Setting accelerator to CPU" warning) and the per-venv extension cache (ds_ops).
@@ -230,15 +231,24 @@ def ensure_dist_env() -> None:
     os.environ.setdefault("MASTER_PORT", str(_free_port()))
 
 
-def init_distributed(cpu_shm_allreduce: bool = False) -> None:
+def init_distributed(cpu_shm_allreduce: bool = False, timeout: timedelta | None = None) -> None:
     """DeepSpeed's process group (a second call finds it in place).
+
+    Several ranks: the group is created first by ``rendezvous.init_process_group``, its
+    store and gloo listening on this host's address only (not every interface, as torch's
+    ``env://`` rendezvous does); DeepSpeed then finds it in place and wraps it. One rank:
+    DeepSpeed's own ``env://`` rendezvous, as ever (``ensure_dist_env``'s loopback env).
 
     ``cpu_shm_allreduce``: give DeepSpeed its CPU shared-memory all-reduce op when several
     ranks run on the CPU (built once per venv, announced; see ds_ops); otherwise DeepSpeed
-    neither builds nor loads it."""
+    neither builds nor loads it. ``timeout``: how long the ranks wait for one another, at
+    the rendezvous and in each collective; by default DeepSpeed's (DEEPSPEED_TIMEOUT
+    minutes, 10 when unset)."""
     import deepspeed
+    from deepspeed.constants import default_pg_timeout
 
     ensure_dist_env()
+    timeout = default_pg_timeout if timeout is None else timeout
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -247,7 +257,9 @@ def init_distributed(cpu_shm_allreduce: bool = False) -> None:
         int(os.environ["WORLD_SIZE"]),
         announce=int(os.environ.get("LOCAL_RANK", "0")) == 0,
     )
-    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    if int(os.environ["WORLD_SIZE"]) > 1 and not torch.distributed.is_initialized():
+        rendezvous.init_process_group(backend, timeout)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     if shm or not torch.cuda.is_available():  # (the op may come from elsewhere too)
         _unlink_shm_allreduce_buffer()
 
