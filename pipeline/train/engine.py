@@ -234,10 +234,10 @@ def ensure_dist_env() -> None:
 def init_distributed(cpu_shm_allreduce: bool = False, timeout: timedelta | None = None) -> None:
     """DeepSpeed's process group (a second call finds it in place).
 
-    Several ranks: the group is created first by ``rendezvous.init_process_group``, its
-    store and gloo listening on this host's address only (not every interface, as torch's
-    ``env://`` rendezvous does); DeepSpeed then finds it in place and wraps it. One rank:
-    DeepSpeed's own ``env://`` rendezvous, as ever (``ensure_dist_env``'s loopback env).
+    The group is created first by ``rendezvous.init_process_group``, its store and gloo
+    listening on this host's address only (not every interface, as torch's ``env://``
+    rendezvous does; one rank: on ``ensure_dist_env``'s loopback address); DeepSpeed then
+    finds it in place and wraps it.
 
     ``cpu_shm_allreduce``: give DeepSpeed its CPU shared-memory all-reduce op when several
     ranks run on the CPU (built once per venv, announced; see ds_ops); otherwise DeepSpeed
@@ -257,7 +257,7 @@ def init_distributed(cpu_shm_allreduce: bool = False, timeout: timedelta | None 
         int(os.environ["WORLD_SIZE"]),
         announce=int(os.environ.get("LOCAL_RANK", "0")) == 0,
     )
-    if int(os.environ["WORLD_SIZE"]) > 1 and not torch.distributed.is_initialized():
+    if not torch.distributed.is_initialized():
         rendezvous.init_process_group(backend, timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, timeout=timeout)
     if shm or not torch.cuda.is_available():  # (the op may come from elsewhere too)
