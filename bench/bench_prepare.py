@@ -111,6 +111,20 @@ def make_corpus(path: Path, mb: int, seed: int = 0) -> int:
     return n
 
 
+def make_tokenizer(corpus: Path, work: Path, env: dict) -> Path:
+    """A WordPiece tokenizer (8,000 words) trained on the corpus' first 20,000 documents."""
+    tok, sample = work / "tok", work / "sample.txt"
+    with open(corpus, encoding="utf-8") as f, open(sample, "w", encoding="utf-8") as g:
+        for i, line in enumerate(f):
+            if i >= 20_000:
+                break
+            g.write(json.loads(line)["text"] + "\n\n")
+    subprocess.run(["plm", "data", "tokenizer", "--input", str(sample), "--kind", "wordpiece",
+                    "--vocab-size", "8000", "--output", str(tok)], check=True, env=env,
+                   capture_output=True)  # fmt: skip
+    return tok
+
+
 def tree_cpu(cmd: list[str], env: dict) -> tuple[float, float, str]:
     """(wall seconds, CPU seconds of the whole process tree, stdout).
 
@@ -195,16 +209,7 @@ def main() -> int:
     mb = corpus.stat().st_size / 1e6
     print(f"corpus: {mb:.1f} MB, {n_docs:,} documents of ~{corpus.stat().st_size / n_docs:.0f} B")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    tok = work / "tok"
-    sample = work / "sample.txt"
-    with open(corpus, encoding="utf-8") as f, open(sample, "w", encoding="utf-8") as g:
-        for i, line in enumerate(f):
-            if i >= 20_000:
-                break
-            g.write(json.loads(line)["text"] + "\n\n")
-    subprocess.run(["plm", "data", "tokenizer", "--input", str(sample), "--kind", "wordpiece",
-                    "--vocab-size", "8000", "--output", str(tok)], check=True, env=env,
-                   capture_output=True)  # fmt: skip
+    tok = make_tokenizer(corpus, work, env)
 
     raw = json.loads(subprocess.run([sys.executable, "-c", RAW, str(tok), str(corpus)], env=env,
                      capture_output=True, text=True, check=True).stdout.splitlines()[-1])  # fmt: skip

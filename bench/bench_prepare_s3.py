@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_prepare import make_corpus, tree_cpu  # noqa: E402
+from bench_prepare import make_corpus, make_tokenizer, tree_cpu  # noqa: E402
 
 
 def free_port() -> int:
@@ -80,16 +80,7 @@ def main() -> int:
                                allow_bucket_creation=True)  # fmt: skip
         s3.create_dir("bench")
         pafs.copy_files(str(corpus), "bench/corpus/corpus.jsonl", destination_filesystem=s3)
-        sample = work / "sample.txt"
-        with open(corpus, encoding="utf-8") as f, open(sample, "w", encoding="utf-8") as g:
-            for i, line in enumerate(f):
-                if i >= 20_000:
-                    break
-                g.write(json.loads(line)["text"] + "\n\n")
-        tok = work / "tok"
-        subprocess.run(["plm", "data", "tokenizer", "--input", str(sample), "--kind",
-                        "wordpiece", "--vocab-size", "8000", "--output", str(tok)], check=True,
-                       env=env, capture_output=True)  # fmt: skip
+        tok = make_tokenizer(corpus, work, env)
         print(f"corpus: {corpus.stat().st_size / 1e6:.1f} MB, {n_docs:,} documents; "
               f"S3: moto_server on {s3env['AWS_ENDPOINT_URL']}")  # fmt: skip
         runs = {
