@@ -24,9 +24,9 @@
   range reads of the blocks' ``docs.npy`` only (4 bytes a document), kept per shard in
   ``CACHE/meta/`` (named by the shard's sha256), so a warm node reads them locally;
 * prefetch: ``prefetch(shard, blocks)`` queues blocks a reader will need (the stream
-  names the blocks of the shuffle group it lays out and of the next one); a reader that
-  walks a shard in order (``iter_shard``, counting unigrams) gets the next K blocks queued
-  without asking. At most K (``prefetch_blocks``) fetches run in the background at once.
+  names the blocks of the shuffle group it lays out, and those of the next group once
+  half of this one is read); a reader that walks a shard in order (``iter_shard``,
+  counting unigrams) gets the next K blocks queued without asking. At most K (``prefetch_blocks``) fetches run in the background at once.
 
 Counters (``stats()``): ``fetched_bytes``/``blocks_fetched`` (block GETs, prefetched or
 not), ``meta_bytes``/``meta_fetches`` (manifest, indexes, tokenizer, token counts),
