@@ -9,6 +9,8 @@ import json
 import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 from cluster_util import on
@@ -92,6 +94,10 @@ def test_down_stops_only_what_the_rig_started(tmp_path):
     outside = subprocess.Popen(["sleep", "300"])  # the same program, not the rig's
     try:
         inside = small.popen("node0", ["sleep", "300"], cwd="/")
+        for _ in range(200):  # until nsenter has entered the namespace (then execs sleep)
+            if inside.pid in small.pids("node0"):
+                break
+            time.sleep(0.05)
         assert inside.pid in small.pids("node0")
         assert outside.pid not in small.pids("node0")
         stopped = rigmod.down(name)
@@ -115,3 +121,18 @@ def test_down_stops_only_what_the_rig_started(tmp_path):
 def test_the_rig_refuses_addresses_outside_its_range(subnet, words):
     with pytest.raises(rigmod.RigError, match=words):
         rigmod._plan_addresses(subnet, 3)
+
+
+def test_the_cli_runs_a_command_on_a_host_and_passes_its_status_on(rig):
+    """`plm rig exec NAME HOST -- CMD` as a user types it; `plm rig env` for the laptop."""
+    base = [sys.executable, "-m", "pipeline.cli", "rig"]
+    where = ["--name", rig.name, "--root", str(Path(rig.root).parent)]
+    done = subprocess.run([*base, "exec", *where, "node1", "--", "sh", "-c", "hostname; exit 3"],
+                          capture_output=True, text=True, cwd="/")  # fmt: skip
+    assert done.returncode == 3 and done.stdout.strip() == "node1", done.stderr
+    env = subprocess.run([*base, "env", *where], capture_output=True, text=True, check=True)
+    assert f"export AWS_ENDPOINT_URL={rig.s3_endpoint}" in env.stdout.splitlines()
+    missing = subprocess.run([*base, "exec", *where, "node9", "--", "true"],
+                             capture_output=True, text=True, cwd="/")  # fmt: skip
+    assert missing.returncode == 2
+    assert missing.stderr.strip().startswith("plm: rig: ") and "node9" in missing.stderr
