@@ -1,6 +1,6 @@
 """The shard contract (format v3): WebDataset tar shards of *blocks* of documents.
 
-A data directory (see DESIGN.md, "Shards", and the README's "Shard format") holds::
+A data directory (see docs/design.md, "Shards", and docs/shard-format.md) holds::
 
     manifest.json                     written last, atomically
     tokenizer/tokenizer.json          the tokenizer the ids come from (+ tokenizer_meta.json)
