@@ -7,8 +7,8 @@ every 0.25 s with psutil, and prints one row per process that used at least 0.2 
 its total, then its CPU seconds in each bucket of wall-clock time from the command's
 start. Ray names its workers after what they run (``ray::_write_task``, ``ray::_dedup_task``,
 ``ray::_fix_task``, ``ray::IDLE`` for a worker between tasks), so the rows say which
-stage or which part of Ray the time went to. BENCHMARKS.md's "where the start-up goes"
-was read off this table.
+stage or which part of Ray the time went to. docs/benchmarks.md's figures for Ray's own
+processes ("Left and not changed") were read off this table.
 """
 
 from __future__ import annotations

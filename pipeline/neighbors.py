@@ -17,7 +17,6 @@ own tokens are left out of the answer). Special tokens are never candidates.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -32,11 +31,6 @@ def resolve_bundle(model: str | Path) -> Path:
     from pipeline.models.bundle import fetch_bundle
 
     return fetch_bundle(model)
-
-
-def special_ids(bundle: Path) -> set[int]:
-    meta = json.loads((bundle / "tokenizer_meta.json").read_text(encoding="utf-8"))
-    return {int(i) for i in meta.get("special_tokens", {}).values()}
 
 
 @torch.no_grad()
@@ -79,7 +73,7 @@ def neighbors(model_ref: str | Path, word: str, k: int = 10) -> list[tuple[str, 
     """[(token, cosine)] of the k nearest tokens of ``word``."""
     from tokenizers import Tokenizer
 
-    from pipeline.models.bundle import load_bundle
+    from pipeline.models.bundle import load_bundle, special_ids
 
     bundle = resolve_bundle(model_ref)
     model, config = load_bundle(bundle)

@@ -55,7 +55,7 @@ def print_tokenizer_plan(inputs: list[str], spec: TokenizerSpec, output: str | P
 
 def print_prepare_plan(cfg: PrepareConfig) -> int:
     from pipeline.data.job import plan_units
-    from pipeline.data.prepare import PrepareError, foreign_files, output_fs
+    from pipeline.data.store import PrepareError, foreign_files, output_fs
 
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
     tok_dir = Path(cfg.tokenizer)

@@ -13,14 +13,14 @@ time, tokenizer sha256, output-relevant config, code version); the same fingerpr
 means "up to date". The driver never reads a source's bytes: the write tasks hash the
 slices they read, and the manifest lists those sha256 per source (its ``digests``). The
 manifest is removed before a rebuild starts and written last, so a run killed half-way
-leaves a folder without manifest that the next run cleans and completes.
+leaves a folder without manifest that the next run cleans and completes. What is done
+to the output folder itself (listing, foreign files, atomic writes, renames): store.py.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import resource
 import sys
 import time
@@ -48,11 +48,17 @@ from pipeline.data.shards import (
     MANIFEST,
     SPLITS,
     TOKENIZER_DIR,
-    brace_pattern,
-    index_name,
     manifest_bytes,
-    shard_name,
     token_dtype,
+)
+from pipeline.data.store import (
+    PrepareError,
+    clear_own_files,
+    existing_manifest,
+    foreign_files,
+    name_shards,
+    output_fs,
+    write_file,
 )
 from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, load_tokenizer
 
@@ -62,10 +68,6 @@ DEFAULT_SHARD_BYTES = 128 << 20
 DEFAULT_SPLIT_BYTES = 32 << 20
 DEFAULT_BLOCK_TOKENS = 1 << 19  # 1 MiB of uint16 tokens
 MAX_REJECT_EXAMPLES = 5  # per reason, kept in the manifest so a reject can be found
-
-
-class PrepareError(ConfigError):
-    """The output folder or the inputs cannot be used as they are; the message says why."""
 
 
 class PrepareConfig(BaseModel):
@@ -249,139 +251,12 @@ def _digests(results, n_sources: int) -> list[list[dict[str, Any]]]:
 
 
 # ---------------------------------------------------------------------------
-# The output folder, on any pyarrow filesystem
-
-_OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR}
-_OWN_SHARD = re.compile(r"(shard-\d{6,}|(part|fix)-\d{6,}-\d{3,})(\.tar|\.idx\.npy)(\.tmp)?")
-_OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
-
-
-def output_fs(output: str):
-    """(pyarrow filesystem, path in it) of a local path or a filesystem URI."""
-    import pyarrow.fs as pafs
-
-    if "://" in output:
-        try:
-            return pafs.FileSystem.from_uri(output)
-        except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
-            raise PrepareError(f"output {output}: not a usable filesystem URI ({err})") from None
-    return pafs.LocalFileSystem(), str(Path(output).resolve())
-
-
-def _listing(fs, path: str):
-    import pyarrow.fs as pafs
-
-    info = fs.get_file_info(path)
-    if info.type != pafs.FileType.Directory:
-        return []
-    return sorted(fs.get_file_info(pafs.FileSelector(path)), key=lambda i: i.base_name)
-
-
-def foreign_files(fs, root: str) -> list[str]:
-    """Paths in ``root`` that `plm data prepare` did not write (relative, sorted)."""
-    import pyarrow.fs as pafs
-
-    found = []
-    for entry in _listing(fs, root):
-        name = entry.base_name
-        if name not in _OWN_TOP:
-            found.append(name)
-        elif name in SPLITS or name == TOKENIZER_DIR:
-            if entry.type != pafs.FileType.Directory:
-                found.append(name)
-                continue
-            for sub in _listing(fs, entry.path):
-                ok = (
-                    sub.base_name in _OWN_TOKENIZER
-                    if name == TOKENIZER_DIR
-                    else bool(_OWN_SHARD.fullmatch(sub.base_name))
-                )
-                if not ok or sub.type != pafs.FileType.File:
-                    found.append(f"{name}/{sub.base_name}")
-    return found
-
-
-def _clear_own_files(fs, root: str) -> None:
-    """Remove the manifest first (the folder stops being 'finished'), then our files."""
-    import pyarrow.fs as pafs
-
-    for name in (MANIFEST, MANIFEST + ".tmp"):
-        if fs.get_file_info(f"{root}/{name}").type == pafs.FileType.File:
-            fs.delete_file(f"{root}/{name}")
-    for sub in (*SPLITS, TOKENIZER_DIR):
-        for f in _listing(fs, f"{root}/{sub}"):
-            if f.type == pafs.FileType.File and (
-                _OWN_SHARD.fullmatch(f.base_name) or f.base_name in _OWN_TOKENIZER
-            ):
-                fs.delete_file(f.path)
-
-
-def _write_file(fs, path: str, data: bytes) -> None:
-    """Temp file, then a move: a reader never sees a half-written file."""
-    with fs.open_output_stream(path + ".tmp") as f:
-        f.write(data)
-    fs.move(path + ".tmp", path)
-
-
-def _existing_manifest(fs, root: str) -> dict[str, Any] | None:
-    import pyarrow.fs as pafs
-
-    path = f"{root}/{MANIFEST}"
-    if fs.get_file_info(path).type != pafs.FileType.File:
-        return None
-    try:
-        with fs.open_input_stream(path) as f:
-            manifest = json.loads(f.read())
-    except (OSError, ValueError):
-        return {}  # unreadable: treat it as another data dir
-    return manifest if isinstance(manifest, dict) else {}
-
-
-# ---------------------------------------------------------------------------
 # The job
 
 
 def _cpu_seconds() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
-
-
-_MOVERS = 32  # concurrent renames: on an object store a rename is a server-side copy
-
-
-def _name_shards(fs, root: str, results) -> dict[str, Any]:
-    """Move every unit's parts to ``SPLIT/shard-NNNNNN`` in unit order, then remove the
-    parts no entry names (those a fix task replaced); the split entries. The renames run
-    side by side: on S3 each is a copy of the object (no byte passes through the driver,
-    but one after another they would take hours for a TB of shards)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    splits, moves = {}, []
-    for split in SPLITS:
-        entries = []
-        for result in results:
-            for part in result.parts[split]:
-                name = shard_name(split, len(entries))
-                moves.append((part["name"], name))
-                moves.append((part["index"], index_name(name)))
-                entries.append({**part, "name": name, "index": index_name(name)})
-        splits[split] = {
-            "shards": entries,
-            "n_docs": sum(e["n_docs"] for e in entries),
-            "n_tokens": sum(e["n_tokens"] for e in entries),
-            "pattern": brace_pattern(split, len(entries)) if entries else "",
-        }
-    with ThreadPoolExecutor(_MOVERS) as pool:
-        # list(): the first failed rename raises here.
-        list(pool.map(lambda m: fs.move(f"{root}/{m[0]}", f"{root}/{m[1]}"), moves))
-        stale = [
-            f.path
-            for split in SPLITS
-            for f in _listing(fs, f"{root}/{split}")
-            if not f.base_name.startswith("shard-") and _OWN_SHARD.fullmatch(f.base_name)
-        ]
-        list(pool.map(fs.delete_file, stale))
-    return splits
 
 
 def run_prepare(cfg: PrepareConfig) -> Path | str:
@@ -409,7 +284,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     config_hash = _sha256_json(cfg.output_settings())
     entries = _source_entries(sources)
     fp = fingerprint(config_hash, entries, meta["sha256"])
-    existing = _existing_manifest(fs, root)
+    existing = existing_manifest(fs, root)
     if existing and existing.get("fingerprint") == fp and not cfg.force:
         print(f"{cfg.output}: up to date (same inputs, tokenizer and config); --force rebuilds it")
         return _result(cfg, root)
@@ -430,12 +305,12 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
 
     # 2. Start clean: no manifest until the end, no stale shards or temp files.
     fs.create_dir(root, recursive=True)
-    _clear_own_files(fs, root)
+    clear_own_files(fs, root)
     for sub in (*SPLITS, TOKENIZER_DIR):
         fs.create_dir(f"{root}/{sub}", recursive=True)
     tokenizer_bytes = (tok_dir / TOKENIZER_FILE).read_bytes()
-    _write_file(fs, f"{root}/{TOKENIZER_DIR}/{TOKENIZER_FILE}", tokenizer_bytes)
-    _write_file(fs, f"{root}/{TOKENIZER_DIR}/{META_FILE}", (tok_dir / META_FILE).read_bytes())
+    write_file(fs, f"{root}/{TOKENIZER_DIR}/{TOKENIZER_FILE}", tokenizer_bytes)
+    write_file(fs, f"{root}/{TOKENIZER_DIR}/{META_FILE}", (tok_dir / META_FILE).read_bytes())
     dtype = token_dtype(meta["vocab_size"])
 
     # 3. Plan, then the Ray job; the workers write the shards.
@@ -470,7 +345,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
 
             ray.shutdown()
     results = job["results"]
-    splits = _name_shards(fs, root, results)
+    splits = name_shards(fs, root, results)
 
     # 4. Counts, stats and the manifest, last and atomically.
     tally_read, tally_kept = Counter(), Counter()
@@ -538,7 +413,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         "reject_examples": dict(sorted(examples.items())),
         "stats": stats,
     }
-    _write_file(fs, f"{root}/{MANIFEST}", manifest_bytes(manifest))
+    write_file(fs, f"{root}/{MANIFEST}", manifest_bytes(manifest))
     totals = manifest["totals"]
     per_split = ", ".join(f"{k} {v['n_docs']:,}" for k, v in splits.items())
     rejects = ", ".join(f"{k} {v:,}" for k, v in sorted(rejected.items()))

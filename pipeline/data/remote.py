@@ -55,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.config import ConfigError
+from pipeline.data.shard_index import CRC, DOCS_AT, N_DOCS, OFFSET, SIZE, ShardError
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 GiB = 1 << 30
@@ -306,8 +307,6 @@ class RemoteStore:
 
     # --- errors ---------------------------------------------------------------------------
     def _unreachable(self, err: Exception) -> Exception:
-        from pipeline.data.shards import ShardError
-
         text = " ".join(str(err).split())
         return ShardError(
             f"cannot read {self.uri} ({text}); check the URI, the endpoint "
@@ -316,8 +315,6 @@ class RemoteStore:
         )
 
     def _missing(self, name: str, what: str) -> Exception:
-        from pipeline.data.shards import ShardError
-
         return ShardError(f"{self.where(name)} does not exist: {what}")
 
     # --- whole small files ----------------------------------------------------------------
@@ -420,8 +417,6 @@ class RemoteStore:
     def doc_lengths(self, shard: str, rows: np.ndarray, sha256: str | None) -> np.ndarray:
         """Every document's token count (uint32) of a shard: the blocks' docs.npy by range
         reads (in parallel), kept in the cache by the shard's sha256."""
-        from pipeline.data.shards import DOCS_AT, N_DOCS, OFFSET
-
         cached = self.meta_dir / f"len-{sha256}.npy" if sha256 else None
         n_docs = int(rows[:, N_DOCS].sum())
         if cached is not None:
@@ -476,15 +471,11 @@ class RemoteStore:
         return f
 
     def key(self, shard: str, b: int, row: list[int], shard_sha256: str | None) -> str:
-        from pipeline.data.shards import CRC, SIZE
-
         return f"{_digest(self.uri, shard, shard_sha256 or '')}-{b:06d}-{row[CRC]:08x}-{row[SIZE]}"
 
     def block(self, shard: str, b: int, row: list[int], shard_sha256: str | None):
         """Block b's sample bytes (a map of the cached file, or bytes when it is not
         cached) and whether its crc32 was checked in this process (a fresh fetch)."""
-        from pipeline.data.shards import SIZE
-
         self._check_fork()
         key = self.key(shard, b, row, shard_sha256)
         with self._lock:
@@ -515,8 +506,6 @@ class RemoteStore:
             pass
 
     def _get(self, shard: str, b: int, row: list[int]) -> bytes:
-        from pipeline.data.shards import CRC, OFFSET, SIZE, ShardError
-
         try:
             data = self._file(shard).read_at(row[SIZE], row[OFFSET])
         except OSError as err:
@@ -538,8 +527,6 @@ class RemoteStore:
 
     def _fetch(self, shard: str, b: int, row: list[int], key: str) -> tuple[Any, bool]:
         """Fetch a block (crc32 checked) into the cache; or wait for the process that is."""
-        from pipeline.data.shards import SIZE
-
         size = row[SIZE]
         if not self.blocks.fits(size):
             return self._get(shard, b, row), True
@@ -575,8 +562,6 @@ class RemoteStore:
         self._enqueue((shard, c, rows[c].tolist(), shard_sha256) for c in range(b + 1, stop))
 
     def _enqueue(self, items) -> None:
-        from pipeline.data.shards import SIZE
-
         if not self.prefetch_blocks:
             return
         budget = self.blocks.max_bytes // 2  # queued blocks must not evict each other

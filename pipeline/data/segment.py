@@ -515,7 +515,7 @@ class Segmenter:
       blank), the added token cuts the text there before the normalizer runs, and
       BertNormalizer works character by character. ASCII texts without controls skip
       the normalizer and, through ``ChunkIds``, most of the tokenizer: their ids are
-      looked up per blank-separated chunk (python-docs: see BENCHMARKS.md).
+      looked up per blank-separated chunk (python-docs: see docs/benchmarks.md).
     - **Offsets path**: any other tokenizer, Chinese (jieba's word starts are character
       offsets), entity spans. ``encode_batch``, then ``segment_encoding`` per document.
     """

@@ -1,6 +1,6 @@
 """The shard contract (format v3): WebDataset tar shards of *blocks* of documents.
 
-A data directory (see DESIGN.md, "Shards", and the README's "Shard format") holds::
+A data directory (see docs/design.md, "Shards", and docs/shard-format.md) holds::
 
     manifest.json                     written last, atomically
     tokenizer/tokenizer.json          the tokenizer the ids come from (+ tokenizer_meta.json)
@@ -48,6 +48,28 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pipeline.data.shard_index import (  # the index columns, one row per block
+    CRC,
+    DOCS_AT,
+    INDEX_COLUMNS,
+    LANGS_AT,
+    META_AT,
+    META_SIZE,
+    N_DOCS,
+    N_SENTS,
+    N_SPANS,
+    N_TOKENS,
+    OFFSET,
+    SENTS_AT,
+    SIZE,
+    SPANS_AT,
+    SRCS_AT,
+    TOKEN_BYTES,
+    TOKENS_AT,
+    WORDS_AT,
+    ShardError,
+)
+
 if TYPE_CHECKING:
     from pipeline.data.remote import CacheConfig
 
@@ -56,14 +78,6 @@ SPLITS = ("train", "valid")
 MANIFEST = "manifest.json"
 TOKENIZER_DIR = "tokenizer"
 INDEX_SUFFIX = ".idx.npy"
-# Index columns, one row per block. OFFSET/SIZE locate the sample's bytes in the tar,
-# CRC is zlib.crc32 of them; *_AT: byte offset of a member's array data (or JSON) from
-# the sample's start, so a read is a few slices and no header parsing. SPANS_AT is -1
-# when the block has no spans.npy.
-(OFFSET, SIZE, CRC, N_DOCS, N_TOKENS, TOKEN_BYTES) = range(6)
-(DOCS_AT, LANGS_AT, META_AT, META_SIZE, SENTS_AT, N_SENTS) = range(6, 12)
-(SPANS_AT, N_SPANS, SRCS_AT, TOKENS_AT, WORDS_AT) = range(12, 17)
-INDEX_COLUMNS = 17
 _TOKEN_DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}
 _U32 = np.dtype("<u4")
 _U16 = np.dtype("<u2")
@@ -80,10 +94,6 @@ def _tariterators():
     from webdataset import tariterators
 
     return tariterators
-
-
-class ShardError(RuntimeError):
-    """A data directory, shard or index that does not match its manifest."""
 
 
 @dataclass

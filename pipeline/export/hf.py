@@ -25,14 +25,12 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from pipeline.export.hf_albert import albert_to_hf_state, hf_albert_model
+from pipeline.export.hf_bert import bert_to_hf_state, hf_bert_model
 from pipeline.export.hf_common import (
     ACTIVATIONS,
     ExportError,
     decoder_config_fields,
     decoder_layer_state,
-    embeddings_state,
-    encoder_config_fields,
-    encoder_layer_state,
 )
 from pipeline.export.hf_distilbert import distilbert_to_hf_state, hf_distilbert_model
 from pipeline.export.hf_electra import electra_to_hf_state, hf_electra_model, write_generator
@@ -42,36 +40,6 @@ from pipeline.export.hf_roberta import hf_roberta_model, roberta_template, rober
 from pipeline.export.hf_xlnet import hf_xlnet_model, xlnet_template, xlnet_to_hf_state
 from pipeline.models.bundle import WEIGHTS_FILE, read_bundle_config, replace_dir
 from pipeline.models.registry import ARCHITECTURES
-
-# ----------------------------------------------------------------------------- bert
-
-
-def _bert_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
-    V = cfg.vocab_size
-    out = {
-        **embeddings_state(sd, "bert.", V),
-        "bert.pooler.dense.weight": sd["pooler.weight"],
-        "bert.pooler.dense.bias": sd["pooler.bias"],
-        "cls.predictions.transform.dense.weight": sd["mlm_head.dense.weight"],
-        "cls.predictions.transform.dense.bias": sd["mlm_head.dense.bias"],
-        "cls.predictions.transform.LayerNorm.weight": sd["mlm_head.ln.weight"],
-        "cls.predictions.transform.LayerNorm.bias": sd["mlm_head.ln.bias"],
-        "cls.predictions.bias": sd["mlm_head.bias"][:V],
-        "cls.seq_relationship.weight": sd["nsp_head.weight"],
-        "cls.seq_relationship.bias": sd["nsp_head.bias"],
-    }
-    for i in range(cfg.num_layers):
-        out.update(encoder_layer_state(sd, f"blocks.{i}.", f"bert.encoder.layer.{i}."))
-    return out
-
-
-def hf_bert_model(cfg: Any, roles: dict[str, int]):
-    """A freshly initialised `BertForPreTraining` with the shape of our BertConfig."""
-    import transformers
-
-    hf_cfg = transformers.BertConfig(**encoder_config_fields(cfg, roles))
-    return transformers.BertForPreTraining(hf_cfg)
-
 
 # ----------------------------------------------------------------------------- gpt2
 
@@ -101,7 +69,7 @@ def hf_gpt2_model(cfg: Any, roles: dict[str, int]):
     return transformers.GPT2LMHeadModel(hf_cfg)
 
 
-_ADAPTERS = {"bert": (_bert_state, hf_bert_model), "gpt2": (_gpt2_state, hf_gpt2_model)}
+_ADAPTERS = {"bert": (bert_to_hf_state, hf_bert_model), "gpt2": (_gpt2_state, hf_gpt2_model)}
 _ADAPTERS["roberta"] = (roberta_to_hf_state, hf_roberta_model)  # RobertaForMaskedLM
 _ADAPTERS["albert"] = (albert_to_hf_state, hf_albert_model)  # AlbertForPreTraining
 _ADAPTERS["electra"] = (electra_to_hf_state, hf_electra_model)  # ElectraForPreTraining

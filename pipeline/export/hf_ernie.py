@@ -7,15 +7,14 @@ from typing import Any
 
 from torch import Tensor
 
+from pipeline.export.hf_bert import bert_to_hf_state
 from pipeline.export.hf_common import encoder_config_fields
 
 
 def ernie_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
-    from pipeline.export.hf import _bert_state  # here, not at the top: hf.py imports us
-
     return {
         (f"ernie.{k[len('bert.') :]}" if k.startswith("bert.") else k): v
-        for k, v in _bert_state(sd, cfg).items()
+        for k, v in bert_to_hf_state(sd, cfg).items()
     }
 
 

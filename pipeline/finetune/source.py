@@ -51,7 +51,7 @@ def resolve_source(uri: str, tracking_uri: str | None, download_to: Path) -> Mod
         from mlflow.exceptions import MlflowException
 
         from pipeline.models.bundle import BundleNotFound, fetch_bundle, registered_version
-        from pipeline.train.tracking import resolve_tracking_uri
+        from pipeline.tracking_uri import resolve_tracking_uri
 
         store = resolve_tracking_uri(tracking_uri)
         if download_to.exists():

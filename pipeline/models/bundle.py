@@ -211,7 +211,7 @@ def fetch_bundle(
     import mlflow
     from mlflow.exceptions import MlflowException
 
-    from pipeline.train.tracking import resolve_tracking_uri
+    from pipeline.tracking_uri import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
     dst = Path(dst or tempfile.mkdtemp(prefix="plm-bundle-"))
@@ -226,12 +226,24 @@ def fetch_bundle(
             f"{str(err)[:300]}); check the name/alias or run id and the tracking URI"
         ) from None
     if not (Path(local) / CONFIG_FILE).is_file():
-        from pipeline.models.pyfunc import bundle_in
-
         local = bundle_in(Path(local)) or local  # an MLflow model: its artifact "bundle"
     if require is not None and not (Path(local) / require).is_file():
         raise BundleNotFound(f"{text!r} downloaded to {local}, which holds no model bundle")
     return Path(local)
+
+
+def bundle_in(folder: Path) -> Path | None:
+    """The bundle, or fine-tuned folder, inside a downloaded logged model
+    (``artifacts/<its folder name>``)."""
+    found = [p.parent for pattern in ("artifacts/*/config.yaml", "artifacts/*/finetune.yaml")
+             for p in Path(folder).glob(pattern)]  # fmt: skip
+    return found[0] if len(found) == 1 and (Path(folder) / "MLmodel").is_file() else None
+
+
+def special_ids(bundle: Path) -> set[int]:
+    """The ids of a bundle's special tokens (its tokenizer_meta.json)."""
+    meta = json.loads((bundle / "tokenizer_meta.json").read_text(encoding="utf-8"))
+    return {int(i) for i in meta.get("special_tokens", {}).values()}
 
 
 def registered_version(ref: str, uri: str):

@@ -169,11 +169,3 @@ def _log_model(entry: str, artifact: str, folder: str | Path, name: str, signatu
             pip_requirements=[requirement],  # no inference: it would import and run the model
             signature=signature,
         )
-
-
-def bundle_in(folder: Path) -> Path | None:
-    """The bundle, or fine-tuned folder, inside a downloaded logged model
-    (``artifacts/<its folder name>``)."""
-    found = [p.parent for pattern in ("artifacts/*/config.yaml", "artifacts/*/finetune.yaml")
-             for p in Path(folder).glob(pattern)]  # fmt: skip
-    return found[0] if len(found) == 1 and (Path(folder) / "MLmodel").is_file() else None

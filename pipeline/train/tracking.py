@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pipeline.config import REPO_ROOT
+from pipeline.tracking_uri import resolve_tracking_uri
 
 RUN_ID_FILE = "mlflow_run_id"
 SYNCED_FILE = "mlflow_synced"  # rows of metrics.jsonl that MLflow holds
@@ -40,15 +41,6 @@ def ui_link(base_url: str, experiment_id: str) -> str:
     switch): the experiment's kind tag does not choose it, and the server has no setting
     for it (README section 4)."""
     return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
-
-
-def default_tracking_uri() -> str:
-    """What ``mlflow ui`` run in the same directory shows: sqlite:///mlflow.db in the cwd."""
-    return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
-
-
-def resolve_tracking_uri(configured: str | None) -> str:
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
 
 
 def code_version() -> str:

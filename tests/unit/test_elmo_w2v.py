@@ -27,7 +27,7 @@ from pipeline.models.elmo import (
     ScalarMix,
     build_char_table,
 )
-from pipeline.models.word2vec import init_embedding_from_word2vec, load_word2vec_embeddings
+from pipeline.models.word2vec_vectors import init_embedding_from_word2vec, load_word2vec_embeddings
 from pipeline.objectives import IGNORE_INDEX, Piece, Unit, build_objective
 
 VOCAB = 100

@@ -147,7 +147,7 @@ def test_fix_unit_equals_a_write_that_never_saw_the_duplicates(tmp_path, tokeniz
 
 def test_fix_parts_are_own_files_of_prepare():
     """A run killed while it fixes parts leaves ``fix-`` parts: the next run cleans them."""
-    from pipeline.data.prepare import _OWN_SHARD
+    from pipeline.data.store import _OWN_SHARD
 
     for name in ("fix-000001-002.tar", "fix-000001-002.idx.npy", "fix-000001-002.tar.tmp"):
         assert _OWN_SHARD.fullmatch(name)

@@ -1,0 +1,156 @@
+"""The output store of `plm data prepare`: a data dir's folder on any pyarrow filesystem
+(a local path or a URI: ``s3://``, ``gs://``, ``file://``...).
+
+What the driver (prepare.py) does to the folder, and nothing else: open it
+(``output_fs``), list it, tell its own files from foreign ones (``foreign_files``: a run
+refuses a folder that holds files it did not write, and ``--force`` leaves them in place),
+clear its own files before a rebuild (the manifest first), write a file atomically (temp
+file, then a move) and name the workers' parts ``SPLIT/shard-NNNNNN`` (renames side by
+side: on an object store each is a server-side copy).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import ConfigError
+from pipeline.data.shards import (
+    MANIFEST,
+    SPLITS,
+    TOKENIZER_DIR,
+    brace_pattern,
+    index_name,
+    shard_name,
+)
+from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE
+
+
+class PrepareError(ConfigError):
+    """The output folder or the inputs cannot be used as they are; the message says why."""
+
+
+_OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR}
+_OWN_SHARD = re.compile(r"(shard-\d{6,}|(part|fix)-\d{6,}-\d{3,})(\.tar|\.idx\.npy)(\.tmp)?")
+_OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
+
+
+def output_fs(output: str):
+    """(pyarrow filesystem, path in it) of a local path or a filesystem URI."""
+    import pyarrow.fs as pafs
+
+    if "://" in output:
+        try:
+            return pafs.FileSystem.from_uri(output)
+        except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
+            raise PrepareError(f"output {output}: not a usable filesystem URI ({err})") from None
+    return pafs.LocalFileSystem(), str(Path(output).resolve())
+
+
+def listing(fs, path: str):
+    import pyarrow.fs as pafs
+
+    info = fs.get_file_info(path)
+    if info.type != pafs.FileType.Directory:
+        return []
+    return sorted(fs.get_file_info(pafs.FileSelector(path)), key=lambda i: i.base_name)
+
+
+def foreign_files(fs, root: str) -> list[str]:
+    """Paths in ``root`` that `plm data prepare` did not write (relative, sorted)."""
+    import pyarrow.fs as pafs
+
+    found = []
+    for entry in listing(fs, root):
+        name = entry.base_name
+        if name not in _OWN_TOP:
+            found.append(name)
+        elif name in SPLITS or name == TOKENIZER_DIR:
+            if entry.type != pafs.FileType.Directory:
+                found.append(name)
+                continue
+            for sub in listing(fs, entry.path):
+                ok = (
+                    sub.base_name in _OWN_TOKENIZER
+                    if name == TOKENIZER_DIR
+                    else bool(_OWN_SHARD.fullmatch(sub.base_name))
+                )
+                if not ok or sub.type != pafs.FileType.File:
+                    found.append(f"{name}/{sub.base_name}")
+    return found
+
+
+def clear_own_files(fs, root: str) -> None:
+    """Remove the manifest first (the folder stops being 'finished'), then our files."""
+    import pyarrow.fs as pafs
+
+    for name in (MANIFEST, MANIFEST + ".tmp"):
+        if fs.get_file_info(f"{root}/{name}").type == pafs.FileType.File:
+            fs.delete_file(f"{root}/{name}")
+    for sub in (*SPLITS, TOKENIZER_DIR):
+        for f in listing(fs, f"{root}/{sub}"):
+            if f.type == pafs.FileType.File and (
+                _OWN_SHARD.fullmatch(f.base_name) or f.base_name in _OWN_TOKENIZER
+            ):
+                fs.delete_file(f.path)
+
+
+def write_file(fs, path: str, data: bytes) -> None:
+    """Temp file, then a move: a reader never sees a half-written file."""
+    with fs.open_output_stream(path + ".tmp") as f:
+        f.write(data)
+    fs.move(path + ".tmp", path)
+
+
+def existing_manifest(fs, root: str) -> dict[str, Any] | None:
+    import pyarrow.fs as pafs
+
+    path = f"{root}/{MANIFEST}"
+    if fs.get_file_info(path).type != pafs.FileType.File:
+        return None
+    try:
+        with fs.open_input_stream(path) as f:
+            manifest = json.loads(f.read())
+    except (OSError, ValueError):
+        return {}  # unreadable: treat it as another data dir
+    return manifest if isinstance(manifest, dict) else {}
+
+
+_MOVERS = 32  # concurrent renames: on an object store a rename is a server-side copy
+
+
+def name_shards(fs, root: str, results) -> dict[str, Any]:
+    """Move every unit's parts to ``SPLIT/shard-NNNNNN`` in unit order, then remove the
+    parts no entry names (those a fix task replaced); the split entries. The renames run
+    side by side: on S3 each is a copy of the object (no byte passes through the driver,
+    but one after another they would take hours for a TB of shards)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    splits, moves = {}, []
+    for split in SPLITS:
+        entries = []
+        for result in results:
+            for part in result.parts[split]:
+                name = shard_name(split, len(entries))
+                moves.append((part["name"], name))
+                moves.append((part["index"], index_name(name)))
+                entries.append({**part, "name": name, "index": index_name(name)})
+        splits[split] = {
+            "shards": entries,
+            "n_docs": sum(e["n_docs"] for e in entries),
+            "n_tokens": sum(e["n_tokens"] for e in entries),
+            "pattern": brace_pattern(split, len(entries)) if entries else "",
+        }
+    with ThreadPoolExecutor(_MOVERS) as pool:
+        # list(): the first failed rename raises here.
+        list(pool.map(lambda m: fs.move(f"{root}/{m[0]}", f"{root}/{m[1]}"), moves))
+        stale = [
+            f.path
+            for split in SPLITS
+            for f in listing(fs, f"{root}/{split}")
+            if not f.base_name.startswith("shard-") and _OWN_SHARD.fullmatch(f.base_name)
+        ]
+        list(pool.map(fs.delete_file, stale))
+    return splits
