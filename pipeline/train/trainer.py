@@ -559,8 +559,13 @@ class Trainer:
             self.engine.set_gradient_accumulation_boundary(last)
             self.engine.backward(loss)
             self.engine.step()
+        # recorded in every setup (engine.record_grad_norm); NaN, never a made-up 0, if not
         norm = self.engine.get_global_grad_norm()
-        norm = norm.detach().float() if torch.is_tensor(norm) else torch.tensor(float(norm or 0.0))
+        norm = (
+            norm.detach().float().reshape(())
+            if torch.is_tensor(norm)
+            else torch.tensor(float("nan") if norm is None else float(norm))
+        )
         assert values is not None
         return StepRecord(
             step=self.step + 1,
