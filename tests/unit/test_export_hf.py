@@ -68,13 +68,13 @@ def bytelevel_bpe_dir(out):
     return _write(tok, out, "bpe", roles, specials)
 
 
-def make_bundle(tmp_path, arch):
+def make_bundle(tmp_path, arch, **overrides):
     tok_dir = (tmp_path / "tok").resolve()
     tok_dir.mkdir()
     (wordpiece_dir if arch == "bert" else bytelevel_bpe_dir)(tok_dir)
     vocab = json.loads((tok_dir / "tokenizer_meta.json").read_text())["vocab_size"]
     preset = {"bert": "bert-tiny", "gpt2": "gpt2-tiny"}[arch]
-    cfg = resolve_model_config({"arch": arch, "preset": preset}, vocab)
+    cfg = resolve_model_config({"arch": arch, "preset": preset, **overrides}, vocab)
     assert cfg.padded_vocab_size > vocab  # the padding really is exercised
     torch.manual_seed(0)
     model = build_model(arch, cfg).eval()
@@ -124,6 +124,22 @@ def test_bert_export_matches_logits_and_tokenizer(tmp_path):
     assert enc["input_ids"] == [cls, *a, sep, *b, sep]
     assert enc["token_type_ids"] == [0] * (len(a) + 2) + [1] * (len(b) + 1)
     assert (tok.pad_token_id, tok.mask_token_id) == (meta["roles"]["pad"], meta["roles"]["mask"])
+
+
+def test_one_segment_type_export_gives_pairs_segment_b_type_0(tmp_path):
+    """type_vocab_size 1: the exported tokenizer's pairs have segment B type 0 (type 1 was
+    an IndexError in the exported model and ours), and both models agree on them."""
+    model, bundle, _ = make_bundle(tmp_path, "bert", type_vocab_size=1)
+    out = export_to_hf(bundle, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    enc = tok("the quick fox", "same logits", return_tensors="pt")
+    assert (enc["token_type_ids"] == 0).all()
+    hf = transformers.BertForPreTraining.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = hf(**enc).prediction_logits
+    ours = model.eval()(enc["input_ids"], token_type_ids=enc["token_type_ids"])["mlm_logits"]
+    V = model.config.vocab_size
+    torch.testing.assert_close(theirs, ours[..., :V], atol=1e-4, rtol=1e-4)
 
 
 def test_gpt2_export_matches_logits_and_tokenizer(tmp_path):
