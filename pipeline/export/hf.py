@@ -151,10 +151,14 @@ def _hf_tokenizer(
         for role in ("unk", "pad", "cls", "sep", "mask", "bos", "eos")
         if role in names
     }
+    # Special-token text ("[MASK]", "<s>" typed in a sentence) is plain text, as in our
+    # load_tokenizer: text cannot inject control tokens. Saved in tokenizer_config.json;
+    # a call can still ask for them (split_special_tokens=False, e.g. a fill-mask prompt).
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         model_input_names=input_names,
         model_max_length=max_len,
+        split_special_tokens=True,
         **specials,
     )
 

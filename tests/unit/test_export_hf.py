@@ -163,6 +163,30 @@ def test_gpt2_export_matches_logits_and_tokenizer(tmp_path):
     assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<pad>"
 
 
+@pytest.mark.parametrize("arch,text", [("bert", "the [MASK] fox [SEP] [CLS]"),
+                                       ("gpt2", "the <s> fox<|endoftext|> <mask> dog")])  # fmt: skip
+def test_special_token_text_is_plain_text_in_the_export_as_in_load_tokenizer(tmp_path, arch, text):
+    """ "[MASK]" or "<s>" typed in a sentence is text in our load_tokenizer (training data
+    cannot inject control tokens); the exported tokenizer made it the control token. Now
+    both encode it as text; a call can still ask for control tokens."""
+    from pipeline.data.tokenizer import load_tokenizer
+
+    _, bundle, tok_dir = make_bundle(tmp_path, arch)
+    out = export_to_hf(bundle, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ours, meta = load_tokenizer(tok_dir)
+    want = ours.encode(text).ids
+    specials = set(meta["special_tokens"].values()) - {meta["roles"]["unk"]}  # unknown chars
+    assert not specials & set(want)  # our encoding: no control token from the text
+    assert tok(text, add_special_tokens=False)["input_ids"] == want
+    if arch == "bert":  # the template's [CLS]/[SEP] are still the control tokens
+        cls, sep = meta["roles"]["cls"], meta["roles"]["sep"]
+        assert tok(text)["input_ids"] == [cls, *want, sep]
+    mask = meta["roles"]["mask"]
+    asked = tok(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]
+    assert mask in asked  # on request, the mask text is the mask token
+
+
 def test_export_replaces_and_rejects_non_bundles(tmp_path):
     _, bundle, _ = make_bundle(tmp_path, "gpt2")
     out = export_to_hf(bundle, tmp_path / "hf")
