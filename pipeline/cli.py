@@ -76,6 +76,11 @@ def _data_inspect(args: argparse.Namespace) -> int:
     return inspect_data(args.dir, verify=args.verify)
 
 
+# `plm train` finished training but MLflow did not answer within mlflow.final_wait_s: the
+# run stays RUNNING there with rows unsent; re-running the same command syncs them.
+EXIT_TRACKING_UNSYNCED = 3
+
+
 def _train(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
 
@@ -89,7 +94,7 @@ def _train(args: argparse.Namespace) -> int:
     from pipeline.train.trainer import TrainingDiverged, train
 
     try:
-        train(cfg)
+        result = train(cfg)
     except TrainingStopped as err:  # SIGTERM / SIGINT: checkpointed, MLflow run KILLED
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"plm: {err}", file=sys.stderr)
@@ -100,6 +105,9 @@ def _train(args: argparse.Namespace) -> int:
     except CheckpointError as err:  # names the checkpoint and what is wrong with it
         print(f"plm: {err}", file=sys.stderr)
         return 2
+    if result.tracking_left_behind:  # trained, but MLflow lacks part of it (rank 0)
+        print(f"plm: {result.tracking_left_behind}", file=sys.stderr)
+        return EXIT_TRACKING_UNSYNCED
     return 0
 
 

@@ -377,6 +377,27 @@ class Tracker:
                   "the run and log the model", flush=True)  # fmt: skip
         return self.reconnect(wait)
 
+    def left_behind(self) -> str | None:
+        """After ``end``: what a finished job left out of MLflow (the server did not answer
+        within final_wait_s), as one sentence for the ``plm:`` line; None when MLflow has
+        it all (or this rank does not track)."""
+        if not self.enabled or self.mlflow_ok:
+            return None
+        rows = self._rows - self._sent
+        if self.run_id is None:
+            what = f"the run never started there; {rows} metric rows of {self._jsonl} are unsent"
+        else:
+            what = (
+                f"run {self.run_id} stays RUNNING there, {rows} metric rows of {self._jsonl} "
+                "are unsent and the final model is not logged"
+            )
+        return (
+            f"training finished, but MLflow at {self.uri} did not answer within "
+            f"mlflow.final_wait_s={self.final_wait_s:g} s: {what}. Re-run the same command "
+            "once the server answers: it resumes the finished run and syncs them (the "
+            "metrics, the run's end and the model); nothing is trained again"
+        )
+
     def end(self, status: str = "FINISHED") -> None:
         if self.enabled and not self.mlflow_ok:
             if status == "FINISHED":

@@ -53,6 +53,9 @@ class RunResult:
     model_version: str | None
     losses: dict[int, float] = field(default_factory=dict)
     tokens_by_source: dict[str, int] = field(default_factory=dict)
+    # rank 0 of a finished run whose MLflow server did not answer in time: what MLflow
+    # lacks and how to sync it (``plm train`` prints it and exits 3)
+    tracking_left_behind: str | None = None
 
 
 @dataclass
@@ -819,7 +822,9 @@ class Trainer:
             self.stopper.restore()
             self.tracker.end(status)
             self.stream.close()
-        return self._result(bundle_dir, version)
+        result = self._result(bundle_dir, version)
+        result.tracking_left_behind = self.tracker.left_behind()
+        return result
 
     def stop_on_signal(self) -> None:
         """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""
