@@ -357,6 +357,19 @@ def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
                 _verbose_everywhere(sub)
 
 
+def _prints(err: Exception) -> bool:
+    """Whether this process prints ``err``'s `plm:` line, so a launcher's ranks print it
+    once: a ConfigError every rank meets alike (the config's) on rank 0 only, a
+    machine-wide one (this machine's toolchain or files) on each machine's local rank 0.
+    A ShardError is about the shards this rank read: every rank that meets it prints."""
+    from pipeline.config import ConfigError
+
+    if not isinstance(err, ConfigError):
+        return True
+    which = "LOCAL_RANK" if err.machine_wide else "RANK"
+    return os.environ.get(which, "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     from pipeline.config import ConfigError
     from pipeline.data.shards import ShardError
@@ -372,7 +385,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback
-        if not getattr(err, "machine_wide", False) or os.environ.get("LOCAL_RANK", "0") == "0":
+        if _prints(err):
             print(f"plm: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside training's own stop (which checkpoints first)

@@ -41,8 +41,9 @@ def config_file(path: str | Path) -> Path:
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key or file and the fix.
 
-    ``machine_wide``: every rank of a machine meets it alike (its toolchain, say), so under a
-    launcher only local rank 0 prints it: one `plm:` line per machine, not one per rank."""
+    Under a launcher every rank meets a config's error alike: only rank 0 prints it (one
+    `plm:` line, not one per rank). ``machine_wide``: it depends on the machine (its
+    toolchain, a file missing there), so each machine's local rank 0 prints it."""
 
     def __init__(self, message: str, machine_wide: bool = False):
         super().__init__(message)
@@ -353,7 +354,7 @@ def validate_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConf
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = config_file(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist", machine_wide=True)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:

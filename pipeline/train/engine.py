@@ -91,7 +91,10 @@ def load_base_config(spec: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
         raise AssertionError("deepspeed: auto must be resolved first (resolve_auto)")
     path = config_file(spec)
     if not path.is_file():
-        raise ConfigError(f"key 'deepspeed': file {spec} does not exist (see configs/deepspeed/)")
+        raise ConfigError(
+            f"key 'deepspeed': file {spec} does not exist (see configs/deepspeed/)",
+            machine_wide=True,
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
