@@ -370,7 +370,16 @@ def _prints(err: Exception) -> bool:
     return os.environ.get(which, "0") == "0"
 
 
+def quiet_mlflow_telemetry() -> None:
+    """MLflow 3's usage telemetry (on by default) is off in everything `plm` starts: this
+    process, and what inherits its environment (launcher ranks, Ray workers, an MLflow
+    server). A user's own MLFLOW_DISABLE_TELEMETRY (false: on) wins; DO_NOT_TRACK=true
+    turns it off in MLflow too."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_mlflow_telemetry()  # before anything imports mlflow
     from pipeline.config import ConfigError
     from pipeline.data.shards import ShardError
 

@@ -100,3 +100,22 @@ def test_a_final_wait_that_runs_out_is_told_and_the_same_command_syncs_it(tmp_pa
     assert again.left_behind() is None and again.run_id == run_id
     assert client.get_run(run_id).info.status == "FINISHED"
     assert sorted(m.step for m in client.get_metric_history(run_id, "loss")) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("users", [None, "false", "true"])
+def test_mlflow_telemetry_is_off_in_what_plm_starts_unless_the_user_chose(
+    tmp_path, monkeypatch, users
+):
+    """MLflow 3 sends usage telemetry by default: every `plm` command turns it off for
+    itself and what inherits its environment (ranks, Ray workers, an MLflow server); a
+    user's own MLFLOW_DISABLE_TELEMETRY wins."""
+    from mlflow.environment_variables import MLFLOW_DISABLE_TELEMETRY
+
+    from pipeline.cli import main
+
+    if users is None:
+        monkeypatch.delenv("MLFLOW_DISABLE_TELEMETRY", raising=False)
+    else:
+        monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", users)
+    main(["data", "inspect", str(tmp_path / "nothing-here")])  # any command, even a failing one
+    assert MLFLOW_DISABLE_TELEMETRY.get() is (users != "false")
