@@ -42,6 +42,14 @@ def ui_link(base_url: str, experiment_id: str) -> str:
     return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
 
 
+def how_to_view(uri: str, experiment_id: str) -> str:
+    """Where a person sees the run: the server's UI page of the experiment, or for a local
+    store the `mlflow ui` command that serves it, then that page."""
+    if uri.startswith(("http://", "https://")):
+        return ui_link(uri, experiment_id)
+    return f"mlflow ui --backend-store-uri {uri}, then {ui_link('http://127.0.0.1:5000', experiment_id)}"
+
+
 def default_tracking_uri() -> str:
     """What ``mlflow ui`` run in the same directory shows: sqlite:///mlflow.db in the cwd."""
     return f"sqlite:///{Path.cwd() / 'mlflow.db'}"
@@ -234,6 +242,7 @@ class Tracker:
                     mlflow.log_params(dict(items[i : i + 100]))
             mlflow.set_tags(tags)
             print(f"MLflow run {self.run_id} at {uri}", flush=True)
+            print(f"  see it: {how_to_view(uri, run.info.experiment_id)}", flush=True)
             if self._sent < self._rows:  # an earlier job's outage: send what MLflow lacks
                 self._backfill()
         except Exception as err:  # network, server, store: never fatal

@@ -119,3 +119,28 @@ def test_mlflow_telemetry_is_off_in_what_plm_starts_unless_the_user_chose(
         monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", users)
     main(["data", "inspect", str(tmp_path / "nothing-here")])  # any command, even a failing one
     assert MLFLOW_DISABLE_TELEMETRY.get() is (users != "false")
+
+
+def test_a_run_says_how_to_see_it(tmp_path, capsys):
+    """`plm train` printed the run id only; now the `mlflow ui` command for a local store
+    (then the experiment's page), or the server's page of the experiment."""
+    import mlflow
+
+    from pipeline.train.tracking import how_to_view
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    tracker = Tracker(tmp_path / "run", enabled=True)
+    try:
+        tracker.start(tracking_uri=uri, experiment="see", run_name="r", params={}, tags={},
+                      resume=False)  # fmt: skip
+        tracker.end("FINISHED")
+    finally:
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+    experiment = mlflow.MlflowClient(uri).get_run(tracker.run_id).info.experiment_id
+    out = capsys.readouterr().out
+    assert (f"see it: mlflow ui --backend-store-uri {uri}, then http://127.0.0.1:5000/#/"
+            f"experiments/{experiment}?workflowType=machine_learning") in out  # fmt: skip
+    assert how_to_view("http://plm-mlflow:5000", "7") == (
+        "http://plm-mlflow:5000/#/experiments/7?workflowType=machine_learning"
+    )
