@@ -212,7 +212,10 @@ class MlflowServer:
         # MLflow's job execution (the GenAI evaluation and prompt jobs) is off unless asked
         # for: pretraining does not use it, it adds 8 processes to the server, and every
         # start leaves a folder in /dev/shm that MLflow never removes.
-        env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", **os.environ}
+        # Its usage telemetry is off too, as in everything plm starts (a user's own
+        # MLFLOW_DISABLE_TELEMETRY wins).
+        env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
+               **os.environ}  # fmt: skip
         # Own session: the server's workers are stopped as one process group.
         self.proc = subprocess.Popen(
             cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env

@@ -76,6 +76,11 @@ def _data_inspect(args: argparse.Namespace) -> int:
     return inspect_data(args.dir, verify=args.verify)
 
 
+# `plm train` finished training but MLflow did not answer within mlflow.final_wait_s: the
+# run stays RUNNING there with rows unsent; re-running the same command syncs them.
+EXIT_TRACKING_UNSYNCED = 3
+
+
 def _train(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
 
@@ -89,7 +94,7 @@ def _train(args: argparse.Namespace) -> int:
     from pipeline.train.trainer import TrainingDiverged, train
 
     try:
-        train(cfg)
+        result = train(cfg)
     except TrainingStopped as err:  # SIGTERM / SIGINT: checkpointed, MLflow run KILLED
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"plm: {err}", file=sys.stderr)
@@ -100,6 +105,9 @@ def _train(args: argparse.Namespace) -> int:
     except CheckpointError as err:  # names the checkpoint and what is wrong with it
         print(f"plm: {err}", file=sys.stderr)
         return 2
+    if result.tracking_left_behind:  # trained, but MLflow lacks part of it (rank 0)
+        print(f"plm: {result.tracking_left_behind}", file=sys.stderr)
+        return EXIT_TRACKING_UNSYNCED
     return 0
 
 
@@ -349,7 +357,29 @@ def _verbose_everywhere(parser: argparse.ArgumentParser) -> None:
                 _verbose_everywhere(sub)
 
 
+def _prints(err: Exception) -> bool:
+    """Whether this process prints ``err``'s `plm:` line, so a launcher's ranks print it
+    once: a ConfigError every rank meets alike (the config's) on rank 0 only, a
+    machine-wide one (this machine's toolchain or files) on each machine's local rank 0.
+    A ShardError is about the shards this rank read: every rank that meets it prints."""
+    from pipeline.config import ConfigError
+
+    if not isinstance(err, ConfigError):
+        return True
+    which = "LOCAL_RANK" if err.machine_wide else "RANK"
+    return os.environ.get(which, "0") == "0"
+
+
+def quiet_mlflow_telemetry() -> None:
+    """MLflow 3's usage telemetry (on by default) is off in everything `plm` starts: this
+    process, and what inherits its environment (launcher ranks, Ray workers, an MLflow
+    server). A user's own MLFLOW_DISABLE_TELEMETRY (false: on) wins; DO_NOT_TRACK=true
+    turns it off in MLflow too."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
 def main(argv: list[str] | None = None) -> int:
+    quiet_mlflow_telemetry()  # before anything imports mlflow
     from pipeline.config import ConfigError
     from pipeline.data.shards import ShardError
 
@@ -364,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback
-        if not getattr(err, "machine_wide", False) or os.environ.get("LOCAL_RANK", "0") == "0":
+        if _prints(err):
             print(f"plm: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside training's own stop (which checkpoints first)

@@ -41,8 +41,9 @@ def config_file(path: str | Path) -> Path:
 class ConfigError(ValueError):
     """A config that cannot be used; the message names the key or file and the fix.
 
-    ``machine_wide``: every rank of a machine meets it alike (its toolchain, say), so under a
-    launcher only local rank 0 prints it: one `plm:` line per machine, not one per rank."""
+    Under a launcher every rank meets a config's error alike: only rank 0 prints it (one
+    `plm:` line, not one per rank). ``machine_wide``: it depends on the machine (its
+    toolchain, a file missing there), so each machine's local rank 0 prints it."""
 
     def __init__(self, message: str, machine_wide: bool = False):
         super().__init__(message)
@@ -330,12 +331,50 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
-def _format_validation_error(err: ValidationError, source: str) -> str:
+def _section_keys(root: type[BaseModel], path: tuple) -> list[str]:
+    """The keys the section at ``path`` (a pydantic error's loc without its last part)
+    takes, following the config models from ``root``; [] where the path leaves them."""
+    import typing
+
+    cls: Any = root
+    for part in path:
+        field = cls.model_fields.get(str(part)) if isinstance(part, str) else None
+        if field is None:
+            return []
+        candidates = [field.annotation, *typing.get_args(field.annotation)]
+        cls = next(
+            (c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None
+        )
+        if cls is None:
+            return []
+    return list(cls.model_fields)
+
+
+def _nearest_key(root: type[BaseModel] | None, loc: tuple) -> str:
+    """ " did you mean 'train.max_steps'?" for a misspelled key, or ""."""
+    import difflib
+
+    if root is None or not loc:
+        return ""
+    keys = _section_keys(root, tuple(loc[:-1]))
+    near = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
+    if not near:
+        return ""
+    return " did you mean '" + ".".join([*(str(p) for p in loc[:-1]), near[0]]) + "'?"
+
+
+def _format_validation_error(
+    err: ValidationError, source: str, root: type[BaseModel] | None = None
+) -> str:
+    """``root``: the model validated, so a misspelled key gets the nearest valid one."""
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         if e["type"] == "extra_forbidden":
-            lines.append(f"  unknown key '{key}' (check its spelling; see configs/ for valid keys)")
+            hint = _nearest_key(root, tuple(e["loc"]))
+            lines.append(
+                f"  unknown key '{key}' (check its spelling;{hint or ' see configs/ for valid keys'})"
+            )
         elif e["type"] == "missing":
             lines.append(f"  missing key '{key}'")
         else:
@@ -347,13 +386,13 @@ def validate_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConf
     try:
         return ExperimentConfig.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source)) from None
+        raise ConfigError(_format_validation_error(err, source, ExperimentConfig)) from None
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     path = config_file(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
+        raise ConfigError(f"config file {path} does not exist", machine_wide=True)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:

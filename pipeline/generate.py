@@ -248,6 +248,7 @@ def generate_text(
     completion = tokenizer.decode(result.tokens)
     return {
         "arch": config["arch"],
+        "pieces": [tokenizer.id_to_token(i) for i in result.tokens],
         "prompt_ids": prompt_ids,
         "tokens": result.tokens,
         "stopped_at_eod": result.stopped_at_eod,
@@ -275,4 +276,25 @@ def generate_from_cli(args) -> int:
         print(f"plm generate: {err}", file=sys.stderr)
         return 2
     print(out["text"])
+    note = nothing_visible(out)
+    if note:  # the prompt alone (and blank lines) would leave a person guessing
+        print(f"plm generate: {note}", file=sys.stderr)
     return 0
+
+
+def nothing_visible(out: dict[str, Any]) -> str | None:
+    """What was generated when it shows as nothing: no token (end-of-text at once), or
+    tokens that decode to whitespace only (a tiny or undertrained model's favourite)."""
+    if out["completion"].strip():
+        return None
+    eod = " then the end-of-text token" if out["stopped_at_eod"] else ""
+    if not out["tokens"]:
+        return "nothing generated: the first token drawn was the end-of-text token"
+    pairs = list(zip(out["pieces"], out["tokens"], strict=True))[:8]
+    shown = ", ".join(f"{p!r} (id {i})" for p, i in pairs)
+    more = f" and {len(out['tokens']) - 8} more" if len(out["tokens"]) > 8 else ""
+    return (
+        f"generated {len(out['tokens'])} tokens that decode to whitespace only{eod}: "
+        f"{shown}{more}; an undertrained model repeats its most frequent token (train it "
+        "longer, or sample: --temperature 1)"
+    )

@@ -38,6 +38,7 @@ from pipeline.data.readers import (
     Digest,
     InputError,
     Source,
+    _open_text_stream,
     hash_docs,
     hash_range,
     python_docs,
@@ -413,6 +414,8 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         "reject_examples": dict(sorted(examples.items())),
         "stats": stats,
     }
+    if manifest["totals"]["n_docs"] == 0:  # an unusable input: no data dir, exit 2
+        raise InputError(_nothing_usable(cfg, sources, manifest["totals"], rejected))
     write_file(fs, f"{root}/{MANIFEST}", manifest_bytes(manifest))
     totals = manifest["totals"]
     per_split = ", ".join(f"{k} {v['n_docs']:,}" for k, v in splits.items())
@@ -441,6 +444,52 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
             file=sys.stderr,
         )
     return _result(cfg, root)
+
+
+def _nothing_usable(
+    cfg: PrepareConfig, sources: list[Source], totals: dict[str, Any], rejected: Counter
+) -> str:
+    """Why the inputs gave no document, as one sentence: empty, or every document
+    rejected (by reason); for jsonl documents without the text field, the fields that
+    the first JSON object has and the flag that picks one."""
+    where = ", ".join(s.uri for s in sources[:3]) + (
+        f" and {len(sources) - 3} more" if len(sources) > 3 else ""
+    )
+    read = totals["documents_read"]
+    if not read:
+        why = "holds no document (empty?)" if len(sources) == 1 else "hold no document (empty?)"
+        msg = f"{where} {why}"
+    else:
+        reasons = ", ".join(f"{k} {v:,}" for k, v in sorted(rejected.items()))
+        msg = f"none of the {read:,} documents of {where} is usable (rejected: {reasons})"
+    if rejected.get("no_text"):
+        fields = _jsonl_fields(sources)
+        seen = f"; fields seen: {', '.join(fields)}" if fields else ""
+        msg += (
+            f"; {rejected['no_text']:,} JSON lines have no string field {cfg.text_field!r}"
+            f"{seen}: pass --text-field NAME (data config text_field)"
+        )
+    return f"{msg}; no data dir was written (manifest.json), nothing to train on"
+
+
+def _jsonl_fields(sources: list[Source]) -> list[str]:
+    """The keys of the first JSON object of the first jsonl source that has one (read from
+    its first 1 MB), for the hint above; [] when none is found."""
+    for source in sources:
+        if not source.format.startswith("jsonl"):
+            continue
+        try:
+            with _open_text_stream(source) as stream:
+                for line in stream.read(1 << 20).splitlines():
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(obj, dict):
+                        return sorted(obj)
+        except (OSError, EOFError):
+            continue
+    return []
 
 
 def _result(cfg: PrepareConfig, root: str) -> Path | str:

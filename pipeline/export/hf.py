@@ -84,7 +84,9 @@ _ADAPTERS["xlnet"] = (xlnet_to_hf_state, hf_xlnet_model)  # XLNetLMHeadModel
 # ----------------------------------------------------------------------------- tokenizer
 
 
-def _hf_tokenizer(bundle_dir: Path, arch: str, roles: dict[str, int], max_len: int):
+def _hf_tokenizer(
+    bundle_dir: Path, arch: str, roles: dict[str, int], max_len: int, type_vocab_size: int = 2
+):
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
@@ -93,9 +95,12 @@ def _hf_tokenizer(bundle_dir: Path, arch: str, roles: dict[str, int], max_len: i
     names = {role: tok.id_to_token(i) for role, i in roles.items() if i is not None}
     if arch in ("bert", "albert", "electra", "ernie", "distilbert"):
         cls, sep = names["cls"], names["sep"]
+        # segment B: type 1, or 0 for a model with one segment type (type_vocab_size 1;
+        # type 1 would be out of its embedding's range), as the objectives and our model do
+        b = 1 if type_vocab_size > 1 else 0
         tok.post_processor = TemplateProcessing(
             single=f"{cls} $A:0 {sep}:0",
-            pair=f"{cls} $A:0 {sep}:0 $B:1 {sep}:1",
+            pair=f"{cls} $A:0 {sep}:0 $B:{b} {sep}:{b}",
             special_tokens=[(cls, roles["cls"]), (sep, roles["sep"])],
         )
         input_names = ["input_ids", "token_type_ids", "attention_mask"]
@@ -114,10 +119,14 @@ def _hf_tokenizer(bundle_dir: Path, arch: str, roles: dict[str, int], max_len: i
         for role in ("unk", "pad", "cls", "sep", "mask", "bos", "eos")
         if role in names
     }
+    # Special-token text ("[MASK]", "<s>" typed in a sentence) is plain text, as in our
+    # load_tokenizer: text cannot inject control tokens. Saved in tokenizer_config.json;
+    # a call can still ask for them (split_special_tokens=False, e.g. a fill-mask prompt).
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         model_input_names=input_names,
         model_max_length=max_len,
+        split_special_tokens=True,
         **specials,
     )
 
@@ -170,7 +179,9 @@ def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
             "the adapter in pipeline/export/hf.py is out of date with transformers"
         )
     _check_tied(model)
-    tokenizer = _hf_tokenizer(bundle_dir, arch, roles, max_input_tokens(arch, cfg))
+    tokenizer = _hf_tokenizer(
+        bundle_dir, arch, roles, max_input_tokens(arch, cfg), getattr(cfg, "type_vocab_size", 2)
+    )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

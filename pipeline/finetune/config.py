@@ -147,7 +147,7 @@ def validate_finetune(raw: dict[str, Any], source: str = "<dict>") -> FinetuneCo
     try:
         return FinetuneConfig.model_validate(raw)
     except ValidationError as err:
-        raise FinetuneError(_format_validation_error(err, source)) from None
+        raise FinetuneError(_format_validation_error(err, source, FinetuneConfig)) from None
 
 
 def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -> FinetuneConfig:

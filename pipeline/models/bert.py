@@ -30,7 +30,8 @@ from pipeline.models.blocks import (
 class BertConfig(TransformerConfig):
     """BERT's defaults are the base fields' (BERT-base, post-LN, exact GELU, eps 1e-12)."""
 
-    type_vocab_size: int = Field(2, gt=0)  # segments A / B
+    # segments A / B; 1: one type for both (segment B gets type 0, as in RoBERTa)
+    type_vocab_size: int = Field(2, gt=0)
 
 
 class BertEmbeddings(nn.Module):
@@ -50,7 +51,10 @@ class BertEmbeddings(nn.Module):
         self, input_ids: Tensor, token_type_ids: Tensor | None, position_ids: Tensor
     ) -> Tensor:
         x = self.word(input_ids) + self.position(position_ids)
-        if token_type_ids is None:
+        # One segment type (type_vocab_size 1, as RoBERTa): every token is segment A, and
+        # a pair's segment B too (ids 1 from a two-type tokenizer would be out of range);
+        # the segments are told apart by their separators.
+        if token_type_ids is None or self.token_type.num_embeddings == 1:
             x = x + self.token_type.weight[0]  # all segment A
         else:
             x = x + self.token_type(token_type_ids)

@@ -116,8 +116,12 @@ def resolve_model_config(
             if preset_file is not None and key and key not in section and key != "vocab_size":
                 where = f" (from {preset_file})"
             if e["type"] == "extra_forbidden":
-                known = ", ".join(k for k in config_cls.model_fields if k != "vocab_size")
-                lines.append(f"  unknown key '{name}'{where}; known keys: {known}")
+                import difflib
+
+                keys = [k for k in config_cls.model_fields if k != "vocab_size"]
+                near = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+                hint = f"; did you mean 'model.{near[0]}'?" if near else ""
+                lines.append(f"  unknown key '{name}'{where}{hint}; known keys: {', '.join(keys)}")
             elif e["type"] == "missing":
                 lines.append(f"  missing key '{name}'; set it or use a preset")
             else:

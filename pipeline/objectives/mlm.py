@@ -166,6 +166,14 @@ def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return loss, acc
 
 
+def segment_b_type(model: torch.nn.Module) -> int:
+    """The token type of a sentence pair's segment B for ``model``: 1, or 0 when the model
+    has one segment type (``type_vocab_size: 1``; the exported tokenizer's pair template
+    gives 0 too, pipeline/export/hf.py)."""
+    types = getattr(getattr(model, "config", None), "type_vocab_size", 2)
+    return 1 if types > 1 else 0
+
+
 class Rows:
     """The batch under construction: preallocated [B, T] arrays an objective fills row by
     row (no per-example arrays to stack), plus the positions that may be masked and,
@@ -194,6 +202,10 @@ class MaskingMixin:
     """Masking shared by the MLM and MLM+NSP objectives. A subclass fills one row of a
     ``Rows`` per unit (``fill``); masking then runs on the whole batch at once, from
     each example's own draws, so row i of a batch equals ``make_example`` of unit i."""
+
+    # token_type_ids of a pair's segment B: 1, or 0 for a model with one segment type
+    # (``type_vocab_size: 1``, RoBERTa's way; set by ``attach``)
+    segment_b = 1
 
     def _init_masking(self, cfg: MlmConfig, roles: dict, vocab_size: int, special_ids: set[int]):
         if cfg.ngram > 1 and not cfg.whole_word:
@@ -225,7 +237,8 @@ class MaskingMixin:
         self.replacements = np.flatnonzero(~self.is_special).astype(np.int64)
 
     def attach(self, model: torch.nn.Module) -> None:
-        """A model that derives positions from the padding id (RoBERTa) must pad like us."""
+        """A model that derives positions from the padding id (RoBERTa) must pad like us;
+        a model with one segment type gets pairs whose segment B is type 0."""
         want = getattr(model.config, "pad_token_id", None)
         if want is not None and int(want) != self.pad_id:
             raise ConfigError(
@@ -233,6 +246,7 @@ class MaskingMixin:
                 f"set model.pad_token_id={self.pad_id} (or use a `--kind bpe` tokenizer, "
                 "whose <pad> is 1 as in RoBERTa)"
             )
+        self.segment_b = segment_b_type(model)
 
     def new_rows(self, batch_size: int) -> Rows:
         return Rows(batch_size, self.seq_len, self.pad_id, self.mlm.whole_word)

@@ -16,7 +16,8 @@ A unit is one window of at most ``seq_len - 3`` tokens of a document (see
    position of another document, long enough for the target; else the rest of the chunk;
 5. the longer of A and B loses tokens until the pair fits, each token from the front or
    the back with probability 1/2 (BERT's truncate_seq_pair, drawn in closed form);
-6. ``[CLS] A [SEP] B [SEP] [PAD]...``, token_type_ids 0 for [CLS] A [SEP] and 1 for
+6. ``[CLS] A [SEP] B [SEP] [PAD]...``, token_type_ids 0 for [CLS] A [SEP] and 1 (0 for a
+   model with ``type_vocab_size: 1``) for
    B [SEP], nsp_labels 0 = B is the continuation, 1 = B is random (as in transformers),
    then masked as ``mlm`` masks.
 
@@ -148,7 +149,7 @@ class MlmNspObjective(MaskingMixin, Objective):
         ids[0], ids[sep_a], ids[sep_b] = self.cls_id, self.sep_id, self.sep_id
         rows.segment(i, 1, doc, *a)
         rows.segment(i, sep_a + 1, b_doc, *b)
-        rows.arrays["token_type_ids"][i, sep_a + 1 : sep_b + 1] = 1
+        rows.arrays["token_type_ids"][i, sep_a + 1 : sep_b + 1] = self.segment_b
         rows.arrays["attention_mask"][i, : sep_b + 1] = 1
         rows.arrays["nsp_labels"][i] = len(docs) == 2  # 1: B is a random document
 

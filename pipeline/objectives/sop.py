@@ -78,7 +78,7 @@ class MlmSopObjective(MaskingMixin, Objective):
         ids[0], ids[sep_1], ids[sep_2] = self.cls_id, self.sep_id, self.sep_id
         rows.segment(i, 1, doc, *first)
         rows.segment(i, sep_1 + 1, doc, *second)
-        rows.arrays["token_type_ids"][i, sep_1 + 1 : sep_2 + 1] = 1
+        rows.arrays["token_type_ids"][i, sep_1 + 1 : sep_2 + 1] = self.segment_b
         rows.arrays["attention_mask"][i, : sep_2 + 1] = 1
         rows.arrays["sop_labels"][i] = swapped
 

@@ -14,6 +14,12 @@ ZeRO-0 state is not partitioned and loads as it is; ZeRO 1-3 partitions are conv
 once with DeepSpeed's ``ds_to_universal`` into ``<tag>/universal/`` (fp32 weights and
 Adam moments per parameter) and loaded with ``checkpoint.load_universal``.
 
+Loading a checkpoint runs no code from it: our trainer state is read with
+``torch.load(weights_only=True)``, and so is every DeepSpeed file (model states, ZeRO
+shards, the universal conversion's input and output; ``weights_only_loads``), with only
+the few DeepSpeed classes their pickles name allowed (``DEEPSPEED_SAFE_GLOBALS``). A file
+that names anything else is refused with one ``CheckpointError``.
+
 DeepSpeed's own ``latest`` is written without waiting for the other ranks, and its
 ``load_checkpoint`` silently starts from scratch when it finds nothing, so we save with
 ``save_latest=False``, load with an explicit tag, and fail loudly if that tag won't load.
@@ -28,6 +34,7 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -103,6 +110,58 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     except pickle.UnpicklingError:
         with torch.serialization.safe_globals(_LEGACY_NUMPY_GLOBALS):
             return torch.load(path, weights_only=True)
+
+
+def _deepspeed_safe_globals() -> list[Any]:
+    """The classes DeepSpeed 0.19's checkpoint files pickle besides tensors and plain
+    data (dicts, lists, OrderedDict, torch.Size): its ZeRO optimizer state's loss scaler
+    and stage enum and its parameter-fragment addresses. Data holders: building them runs
+    no code of the file's choosing."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class UnsafeCheckpointFile(pickle.UnpicklingError):
+    """A checkpoint file whose pickle names something ``weights_only`` loading refuses."""
+
+    def __init__(self, path: Any, reason: str):
+        self.path = str(path)
+        named = re.search(r"GLOBAL (\S+)", reason)
+        what = f"it names {named.group(1)}" if named else " ".join(reason.split())[:200]
+        super().__init__(
+            f"{self.path} cannot be loaded safely: its pickle would run code or build "
+            f"objects a checkpoint does not hold ({what}); refused, nothing from it ran. "
+            "Resume only from checkpoints written by `plm train`"
+        )
+
+
+_torch_load = torch.load
+
+
+@contextlib.contextmanager
+def weights_only_loads():
+    """Within it, every ``torch.load`` (DeepSpeed's checkpoint engine, its ZeRO and
+    universal-checkpoint loaders, ``ds_to_universal``: they pass ``weights_only=False``)
+    reads with ``weights_only=True`` and DeepSpeed's few safe classes allowed; a file
+    that needs more raises ``UnsafeCheckpointFile`` naming it."""
+    allowed = _deepspeed_safe_globals()
+
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        try:
+            with torch.serialization.safe_globals(allowed):
+                return _torch_load(f, *args, **kwargs)
+        except pickle.UnpicklingError as err:
+            raise UnsafeCheckpointFile(f, str(err)) from None
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = _torch_load
 
 
 def plain(obj: Any) -> Any:
@@ -187,10 +246,13 @@ class CheckpointManager:
         # hyperparameters into every group: keep our per-group weight decay.
         decays = [g.get("weight_decay") for g in engine.optimizer.param_groups]
         try:
-            load_path, _ = engine.load_checkpoint(
-                str(self.root), tag=ds_tag, load_optimizer_states=True,
-                load_lr_scheduler_states=True,
-            )  # fmt: skip
+            with weights_only_loads():
+                load_path, _ = engine.load_checkpoint(
+                    str(self.root), tag=ds_tag, load_optimizer_states=True,
+                    load_lr_scheduler_states=True,
+                )  # fmt: skip
+        except UnsafeCheckpointFile as err:
+            raise CheckpointError(str(err)) from None
         except (AssertionError, OSError, RuntimeError, KeyError, ValueError) as err:
             if "size mismatch" in str(err):
                 first = next(x.strip() for x in str(err).splitlines() if "size mismatch" in x)
@@ -252,7 +314,10 @@ class CheckpointManager:
             log = io.StringIO()  # its progress bars and prints: kept for errors only
             try:
                 with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                    ds_to_universal(args)
+                    with weights_only_loads():
+                        ds_to_universal(args)
+            except UnsafeCheckpointFile as err:
+                raise CheckpointError(str(err)) from None
             except Exception as err:
                 raise CheckpointError(
                     f"converting {self.root / tag} to a universal checkpoint failed: "

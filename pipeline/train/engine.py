@@ -91,7 +91,10 @@ def load_base_config(spec: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
         raise AssertionError("deepspeed: auto must be resolved first (resolve_auto)")
     path = config_file(spec)
     if not path.is_file():
-        raise ConfigError(f"key 'deepspeed': file {spec} does not exist (see configs/deepspeed/)")
+        raise ConfigError(
+            f"key 'deepspeed': file {spec} does not exist (see configs/deepspeed/)",
+            machine_wide=True,
+        )
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -315,4 +318,44 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_fact
         config=ds_config,
         dist_init_required=False,
     )
+    record_grad_norm(engine)
     return engine
+
+
+def record_grad_norm(engine) -> None:
+    """Make ``engine.get_global_grad_norm()`` the step's gradient norm in every setup.
+
+    DeepSpeed's own optimizers (ZeRO 1-3, its fp16/bf16 wrappers) record it. Under ZeRO-0
+    in fp32 the optimizer is torch's, and DeepSpeed clips the gradients
+    (``clip_fp32_gradients``) without keeping the norm it computed: the norm read None,
+    logged as 0. Here its clipping is replaced by the same call (DeepSpeed's
+    ``clip_grad_norm_``, the same on every rank: ZeRO-0 has all-reduced the gradients)
+    that also keeps the norm, so gradients are still clipped exactly once; with
+    ``gradient_clipping`` 0 DeepSpeed does not clip, and the norm is computed before the
+    update without clipping."""
+    if hasattr(engine.optimizer, "_global_grad_norm"):
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_record() -> None:
+        engine._global_grad_norm = clip_grad_norm_(
+            parameters=engine.module.parameters(),
+            max_norm=engine.gradient_clipping(),
+            mpu=engine.mpu,
+        )
+
+    engine.clip_fp32_gradients = clip_and_record
+    if engine.gradient_clipping() > 0.0:
+        return
+    take_model_step = engine._take_model_step
+
+    def record_then_step(*args, **kwargs):
+        grads = [p.grad.detach().float() for p in engine.module.parameters() if p.grad is not None]
+        engine._global_grad_norm = (
+            torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            if grads
+            else torch.zeros(())
+        )
+        return take_model_step(*args, **kwargs)
+
+    engine._take_model_step = record_then_step

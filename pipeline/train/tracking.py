@@ -43,6 +43,14 @@ def ui_link(base_url: str, experiment_id: str) -> str:
     return f"{base_url.rstrip('/')}/#/experiments/{experiment_id}?workflowType=machine_learning"
 
 
+def how_to_view(uri: str, experiment_id: str) -> str:
+    """Where a person sees the run: the server's UI page of the experiment, or for a local
+    store the `mlflow ui` command that serves it, then that page."""
+    if uri.startswith(("http://", "https://")):
+        return ui_link(uri, experiment_id)
+    return f"mlflow ui --backend-store-uri {uri}, then {ui_link('http://127.0.0.1:5000', experiment_id)}"
+
+
 def code_version() -> str:
     try:
         out = subprocess.run(
@@ -226,6 +234,7 @@ class Tracker:
                     mlflow.log_params(dict(items[i : i + 100]))
             mlflow.set_tags(tags)
             print(f"MLflow run {self.run_id} at {uri}", flush=True)
+            print(f"  see it: {how_to_view(uri, run.info.experiment_id)}", flush=True)
             if self._sent < self._rows:  # an earlier job's outage: send what MLflow lacks
                 self._backfill()
         except Exception as err:  # network, server, store: never fatal
@@ -368,6 +377,27 @@ class Tracker:
             print(f"MLflow unreachable: waiting up to {wait:g} s (mlflow.final_wait_s) to end "
                   "the run and log the model", flush=True)  # fmt: skip
         return self.reconnect(wait)
+
+    def left_behind(self) -> str | None:
+        """After ``end``: what a finished job left out of MLflow (the server did not answer
+        within final_wait_s), as one sentence for the ``plm:`` line; None when MLflow has
+        it all (or this rank does not track)."""
+        if not self.enabled or self.mlflow_ok:
+            return None
+        rows = self._rows - self._sent
+        if self.run_id is None:
+            what = f"the run never started there; {rows} metric rows of {self._jsonl} are unsent"
+        else:
+            what = (
+                f"run {self.run_id} stays RUNNING there, {rows} metric rows of {self._jsonl} "
+                "are unsent and the final model is not logged"
+            )
+        return (
+            f"training finished, but MLflow at {self.uri} did not answer within "
+            f"mlflow.final_wait_s={self.final_wait_s:g} s: {what}. Re-run the same command "
+            "once the server answers: it resumes the finished run and syncs them (the "
+            "metrics, the run's end and the model); nothing is trained again"
+        )
 
     def end(self, status: str = "FINISHED") -> None:
         if self.enabled and not self.mlflow_ok:

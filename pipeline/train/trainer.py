@@ -53,6 +53,9 @@ class RunResult:
     model_version: str | None
     losses: dict[int, float] = field(default_factory=dict)
     tokens_by_source: dict[str, int] = field(default_factory=dict)
+    # rank 0 of a finished run whose MLflow server did not answer in time: what MLflow
+    # lacks and how to sync it (``plm train`` prints it and exits 3)
+    tracking_left_behind: str | None = None
 
 
 @dataclass
@@ -559,8 +562,13 @@ class Trainer:
             self.engine.set_gradient_accumulation_boundary(last)
             self.engine.backward(loss)
             self.engine.step()
+        # recorded in every setup (engine.record_grad_norm); NaN, never a made-up 0, if not
         norm = self.engine.get_global_grad_norm()
-        norm = norm.detach().float() if torch.is_tensor(norm) else torch.tensor(float(norm or 0.0))
+        norm = (
+            norm.detach().float().reshape(())
+            if torch.is_tensor(norm)
+            else torch.tensor(float("nan") if norm is None else float(norm))
+        )
         assert values is not None
         return StepRecord(
             step=self.step + 1,
@@ -814,7 +822,9 @@ class Trainer:
             self.stopper.restore()
             self.tracker.end(status)
             self.stream.close()
-        return self._result(bundle_dir, version)
+        result = self._result(bundle_dir, version)
+        result.tracking_left_behind = self.tracker.left_behind()
+        return result
 
     def stop_on_signal(self) -> None:
         """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""

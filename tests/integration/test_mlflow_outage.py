@@ -130,3 +130,20 @@ def test_the_tracker_picks_up_again_in_the_middle_of_a_run(tmp_path):
         if mlflow.active_run() is not None:
             mlflow.end_run()
         server.stop()
+
+
+def test_a_finished_run_that_mlflow_lacks_exits_3_with_one_line(tiny_data, tmp_path):
+    """Training finished but MLflow never answered (nothing listens at the URI): `plm
+    train` does not exit 0 in silence; one `plm:` line says what MLflow lacks and that the
+    same command syncs it, and the status is 3."""
+    from conftest import free_port, one_plm_line, plm
+
+    run_dir = tmp_path / "run"
+    proc = plm("train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}",
+               "train.max_steps=4", "train.eval_every=0", "train.save_every=0",
+               f"mlflow.tracking_uri=http://127.0.0.1:{free_port()}", "mlflow.final_wait_s=0",
+               cwd=tmp_path, check=False)  # fmt: skip
+    line = one_plm_line(proc, code=3)
+    assert "did not answer within mlflow.final_wait_s=0 s" in line, line
+    assert "Re-run the same command" in line and "metric rows" in line, line
+    assert (run_dir / "checkpoints" / "latest").is_file()  # the training itself is done

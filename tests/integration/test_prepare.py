@@ -594,3 +594,41 @@ def test_a_truncated_gzip_is_a_counted_reject_and_the_other_inputs_are_kept(
     assert kept == set(range(kept_cut)) | set(range(1000, 1040))  # the first ones, uncut
     err = capsys.readouterr().err
     assert "warning: 1 compressed input(s) break off" in err and "cut.jsonl.gz" in err
+
+
+@pytest.mark.parametrize("kind", ["empty", "content_field", "garbage"])
+def test_unusable_input_exits_2_with_one_line_and_no_data_dir(
+    ray_local, tokenizer_dir, tmp_path, capsys, kind
+):
+    """An input that gives no document (an empty file, a jsonl whose text is under another
+    field: all rejected no_text, or garbage) was a 0-document data dir and exit 0: now one
+    `plm:` line (for the field: the fields seen and --text-field), exit 2, no manifest."""
+    if kind == "empty":
+        path = tmp_path / "c.txt"
+        path.write_bytes(b"")
+    elif kind == "content_field":
+        path = tmp_path / "c.jsonl"
+        lines = [json.dumps({"id": i, "content": paragraph(i)}) for i in range(5)]
+        path.write_text("\n".join(lines) + "\n", "utf-8")
+    else:
+        path = tmp_path / "c.jsonl"
+        path.write_bytes(bytes(range(256)) * 8)
+    out = tmp_path / "data"
+    code = main(["data", "prepare", "--input", str(path), "--tokenizer", str(tokenizer_dir),
+                 "--output", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if x.startswith("plm:")]
+    assert code == 2 and len(lines) == 1, err
+    assert str(path) in lines[0] and "no data dir was written" in lines[0]
+    assert not (out / "manifest.json").exists()
+    if kind == "empty":
+        assert "holds no document" in lines[0]
+    if kind == "content_field":
+        assert "no_text 5" in lines[0] and "no string field 'text'" in lines[0]
+        assert "fields seen: content, id" in lines[0] and "--text-field" in lines[0]
+        # the hint works: the same output, the field named
+        assert main(["data", "prepare", "--input", str(path), "--tokenizer", str(tokenizer_dir),
+                     "--output", str(out), "--text-field", "content"]) == 0  # fmt: skip
+        assert DataDir(out).manifest["totals"]["documents_kept"] == 5
+    if kind == "garbage":
+        assert "none of the" in lines[0] and "rejected:" in lines[0]

@@ -10,6 +10,26 @@ def test_misspelled_key_is_named():
         validate_dict({**BASE, "train": {"max_stpes": 3}})
 
 
+def test_misspelled_key_gets_the_nearest_valid_one():
+    """As the DeepSpeed JSON check does: "did you mean 'train.max_steps'?", in any section
+    and at the top level; a key near none gets no guess."""
+    for raw, near in (
+        ({**BASE, "train": {"max_stpes": 3}}, "train.max_steps"),
+        ({**BASE, "mlflow": {"final_wait": 3}}, "mlflow.final_wait_s"),
+        ({**BASE, "objective": {"mlm": {"mask_fracton": 0.1}}}, "objective.mlm.mask_fraction"),
+        ({**BASE, "trian": {}}, "train"),
+    ):
+        with pytest.raises(ConfigError, match=rf"did you mean '{near}'\?"):
+            validate_dict(raw)
+    with pytest.raises(ConfigError, match="see configs/ for valid keys") as err:
+        validate_dict({**BASE, "train": {"zzz": 1}})
+    assert "did you mean" not in str(err.value)
+    from pipeline.models import resolve_model_config
+
+    with pytest.raises(ConfigError, match=r"did you mean 'model.num_layers'\?"):
+        resolve_model_config({"arch": "bert", "preset": "bert-tiny", "num_layer": 3}, 100)
+
+
 def test_dotted_overrides_are_typed():
     raw = apply_overrides(
         dict(BASE), ["train.max_steps=20", "train.lr=3e-4", "mlflow.register=false"]

@@ -68,13 +68,13 @@ def bytelevel_bpe_dir(out):
     return _write(tok, out, "bpe", roles, specials)
 
 
-def make_bundle(tmp_path, arch):
+def make_bundle(tmp_path, arch, **overrides):
     tok_dir = (tmp_path / "tok").resolve()
     tok_dir.mkdir()
     (wordpiece_dir if arch == "bert" else bytelevel_bpe_dir)(tok_dir)
     vocab = json.loads((tok_dir / "tokenizer_meta.json").read_text())["vocab_size"]
     preset = {"bert": "bert-tiny", "gpt2": "gpt2-tiny"}[arch]
-    cfg = resolve_model_config({"arch": arch, "preset": preset}, vocab)
+    cfg = resolve_model_config({"arch": arch, "preset": preset, **overrides}, vocab)
     assert cfg.padded_vocab_size > vocab  # the padding really is exercised
     torch.manual_seed(0)
     model = build_model(arch, cfg).eval()
@@ -126,6 +126,22 @@ def test_bert_export_matches_logits_and_tokenizer(tmp_path):
     assert (tok.pad_token_id, tok.mask_token_id) == (meta["roles"]["pad"], meta["roles"]["mask"])
 
 
+def test_one_segment_type_export_gives_pairs_segment_b_type_0(tmp_path):
+    """type_vocab_size 1: the exported tokenizer's pairs have segment B type 0 (type 1 was
+    an IndexError in the exported model and ours), and both models agree on them."""
+    model, bundle, _ = make_bundle(tmp_path, "bert", type_vocab_size=1)
+    out = export_to_hf(bundle, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    enc = tok("the quick fox", "same logits", return_tensors="pt")
+    assert (enc["token_type_ids"] == 0).all()
+    hf = transformers.BertForPreTraining.from_pretrained(out).eval()
+    with torch.no_grad():
+        theirs = hf(**enc).prediction_logits
+    ours = model.eval()(enc["input_ids"], token_type_ids=enc["token_type_ids"])["mlm_logits"]
+    V = model.config.vocab_size
+    torch.testing.assert_close(theirs, ours[..., :V], atol=1e-4, rtol=1e-4)
+
+
 def test_gpt2_export_matches_logits_and_tokenizer(tmp_path):
     model, bundle, tok_dir = make_bundle(tmp_path, "gpt2")
     out = export_to_hf(bundle, tmp_path / "hf")
@@ -145,6 +161,30 @@ def test_gpt2_export_matches_logits_and_tokenizer(tmp_path):
     assert tok(text)["input_ids"] == ref.encode(text).ids  # no special tokens added
     assert tok.decode(tok(text)["input_ids"]) == text
     assert tok.eos_token == "<|endoftext|>" and tok.pad_token == "<pad>"
+
+
+@pytest.mark.parametrize("arch,text", [("bert", "the [MASK] fox [SEP] [CLS]"),
+                                       ("gpt2", "the <s> fox<|endoftext|> <mask> dog")])  # fmt: skip
+def test_special_token_text_is_plain_text_in_the_export_as_in_load_tokenizer(tmp_path, arch, text):
+    """ "[MASK]" or "<s>" typed in a sentence is text in our load_tokenizer (training data
+    cannot inject control tokens); the exported tokenizer made it the control token. Now
+    both encode it as text; a call can still ask for control tokens."""
+    from pipeline.data.tokenizer import load_tokenizer
+
+    _, bundle, tok_dir = make_bundle(tmp_path, arch)
+    out = export_to_hf(bundle, tmp_path / "hf")
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    ours, meta = load_tokenizer(tok_dir)
+    want = ours.encode(text).ids
+    specials = set(meta["special_tokens"].values()) - {meta["roles"]["unk"]}  # unknown chars
+    assert not specials & set(want)  # our encoding: no control token from the text
+    assert tok(text, add_special_tokens=False)["input_ids"] == want
+    if arch == "bert":  # the template's [CLS]/[SEP] are still the control tokens
+        cls, sep = meta["roles"]["cls"], meta["roles"]["sep"]
+        assert tok(text)["input_ids"] == [cls, *want, sep]
+    mask = meta["roles"]["mask"]
+    asked = tok(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]
+    assert mask in asked  # on request, the mask text is the mask token
 
 
 def test_export_replaces_and_rejects_non_bundles(tmp_path):

@@ -172,3 +172,35 @@ def test_encoders_and_unknown_mlflow_models_are_refused(tmp_path, tok_dir):
         ConfigError, match="cannot fetch .models:/no-such-model@current. from MLflow at sqlite"
     ):
         generate_text("models:/no-such-model@current", "x", tracking_uri=uri)
+
+
+@pytest.mark.parametrize(
+    "tokens,pieces,completion,eod,said",
+    [([7, 7, 7], ["Ċ", "Ċ", "Ċ"], "\n\n\n", False, "3 tokens that decode to whitespace only: 'Ċ' (id 7)"),
+     ([], [], "", True, "the first token drawn was the end-of-text token"),
+     ([9, 4], ["Ġ", "Ċ"], " \n", True, "whitespace only then the end-of-text token"),
+     ([5], ["cat"], " cat", False, None)],
+)  # fmt: skip
+def test_a_completion_that_shows_as_nothing_is_explained(
+    monkeypatch, capsys, tokens, pieces, completion, eod, said
+):
+    """`--temperature 0` on a tiny GPT-2 printed the prompt and blank lines: a completion
+    with nothing visible gets a line on stderr saying what was generated."""
+    import argparse
+
+    import pipeline.generate as gen
+
+    def fake(*args, **kwargs):
+        return {"arch": "gpt2", "pieces": pieces, "prompt_ids": [1], "tokens": tokens,
+                "stopped_at_eod": eod, "completion": completion, "text": "the" + completion}  # fmt: skip
+
+    monkeypatch.setattr(gen, "generate_text", fake)
+    args = argparse.Namespace(model="m", prompt="the", max_new_tokens=3, temperature=0.0,
+                              top_k=0, top_p=1.0, seed=0, tracking_uri=None, no_cache=False)  # fmt: skip
+    assert gen.generate_from_cli(args) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "the" + completion + "\n"
+    if said is None:
+        assert captured.err == ""
+    else:
+        assert captured.err.startswith("plm generate: ") and said in captured.err

@@ -135,6 +135,7 @@ def test_overlays_hold_what_the_issue_asks(rendered):
         assert all(d["metadata"].get("namespace", "plm") == "plm" for d in docs)
         job_execution = mlflow_env(docs)["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"]
         assert job_execution["value"] == "false", name  # see mlflow.yaml
+        assert mlflow_env(docs)["MLFLOW_DISABLE_TELEMETRY"]["value"] == "true", name
         rayjob = next(d for d in docs if d["kind"] == "RayJob")
         assert rayjob["spec"]["shutdownAfterJobFinishes"] is True
         assert rayjob["spec"]["rayClusterSpec"]["authOptions"]["mode"] == "token"

@@ -226,3 +226,18 @@ def test_mlm_labels_restrict_the_decoder_to_labelled_positions(arch):
         loss.backward()
         grads.append(model.embeddings.word.weight.grad.clone())
     torch.testing.assert_close(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("arch", ["bert", "albert", "electra", "roberta"])
+def test_one_segment_type_takes_segment_b_ids_as_segment_a(arch):
+    """type_vocab_size 1: a pair's segment-B ids (1, from a two-type tokenizer) were an
+    IndexError; the model reads every token as segment A (RoBERTa's way)."""
+    model = tiny(arch, type_vocab_size=1).eval()
+    x = ids()
+    tt = torch.zeros_like(x)
+    tt[:, 8:] = 1
+    with torch.no_grad():
+        got, want = model(x, token_type_ids=tt), model(x, token_type_ids=torch.zeros_like(x))
+    for key in want:
+        if torch.is_tensor(want[key]):
+            torch.testing.assert_close(got[key], want[key])

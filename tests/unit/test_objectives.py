@@ -278,3 +278,27 @@ def test_build_objective_errors_name_the_key():
         build_objective(ObjectiveSection(kind="mlm"), {"pad": 0, "cls": 2, "sep": 3}, VOCAB, 64)
     with pytest.raises(ConfigError, match="eod"):
         build_objective(ObjectiveSection(kind="clm"), {"pad": 0}, VOCAB, 64)
+
+
+@pytest.mark.parametrize("kind", ["mlm+nsp", "mlm+sop", "ernie"])
+def test_pairs_for_a_model_with_one_segment_type_give_segment_b_type_0(kind):
+    """A model with type_vocab_size 1 (RoBERTa's way) has no segment-B embedding: the pair
+    objectives give B token type 0 for it (type 1 was an IndexError in its embedding),
+    and 1 for a model with two types; the model takes the batch."""
+    from conftest import tiny_model
+
+    for types, want in ((1, 0), (2, 1)):
+        model = tiny_model("bert", vocab_size=VOCAB, type_vocab_size=types)
+        obj = build_objective(ObjectiveSection(kind=kind), ROLES, VOCAB, 64)
+        obj.total_batches = 10
+        obj.attach(model)
+        rng = np.random.default_rng(5)
+        docs = [make_doc(rng, 200, f"d{i}") for i in range(4)]
+        unit = window_unit(0, 0, 61)
+        needed = obj.needs(unit, np.random.default_rng(1), np.arange(4))
+        ex = obj.make_example(unit, [docs[k] for k in needed], np.random.default_rng(1))
+        seps = np.flatnonzero(original_ids(ex) == ROLES["sep"])
+        types_b = ex["token_type_ids"][seps[0] + 1 : seps[1] + 1]
+        assert (types_b == want).all() and (ex["token_type_ids"][: seps[0] + 1] == 0).all()
+        model(torch.as_tensor(ex["input_ids"])[None],
+              token_type_ids=torch.as_tensor(ex["token_type_ids"])[None])  # fmt: skip

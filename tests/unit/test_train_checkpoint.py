@@ -141,3 +141,50 @@ def test_trainer_state_loads_with_weights_only(tmp_path, capsys):
     np.random.random()
     mgr.load(engine, tag)
     assert np.random.random() == expect
+
+
+class _CreatesFile:
+    """Unpickling this opens (creates) a file: code run by loading a tampered checkpoint."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize(
+    "stage,pattern,universal",
+    [(0, "mp_rank_00_model_states.pt", False), (2, "*optim_states.pt", False),
+     (2, "mp_rank_00_model_states.pt", True), (3, "*optim_states.pt", True)],
+)  # fmt: skip
+def test_deepspeed_files_that_would_run_code_are_refused(tmp_path, stage, pattern, universal):
+    """DeepSpeed unpickles its files with weights_only=False (its load_checkpoint and the
+    universal conversion): a checkpoint file altered to carry a pickle that runs code is
+    refused with one CheckpointError naming it, and nothing in it runs. The untouched
+    checkpoint still loads (and converts) after a normal save."""
+    engine, ds = tiny_engine(seed=3, stage=stage)
+    mgr = CheckpointManager(tmp_path, keep_last=2, rank=0, world_size=1)
+    step(engine)
+    tag = mgr.save(engine, 1, {"loader": {}}, {}, ds)
+    folder = tmp_path / "checkpoints" / tag
+    if universal:  # the untouched checkpoint converts: the safe loads read DeepSpeed's files
+        mgr.to_universal(tag)
+        import shutil
+
+        shutil.rmtree(folder / "universal")
+    else:
+        mgr.load(engine, tag)
+    (path,) = folder.glob(pattern)
+    marker = tmp_path / "code-ran"
+    state = torch.load(path, weights_only=False)  # the test's own file: trusted here
+    state["payload"] = _CreatesFile(marker)
+    torch.save(state, path)
+    with pytest.raises(CheckpointError, match=rf"{path.name} cannot be loaded safely") as err:
+        if universal:
+            mgr.to_universal(tag)
+        else:
+            mgr.load(engine, tag)
+    assert "_CreatesFile" in str(err.value) or "open" in str(err.value)
+    assert not marker.exists()
+    assert torch.load is not None and torch.load.__module__ == "torch.serialization"

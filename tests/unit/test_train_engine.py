@@ -124,3 +124,69 @@ def test_known_keys_cover_every_key_deepspeeds_parser_reads():
     DeepSpeedConfig(Recording(ds))
     assert len(asked) > 40
     assert asked <= DEEPSPEED_KEYS, sorted(asked - DEEPSPEED_KEYS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "stage,precision,clip",
+    [(0, "fp32", 0.05), (0, "fp32", 0.0), (0, "bf16", 0.05), (1, "fp32", 0.05),
+     (2, "fp32", 0.05), (3, "fp32", 0.05)],
+)  # fmt: skip
+def test_grad_norm_is_recorded_and_clipping_happens_once(stage, precision, clip, monkeypatch):
+    """engine.get_global_grad_norm() is the step's real gradient norm in every stage and
+    precision (ZeRO-0 fp32, the one-rank default, read None: logged as 0), and the
+    gradients the optimizer applies were clipped once, to ``clip``."""
+    import deepspeed.runtime.utils as ds_utils
+
+    from pipeline.train import engine as ds_engine
+    from pipeline.train.schedule import scheduler_factory
+
+    clips = []
+    real_clip = ds_utils.clip_grad_norm_
+
+    def counting_clip(*args, **kwargs):
+        clips.append(1)
+        return real_clip(*args, **kwargs)
+
+    monkeypatch.setattr(ds_utils, "clip_grad_norm_", counting_clip)
+    monkeypatch.setattr("deepspeed.runtime.engine.clip_grad_norm_", counting_clip)
+
+    def tiny():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16))
+
+    ids = torch.randint(0, 16, (4, 6), generator=torch.Generator().manual_seed(0))
+
+    def loss_of(model):
+        return torch.nn.functional.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
+
+    reference = tiny()
+    loss_of(reference).backward()
+    norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in reference.parameters()]))
+    cfg = cfg_with(
+        train={"micro_batch_size": 4, "grad_accum": 1, "lr": 1e-2, "warmup_steps": 0,
+               "max_steps": 10, "precision": precision, "grad_clip": clip},
+        deepspeed=f"configs/deepspeed/zero{stage}.json",
+    )  # fmt: skip
+    ds_engine.init_distributed()
+    engine = ds_engine.initialize(tiny(), build_ds_config(cfg, 1), scheduler_factory(cfg.train))
+    applied = []
+    if stage == 0 and precision == "fp32":  # torch's optimizer: see the gradients it applies
+        step = engine.optimizer.step
+
+        def recording_step(*args, **kwargs):
+            grads = [p.grad.norm() for p in engine.module.parameters()]
+            applied.append(float(torch.linalg.vector_norm(torch.stack(grads))))
+            return step(*args, **kwargs)
+
+        engine.optimizer.step = recording_step
+    engine.backward(loss_of(engine))
+    engine.step()
+    got = engine.get_global_grad_norm()
+    assert got is not None
+    tol = 2e-2 if precision == "bf16" else 1e-5
+    assert float(got) == pytest.approx(float(norm), rel=tol)
+    assert float(norm) > 0.5  # well above clip: clipping matters
+    if applied:
+        assert applied == [pytest.approx(clip if clip else float(norm), rel=1e-4)]
+        assert len(clips) == (1 if clip else 0)

@@ -38,3 +38,30 @@ def test_an_export_transformers_cannot_represent_is_one_line(tmp_path):
     proc = plm("export", "--to", "hf", str(tmp_path / "nope"), str(tmp_path / "hf"),
                cwd=tmp_path, check=False)  # fmt: skip
     assert "is not a model bundle" in one_plm_line(proc)
+
+
+@pytest.mark.parametrize(
+    "rank,local_rank,typo_prints,missing_file_prints",
+    [("0", "0", True, True), ("1", "1", False, False), ("2", "0", False, True)],
+)
+def test_a_config_error_prints_once_under_a_launcher(
+    tmp_path, monkeypatch, capsys, rank, local_rank, typo_prints, missing_file_prints
+):
+    """Every rank of a launcher meets a config's error: only rank 0 prints it (one line,
+    not one per rank); one that depends on the machine (a file missing there) is printed
+    by each machine's local rank 0. Every rank exits 2."""
+    from conftest import REPO
+
+    from pipeline.cli import main
+
+    monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    bert = str(REPO / "configs/test/bert-tiny.yaml")
+    for argv, prints in (
+        (["train", bert, "train.max_stepz=3"], typo_prints),
+        (["train", str(tmp_path / "nope.yaml")], missing_file_prints),
+    ):
+        assert main(argv) == 2
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("plm:")]
+        assert len(lines) == (1 if prints else 0), (argv, lines)
