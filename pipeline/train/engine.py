@@ -247,7 +247,7 @@ def init_distributed(cpu_shm_allreduce: bool = False, timeout: timedelta | None 
     neither builds nor loads it. ``timeout``: how long the ranks wait for one another, at
     the rendezvous and in each collective; by default DeepSpeed's (DEEPSPEED_TIMEOUT
     minutes, 10 when unset)."""
-    import deepspeed
+    deepspeed = ds_ops.import_deepspeed()
     from deepspeed.constants import default_pg_timeout
 
     ensure_dist_env()

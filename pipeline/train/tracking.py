@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -68,6 +69,14 @@ def code_version() -> str:
         return "unknown"
 
 
+def _short_http_timeouts() -> None:
+    """Short timeouts and few retries: an unreachable server must cost seconds, not minutes
+    (a user's own settings win)."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+
+
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
     for k, v in d.items():
@@ -110,6 +119,49 @@ class Tracker:
         self._start_args: dict[str, Any] | None = None
         self._next_try = 0.0
         self._waited = False
+        self._warm: subprocess.Popen | None = None  # prepare(): the store's migrations
+        self._deferred: list[Any] | None = None  # calls made before the run started
+
+    def prepare(self, tracking_uri: str | None) -> None:
+        """Before the model is built (rank 0): a sqlite store is created and migrated by a
+        separate process, on another core (a new store's migrations take about 4 s of
+        CPU), and ``start`` leaves the run to the first tracker call after that process
+        is done, or that must wait for it (the run's end, registration). Rows logged
+        meanwhile go to metrics.jsonl and are sent then, with their steps and times, as
+        after an outage. So MLflow costs the first step nothing (not even its import: see
+        ``ds_ops.import_deepspeed``)."""
+        if not self.enabled or self._warm is not None:
+            return
+        _short_http_timeouts()
+        uri = resolve_tracking_uri(tracking_uri)
+        if not uri.startswith("sqlite:"):
+            return  # a server migrates its own store; ``start`` talks to it as before
+        code = (
+            "import sys\nfrom mlflow import MlflowClient\nc = MlflowClient(sys.argv[1])\n"
+            "c.search_experiments(max_results=1)\nc.search_registered_models(max_results=1)\n"
+        )
+        self._warm = subprocess.Popen(
+            [sys.executable, "-c", code, uri], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+
+    def _preparing(self) -> bool:
+        return self._warm is not None and self._warm.poll() is None
+
+    def _catch_up(self, wait: bool) -> bool:
+        """Start the deferred run once ``prepare``'s thread is done (``wait``: wait for
+        it), then make the calls that came meanwhile; False while it still runs."""
+        if self._deferred is None:
+            return True
+        if self._preparing():
+            if not wait:
+                return False
+            self._warm.wait()
+        calls, self._deferred = self._deferred, None
+        self._start_now()
+        for call in calls:
+            call()
+        return True
 
     def _fail(self, what: str, err: BaseException) -> None:
         msg = (
@@ -152,7 +204,7 @@ class Tracker:
 
         try:
             if self.run_id is None:  # the start itself failed: start now
-                self.start(**self._start_args)
+                self._start_now()
                 if not self.mlflow_ok:
                     return
             else:
@@ -208,13 +260,18 @@ class Tracker:
             self._rows = len(self._jsonl.read_text(encoding="utf-8").splitlines())
             synced = self.run_dir / SYNCED_FILE
             self._sent = int(synced.read_text()) if synced.is_file() else self._rows
-        # Short timeouts and few retries: an unreachable server must cost seconds, not minutes.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+        _short_http_timeouts()
+        self.uri = resolve_tracking_uri(tracking_uri)
+        # Started by the first call after the first step (and after prepare()'s process).
+        self._deferred = []
+
+    def _start_now(self) -> None:
         import mlflow
 
-        uri = self.uri = resolve_tracking_uri(tracking_uri)
+        args = self._start_args or {}
+        uri, resume = self.uri, args["resume"]
+        experiment, run_name = args["experiment"], args["run_name"]
+        params, tags = args["params"], args["tags"]
         id_file = self.run_dir / RUN_ID_FILE
         try:
             mlflow.set_tracking_uri(uri)
@@ -247,6 +304,8 @@ class Tracker:
         with open(self._jsonl, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")
         self._rows += 1
+        if not self._catch_up(wait=False):  # sent when the run starts
+            return
         if not self.mlflow_ok:
             self.reconnect()  # sends this row too when the server answers again
             return
@@ -258,7 +317,16 @@ class Tracker:
         except Exception as err:
             self._fail("log_metrics", err)
 
+    def _later(self, call) -> bool:
+        """Before the deferred run started: keep ``call`` for then (True)."""
+        if self._deferred is not None and not self._catch_up(wait=False):
+            self._deferred.append(call)
+            return True
+        return False
+
     def log_artifacts(self, local_dir: str | Path, artifact_path: str) -> None:
+        if self._later(lambda: self.log_artifacts(local_dir, artifact_path)):
+            return
         if self.enabled and self.mlflow_ok:
             import mlflow
 
@@ -268,6 +336,8 @@ class Tracker:
                 self._fail(f"log_artifacts {artifact_path}", err)
 
     def log_dict(self, obj: dict[str, Any], name: str) -> None:
+        if self._later(lambda: self.log_dict(obj, name)):
+            return
         if self.enabled and self.mlflow_ok:
             import mlflow
 
@@ -277,6 +347,8 @@ class Tracker:
                 self._fail(f"log_dict {name}", err)
 
     def set_tags(self, tags: dict[str, str]) -> None:
+        if self._later(lambda: self.set_tags(tags)):
+            return
         if self.enabled and self.mlflow_ok:
             import mlflow
 
@@ -298,6 +370,7 @@ class Tracker:
         the fine-tuned folder) as an MLflow model when ``bundle_dir`` is given
         (pipeline.models.pyfunc), else (or if MLflow refuses that) runs:/RUN/artifact_path,
         the plain folder."""
+        self._catch_up(wait=True)
         if not (self.enabled and self.mlflow_ok):
             return None
         import mlflow
@@ -353,6 +426,7 @@ class Tracker:
     def terminate(self, status: str, tags: dict[str, str]) -> None:
         """End the run from another thread (the fluent API's active run is the main
         thread's): tags, then the status, through a client of the run's tracking URI."""
+        self._catch_up(wait=True)
         if not (self.enabled and self.mlflow_ok and self.run_id):
             return
         from mlflow import MlflowClient
@@ -369,6 +443,7 @@ class Tracker:
         """Before the end of a finished run: wait up to final_wait_s (once per job) for a
         server that answered earlier in this job, so the run can be ended and the model
         logged and registered; one question when it never answered."""
+        self._catch_up(wait=True)
         if not self.enabled or self.mlflow_ok:
             return self.mlflow_ok
         wait = self.final_wait_s if self.run_id is not None and not self._waited else 0.0
@@ -382,6 +457,7 @@ class Tracker:
         """After ``end``: what a finished job left out of MLflow (the server did not answer
         within final_wait_s), as one sentence for the ``plm:`` line; None when MLflow has
         it all (or this rank does not track)."""
+        self._catch_up(wait=True)
         if not self.enabled or self.mlflow_ok:
             return None
         rows = self._rows - self._sent
@@ -400,6 +476,7 @@ class Tracker:
         )
 
     def end(self, status: str = "FINISHED") -> None:
+        self._catch_up(wait=True)
         if self.enabled and not self.mlflow_ok:
             if status == "FINISHED":
                 self.await_server()

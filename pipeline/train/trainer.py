@@ -319,6 +319,10 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dev = device()
         self.run_dir = Path(cfg.train.out_dir)
+        self.tracker = Tracker(
+            self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s
+        )
+        self.tracker.prepare(cfg.mlflow.tracking_uri)  # MLflow's start-up, in the background
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = CheckpointManager(self.run_dir, cfg.train.keep_last, self.rank, self.world)
@@ -354,9 +358,6 @@ class Trainer:
         self.stream = self.make_stream("train", cfg.data.workers)
         self.valid_streams: dict[int, Any] = {}  # per source: evaluation reads each alone
         self.tokens_by_source = [0] * len(self.sources)
-        self.tracker = Tracker(
-            self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s
-        )
         self.step = 0
         self.tokens_seen = 0
         self.skipped = 0
