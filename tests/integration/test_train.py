@@ -212,8 +212,12 @@ def test_unreachable_tracking_server_does_not_stop_training(tiny_data, tmp_path)
         "train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}", "train.max_steps=4",
         "train.eval_every=0", "mlflow.tracking_uri=http://127.0.0.1:9", cwd=tmp_path,
         env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"},
+        check=False,
     )  # fmt: skip
     assert "MLflow" in out.stdout + out.stderr and "training goes on" in out.stdout + out.stderr
+    # Trained, but MLflow never had the run: exit 3 and one line saying how to sync it.
+    assert out.returncode == 3, out.stderr[-3000:]
+    assert [x for x in out.stderr.splitlines() if x.startswith("plm:")][0].count("Re-run") == 1
     assert sorted(step_losses(run_dir)) == [1, 2, 3, 4]
     assert (run_dir / "bundles" / "final" / "model.safetensors").is_file()
 
