@@ -20,6 +20,7 @@ import os
 import subprocess
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -292,12 +293,12 @@ class Tracker:
         alias: str,
         tags: dict[str, str],
         bundle_dir: Path | None = None,
-        finetuned: bool = False,
+        log_model: Callable[[Path, str], Any] | None = None,
     ) -> str | None:
-        """A new version of ``name`` with ``alias`` and ``tags``: the bundle (``finetuned``:
-        the fine-tuned folder) as an MLflow model when ``bundle_dir`` is given
-        (pipeline.models.pyfunc), else (or if MLflow refuses that) runs:/RUN/artifact_path,
-        the plain folder."""
+        """A new version of ``name`` with ``alias`` and ``tags``: the folder ``bundle_dir``
+        as an MLflow model when it is given, logged by ``log_model`` (default: a pretrained
+        bundle's, pipeline.models.pyfunc; fine-tuning passes its own), else (or if MLflow
+        refuses that) runs:/RUN/artifact_path, the plain folder."""
         if not (self.enabled and self.mlflow_ok):
             return None
         import mlflow
@@ -313,7 +314,7 @@ class Tracker:
                     raise
             mv = None
             if bundle_dir is not None:  # an MLflow model (LoggedModel, pyfunc flavour)
-                mv = self._register_logged_model(bundle_dir, name, tags, finetuned)
+                mv = self._register_logged_model(bundle_dir, name, tags, log_model)
             if mv is None:
                 # The plain artifact folder (our bundle): registered by its artifact URI so
                 # the version points at exactly those files.
@@ -326,20 +327,18 @@ class Tracker:
             self._fail(f"register_model {name}", err)
             return None
 
-    def _register_logged_model(
-        self, bundle_dir: Path, name: str, tags: dict[str, str], finetuned: bool
-    ):
+    def _register_logged_model(self, bundle_dir: Path, name: str, tags: dict[str, str], log_model):
         """Log the bundle (or fine-tuned folder) as a LoggedModel with a pyfunc flavour (the
         UI's "Logged models", ``mlflow.pyfunc.load_model``) and register that; None (with a
         warning) if MLflow refuses, so the plain artifact folder is registered instead."""
         from mlflow import MlflowClient
 
-        from pipeline.models.pyfunc import log_bundle_model, log_finetuned_model
+        from pipeline.models.pyfunc import log_bundle_model
 
         try:
             # Named after the registered model, not "model": MLflow 3 resolves runs:/RUN/NAME
             # to a logged model of that name first, and runs:/RUN/model is the bundle folder.
-            info = (log_finetuned_model if finetuned else log_bundle_model)(bundle_dir, name)
+            info = (log_model or log_bundle_model)(bundle_dir, name)
             return MlflowClient().create_model_version(
                 name, f"models:/{info.model_id}", run_id=self.run_id, tags=tags,
                 model_id=info.model_id,
