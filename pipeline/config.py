@@ -262,10 +262,13 @@ class TrainSection(Strict):
     eval_every: int = Field(200, ge=0)
     eval_batches: int = Field(20, gt=0)
     save_every: int = Field(200, ge=0)
-    bundle_every: int = Field(
-        1, ge=0
-    )  # log a model bundle every N checkpoints (0: only at the end)
+    # Checkpoints kept (the older ones are deleted), and model bundles (bundles/<tag>):
+    # one beside every `bundle_every`-th checkpoint (0: none), deleted with its checkpoint;
+    # every `keep_bundle_every`-th checkpoint's bundle (0: none) is kept for good and logged
+    # to MLflow as bundles/<tag>. The final bundle (bundles/final, MLflow `model`) always.
     keep_last: int = Field(3, gt=0)
+    bundle_every: int = Field(1, ge=0)
+    keep_bundle_every: int = Field(0, ge=0)
     max_nonfinite_in_row: int = Field(5, gt=0)
     resume: Literal["auto", "never"] = "auto"
     # SIGTERM / SIGINT: checkpoint at the next step boundary within this many seconds, else

@@ -288,6 +288,7 @@ def rig():
         pytest.skip(why)
     if shutil.which("pdsh") is None:
         pytest.skip("the hostfile launch needs pdsh (Debian: pdsh)")
+    _down_stale_test_rigs(rigmod)
     name = f"t{os.getpid() % 100000}"
     made = None
     for subnet in RIG_SUBNETS:
@@ -304,3 +305,18 @@ def rig():
         rigmod.down(name)
         left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         assert f"plm-{name}-" not in left
+
+
+def _down_stale_test_rigs(rigmod) -> None:
+    """Rigs of test sessions that were killed before their teardown (named t<pid>, d<pid>
+    after the pytest process that made them): taken down, so none piles up."""
+    import re
+
+    for state in sorted(rigmod.DEFAULT_ROOT.glob("*/rig.json")):
+        name = state.parent.name
+        m = re.fullmatch(r"[td](\d+)", name)
+        if m and not any(
+            Path(f"/proc/{pid}").exists()
+            for pid in range(int(m.group(1)), 1 << 22, 100000)  # the pid the name came from
+        ):
+            rigmod.down(name)

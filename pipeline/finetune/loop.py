@@ -41,6 +41,7 @@ from pipeline.finetune.heads import (
     param_groups,
 )
 from pipeline.finetune.infer import row_predictions, run_model, score
+from pipeline.finetune.pyfunc import log_finetuned_model
 from pipeline.finetune.source import (
     build_task_model,
     load_backbone,
@@ -382,7 +383,7 @@ class Finetuner:
                             f"valid_{cfg.metric}": str(best and best[cfg.metric]),
                         },
                         bundle_dir=model_dir,  # a LoggedModel whose pyfunc predicts rows
-                        finetuned=True,
+                        log_model=log_finetuned_model,
                     )
             dist.barrier()
             status = "FINISHED"

@@ -9,10 +9,8 @@ first ``*logits`` output the architecture returns), without the vocabulary paddi
 The bundle itself sits inside the logged model as the artifact ``bundle``
 (``artifacts/bundle/``), so `plm` commands that take ``models:/...`` find it there too.
 
-A fine-tuned model (``plm finetune``) is logged the same way, as the artifact ``finetuned``;
-its ``predict`` takes rows of the task's input columns (a DataFrame or a list of dicts) and
-returns `plm predict`'s columns (``prediction`` and, where there is one, ``probability`` /
-``scores``) as a DataFrame, one row per input row.
+A fine-tuned model (``plm finetune``) is logged the same way by ``pipeline.finetune.pyfunc``
+(``log_model`` here), as the artifact ``finetuned``.
 """
 
 from __future__ import annotations
@@ -24,7 +22,6 @@ from typing import Any
 import mlflow.pyfunc
 
 BUNDLE_ARTIFACT = "bundle"
-FINETUNED_ARTIFACT = "finetuned"
 
 
 def _texts(model_input: Any) -> list[str]:
@@ -96,28 +93,6 @@ with warnings.catch_warnings(record=True):
             m = mask.unsqueeze(-1).float()
             return ((hidden * m).sum(1) / m.sum(1).clamp(min=1.0)).numpy().astype(np.float32)
 
-    class FinetunedModel(mlflow.pyfunc.PythonModel):
-        """`plm predict` of a fine-tuned model for rows of its task's columns."""
-
-        def load_context(self, context) -> None:
-            from pipeline.finetune.predict import Predictor
-
-            self.predictor = Predictor(Path(context.artifacts[FINETUNED_ARTIFACT]))
-
-        def predict(self, context, model_input, params: dict[str, Any] | None = None):
-            import pandas as pd
-
-            rows = _rows(model_input)
-            return pd.DataFrame(self.predictor.predict(rows, "the pyfunc model's input"))
-
-
-def _rows(model_input: Any) -> list[dict[str, Any]]:
-    """Rows from a DataFrame (what pyfunc passes after checking the signature), a list of
-    dicts or one dict."""
-    if hasattr(model_input, "to_dict"):
-        return model_input.to_dict("records")
-    return [model_input] if isinstance(model_input, dict) else list(model_input)
-
 
 def log_bundle_model(bundle_dir: str | Path, name: str = "model"):
     """Log ``bundle_dir`` as a LoggedModel of the active run; returns MLflow's ModelInfo.
@@ -126,30 +101,13 @@ def log_bundle_model(bundle_dir: str | Path, name: str = "model"):
     from mlflow.models import infer_signature
 
     signature = infer_signature(["a text"], params={"output": "embeddings"})
-    return _log_model("pyfunc_entry.py", BUNDLE_ARTIFACT, bundle_dir, name, signature)
+    entry = Path(__file__).with_name("pyfunc_entry.py")
+    return log_model(entry, BUNDLE_ARTIFACT, bundle_dir, name, signature)
 
 
-def log_finetuned_model(model_dir: str | Path, name: str = "model"):
-    """Log a fine-tuned folder (``plm finetune``'s ``model/``) as a LoggedModel of the active
-    run; returns MLflow's ModelInfo. The signature: the task's input columns, as strings."""
-    import yaml
-    from mlflow.models import infer_signature
-
-    from pipeline.finetune.config import TaskSection
-    from pipeline.finetune.data import needed_columns
-    from pipeline.finetune.source import FINETUNE_FILE
-
-    meta = yaml.safe_load((Path(model_dir) / FINETUNE_FILE).read_text(encoding="utf-8"))
-    task = TaskSection.model_validate(meta["task"])
-    columns = [c for c in needed_columns(task) if c not in (task.label_column,
-                                                            task.answers_column)]  # fmt: skip
-    signature = infer_signature([dict.fromkeys(columns, "a text")])
-    return _log_model("pyfunc_finetuned_entry.py", FINETUNED_ARTIFACT, model_dir, name, signature)
-
-
-def _log_model(entry: str, artifact: str, folder: str | Path, name: str, signature):
-    """``mlflow.pyfunc.log_model`` of a model from code (no pickle of our objects) with
-    ``folder`` as its artifact; quiet unless ``plm -v``: MLflow warns about the missing
+def log_model(entry: Path, artifact: str, folder: str | Path, name: str, signature):
+    """``mlflow.pyfunc.log_model`` of a model from code (``entry``, a file that calls
+    ``mlflow.models.set_model``: no pickle of our objects) with ``folder`` as its artifact; quiet unless ``plm -v``: MLflow warns about the missing
     type hints and input example (one would load and run the model)."""
     from importlib.metadata import PackageNotFoundError, version
 
@@ -164,7 +122,7 @@ def _log_model(entry: str, artifact: str, folder: str | Path, name: str, signatu
             warnings.simplefilter("ignore", UserWarning)
         return mlflow.pyfunc.log_model(
             name=name,
-            python_model=str(Path(__file__).with_name(entry)),
+            python_model=str(entry),
             artifacts={artifact: str(folder)},
             pip_requirements=[requirement],  # no inference: it would import and run the model
             signature=signature,

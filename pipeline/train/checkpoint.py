@@ -60,6 +60,9 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
+_TAG = re.compile(r"step\d{8,}")
+
+
 def rng_state() -> dict[str, Any]:
     """The RNG states in types ``torch.load(weights_only=True)`` reads: tensors, ints,
     floats, strings, tuples, lists and dicts (numpy's state tuple holds an ndarray)."""
@@ -363,6 +366,27 @@ class CheckpointManager:
             self._prune(keep=tag)
         dist.barrier()
         return tag
+
+    def prune_bundles(self, bundles: str | Path) -> list[str]:
+        """Rank 0: delete the bundles under ``bundles`` whose checkpoint was pruned, unless
+        their meta says ``kept`` (``train.keep_bundle_every``); ``final``, bundles beside a
+        kept checkpoint and folders that are not our bundles stay. Returns what it deleted."""
+        bundles = Path(bundles)
+        if not bundles.is_dir():
+            return []
+        keep = set(self.complete_tags())
+        gone = []
+        for p in sorted(bundles.iterdir()):
+            if not (p.is_dir() and _TAG.fullmatch(p.name)) or p.name in keep:
+                continue
+            try:  # bundles are renamed into place whole: an unreadable one is not ours
+                meta = yaml.safe_load((p / "config.yaml").read_text(encoding="utf-8"))["meta"]
+            except (OSError, yaml.YAMLError, KeyError, TypeError):
+                continue
+            if not (isinstance(meta, dict) and meta.get("kept")):
+                shutil.rmtree(p, ignore_errors=True)
+                gone.append(p.name)
+        return gone
 
     def _prune(self, keep: str) -> None:
         """Keep the last K complete checkpoints; drop incomplete leftovers older than ``keep``."""

@@ -18,9 +18,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,44 +119,12 @@ class Tracker:
         self._start_args: dict[str, Any] | None = None
         self._next_try = 0.0
         self._waited = False
-        self._warm: subprocess.Popen | None = None  # prepare(): the store's migrations
         self._deferred: list[Any] | None = None  # calls made before the run started
 
-    def prepare(self, tracking_uri: str | None) -> None:
-        """Before the model is built (rank 0): a sqlite store is created and migrated by a
-        separate process, on another core (a new store's migrations take about 4 s of
-        CPU), and ``start`` leaves the run to the first tracker call after that process
-        is done, or that must wait for it (the run's end, registration). Rows logged
-        meanwhile go to metrics.jsonl and are sent then, with their steps and times, as
-        after an outage. So MLflow costs the first step nothing (not even its import: see
-        ``ds_ops.import_deepspeed``)."""
-        if not self.enabled or self._warm is not None:
-            return
-        _short_http_timeouts()
-        uri = resolve_tracking_uri(tracking_uri)
-        if not uri.startswith("sqlite:"):
-            return  # a server migrates its own store; ``start`` talks to it as before
-        code = (
-            "import sys\nfrom mlflow import MlflowClient\nc = MlflowClient(sys.argv[1])\n"
-            "c.search_experiments(max_results=1)\nc.search_registered_models(max_results=1)\n"
-        )
-        self._warm = subprocess.Popen(
-            [sys.executable, "-c", code, uri], stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )  # fmt: skip
-
-    def _preparing(self) -> bool:
-        return self._warm is not None and self._warm.poll() is None
-
-    def _catch_up(self, wait: bool) -> bool:
-        """Start the deferred run once ``prepare``'s thread is done (``wait``: wait for
-        it), then make the calls that came meanwhile; False while it still runs."""
+    def _catch_up(self) -> bool:
+        """Start the deferred run (``start``), then make the calls that came meanwhile."""
         if self._deferred is None:
             return True
-        if self._preparing():
-            if not wait:
-                return False
-            self._warm.wait()
         calls, self._deferred = self._deferred, None
         self._start_now()
         for call in calls:
@@ -262,7 +230,9 @@ class Tracker:
             self._sent = int(synced.read_text()) if synced.is_file() else self._rows
         _short_http_timeouts()
         self.uri = resolve_tracking_uri(tracking_uri)
-        # Started by the first call after the first step (and after prepare()'s process).
+        # MLflow's import (about 1.5 s) and a new sqlite store's migrations (about 4 s)
+        # after the first step, not before it: the run starts at the first metrics row
+        # (``log_metrics``, which sends that row) or at any call that needs the run.
         self._deferred = []
 
     def _start_now(self) -> None:
@@ -304,7 +274,8 @@ class Tracker:
         with open(self._jsonl, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")
         self._rows += 1
-        if not self._catch_up(wait=False):  # sent when the run starts
+        if self._deferred is not None:  # the run starts now; its start sends this row
+            self._catch_up()
             return
         if not self.mlflow_ok:
             self.reconnect()  # sends this row too when the server answers again
@@ -319,7 +290,7 @@ class Tracker:
 
     def _later(self, call) -> bool:
         """Before the deferred run started: keep ``call`` for then (True)."""
-        if self._deferred is not None and not self._catch_up(wait=False):
+        if self._deferred is not None:
             self._deferred.append(call)
             return True
         return False
@@ -364,13 +335,13 @@ class Tracker:
         alias: str,
         tags: dict[str, str],
         bundle_dir: Path | None = None,
-        finetuned: bool = False,
+        log_model: Callable[[Path, str], Any] | None = None,
     ) -> str | None:
-        """A new version of ``name`` with ``alias`` and ``tags``: the bundle (``finetuned``:
-        the fine-tuned folder) as an MLflow model when ``bundle_dir`` is given
-        (pipeline.models.pyfunc), else (or if MLflow refuses that) runs:/RUN/artifact_path,
-        the plain folder."""
-        self._catch_up(wait=True)
+        """A new version of ``name`` with ``alias`` and ``tags``: the folder ``bundle_dir``
+        as an MLflow model when it is given, logged by ``log_model`` (default: a pretrained
+        bundle's, pipeline.models.pyfunc; fine-tuning passes its own), else (or if MLflow
+        refuses that) runs:/RUN/artifact_path, the plain folder."""
+        self._catch_up()
         if not (self.enabled and self.mlflow_ok):
             return None
         import mlflow
@@ -386,7 +357,7 @@ class Tracker:
                     raise
             mv = None
             if bundle_dir is not None:  # an MLflow model (LoggedModel, pyfunc flavour)
-                mv = self._register_logged_model(bundle_dir, name, tags, finetuned)
+                mv = self._register_logged_model(bundle_dir, name, tags, log_model)
             if mv is None:
                 # The plain artifact folder (our bundle): registered by its artifact URI so
                 # the version points at exactly those files.
@@ -399,20 +370,18 @@ class Tracker:
             self._fail(f"register_model {name}", err)
             return None
 
-    def _register_logged_model(
-        self, bundle_dir: Path, name: str, tags: dict[str, str], finetuned: bool
-    ):
+    def _register_logged_model(self, bundle_dir: Path, name: str, tags: dict[str, str], log_model):
         """Log the bundle (or fine-tuned folder) as a LoggedModel with a pyfunc flavour (the
         UI's "Logged models", ``mlflow.pyfunc.load_model``) and register that; None (with a
         warning) if MLflow refuses, so the plain artifact folder is registered instead."""
         from mlflow import MlflowClient
 
-        from pipeline.models.pyfunc import log_bundle_model, log_finetuned_model
+        from pipeline.models.pyfunc import log_bundle_model
 
         try:
             # Named after the registered model, not "model": MLflow 3 resolves runs:/RUN/NAME
             # to a logged model of that name first, and runs:/RUN/model is the bundle folder.
-            info = (log_finetuned_model if finetuned else log_bundle_model)(bundle_dir, name)
+            info = (log_model or log_bundle_model)(bundle_dir, name)
             return MlflowClient().create_model_version(
                 name, f"models:/{info.model_id}", run_id=self.run_id, tags=tags,
                 model_id=info.model_id,
@@ -426,7 +395,7 @@ class Tracker:
     def terminate(self, status: str, tags: dict[str, str]) -> None:
         """End the run from another thread (the fluent API's active run is the main
         thread's): tags, then the status, through a client of the run's tracking URI."""
-        self._catch_up(wait=True)
+        self._catch_up()
         if not (self.enabled and self.mlflow_ok and self.run_id):
             return
         from mlflow import MlflowClient
@@ -443,7 +412,7 @@ class Tracker:
         """Before the end of a finished run: wait up to final_wait_s (once per job) for a
         server that answered earlier in this job, so the run can be ended and the model
         logged and registered; one question when it never answered."""
-        self._catch_up(wait=True)
+        self._catch_up()
         if not self.enabled or self.mlflow_ok:
             return self.mlflow_ok
         wait = self.final_wait_s if self.run_id is not None and not self._waited else 0.0
@@ -457,7 +426,7 @@ class Tracker:
         """After ``end``: what a finished job left out of MLflow (the server did not answer
         within final_wait_s), as one sentence for the ``plm:`` line; None when MLflow has
         it all (or this rank does not track)."""
-        self._catch_up(wait=True)
+        self._catch_up()
         if not self.enabled or self.mlflow_ok:
             return None
         rows = self._rows - self._sent
@@ -476,7 +445,7 @@ class Tracker:
         )
 
     def end(self, status: str = "FINISHED") -> None:
-        self._catch_up(wait=True)
+        self._catch_up()
         if self.enabled and not self.mlflow_ok:
             if status == "FINISHED":
                 self.await_server()

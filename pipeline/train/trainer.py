@@ -322,7 +322,6 @@ class Trainer:
         self.tracker = Tracker(
             self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s
         )
-        self.tracker.prepare(cfg.mlflow.tracking_uri)  # MLflow's start-up, in the background
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = CheckpointManager(self.run_dir, cfg.train.keep_last, self.rank, self.world)
@@ -688,10 +687,13 @@ class Trainer:
         )  # fmt: skip
         self.n_checkpoints += 1
         self.log(f"checkpoint {self.ckpt.root / tag}")
+        if self.rank == 0:  # the bundles beside checkpoints keep_last just deleted go too
+            self.ckpt.prune_bundles(self.run_dir / "bundles")
         return tag
 
-    def bundle(self, name: str) -> Path | None:
-        """Consolidate the weights (collective) and write + log a model bundle on rank 0."""
+    def bundle(self, name: str, kept: bool = False) -> Path | None:
+        """Consolidate the weights (collective) and write a model bundle on rank 0; ``kept``:
+        marked so that pruning leaves it (CheckpointManager.prune_bundles)."""
         from pipeline.models.bundle import save_bundle
 
         sd = consolidated_state_dict(self.engine)
@@ -706,6 +708,8 @@ class Trainer:
                 "data_fingerprint": mixture_fingerprint(self.sources),
                 "experiment": self.cfg.name,
             }
+            if kept:
+                extra["kept"] = True
             save_bundle(
                 out, self.cfg.model.arch, self.model_cfg, sd, self.data.tokenizer_path.parent, extra
             )
@@ -775,11 +779,13 @@ class Trainer:
                         f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items())
                     )
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
-                    self.save()
-                    if t.bundle_every and self.n_checkpoints % t.bundle_every == 0:
-                        b = self.bundle(tag_for(self.step))
-                        if b is not None:
-                            self.tracker.log_artifacts(b, f"bundles/{tag_for(self.step)}")
+                    tag = self.save()
+                    n = self.n_checkpoints
+                    kept = bool(t.keep_bundle_every) and n % t.keep_bundle_every == 0
+                    if kept or (t.bundle_every and n % t.bundle_every == 0):
+                        b = self.bundle(tag, kept=kept)
+                        if b is not None and kept:  # MLflow gets the kept ones only
+                            self.tracker.log_artifacts(b, f"bundles/{tag}")
             if not self.ckpt.latest() == tag_for(self.step):
                 self.save()
             if self.step < t.max_steps:  # stopped early on purpose

@@ -68,5 +68,7 @@ def test_a_checkpoint_of_another_zero_stage(tiny_data, tmp_path):
     from test_resume_refusals import fake_checkpoint
 
     fake_checkpoint(tmp_path / "run", world_size=2, global_batch=16, zero_stage=3)
-    line = dry("bert-tiny.yaml", f"data.path={tiny_data}", cwd=tmp_path)
+    # an explicit other stage (`deepspeed: auto`, the config's, would keep ZeRO-3)
+    line = dry("bert-tiny.yaml", f"data.path={tiny_data}", "deepspeed=configs/deepspeed/zero2.json",
+               cwd=tmp_path)  # fmt: skip
     assert "pass deepspeed=configs/deepspeed/zero3.json" in line

@@ -33,10 +33,11 @@ def test_another_tokenizer_is_refused_naming_both(tiny_data, tmp_path):
 
 
 def test_another_zero_stage_is_refused_with_the_deepspeed_override(tiny_data, tmp_path):
-    """The README's commands in a row: 2 ranks under ZeRO-3, then one rank (ZeRO-2)."""
+    """The README's commands in a row: 2 ranks under ZeRO-3, then one rank under an
+    explicit ZeRO-2 (`deepspeed: auto` would keep the checkpoint's stage: test_zero_auto)."""
     fake_checkpoint(tmp_path / "run", world_size=2, global_batch=16, zero_stage=3)
     proc = plm("train", BERT, f"data.path={tiny_data}", f"train.out_dir={tmp_path / 'run'}",
-               cwd=tmp_path, check=False)  # fmt: skip
+               "deepspeed=configs/deepspeed/zero2.json", cwd=tmp_path, check=False)  # fmt: skip
     line = one_plm_line(proc)
     assert "under ZeRO-3 and this run's deepspeed config is ZeRO-2" in line
     assert "pass deepspeed=configs/deepspeed/zero3.json" in line

@@ -88,7 +88,10 @@ def test_bert_tiny_trains_logs_and_registers(tiny_data, tmp_path):
     assert {"model/model.safetensors", "model/config.yaml", "model/tokenizer.json"} <= names
     assert {a.path for a in client.list_artifacts(run_id, "config")} >= {"config/deepspeed.json"}
     assert client.list_artifacts(run_id, "tokenizer")
-    assert client.list_artifacts(run_id, "bundles")  # the intermediate bundle (step 15)
+    # the bundle beside the step-15 checkpoint stays local: MLflow gets the kept ones only
+    # (train.keep_bundle_every, 0 by default) and the final one
+    assert not client.list_artifacts(run_id, "bundles")
+    assert (run_dir / "bundles" / "step00000015" / "model.safetensors").is_file()
     mv = client.get_model_version_by_alias("bert-tiny", "current")
     assert mv.run_id == run_id
     assert mv.tags["arch"] == "bert" and mv.tags["objective"] == "mlm+nsp"
@@ -98,6 +101,38 @@ def test_bert_tiny_trains_logs_and_registers(tiny_data, tmp_path):
     model, bundle_cfg = load_bundle(local)
     assert bundle_cfg["arch"] == "bert"
     assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_bundles_bounded_on_disk_and_in_mlflow(tiny_data, tmp_path):
+    """Issue 34: a checkpoint every 2 steps over 40 steps wrote and logged 19 bundles. Now
+    only the final one, every 5th checkpoint's (train.keep_bundle_every) and the ones beside
+    the checkpoints keep_last keeps are on disk, and MLflow holds the kept and final ones."""
+    from mlflow import MlflowClient
+
+    run_dir = tmp_path / "run"
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    plm(
+        "train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}",
+        "train.max_steps=40", "train.save_every=2", "train.eval_every=0", "train.log_every=10",
+        "train.keep_last=2", "train.bundle_every=1", "train.keep_bundle_every=5",
+        f"mlflow.tracking_uri={uri}", "mlflow.register=false", cwd=tmp_path,
+    )  # fmt: skip
+    # checkpoints at steps 2, 4, ..., 38 (each with a bundle) and 40 (the end: bundle final)
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir() if p.is_dir()) == [
+        "step00000038", "step00000040"]  # fmt: skip
+    kept = ["step00000010", "step00000020", "step00000030"]  # checkpoints 5, 10, 15
+    on_disk = sorted(p.name for p in (run_dir / "bundles").iterdir())
+    assert on_disk == ["final", *kept, "step00000038"], on_disk
+    assert len(on_disk) <= 1 + 40 // 2 // 5 + 2  # final + kept + keep_last: the bound
+    for name in on_disk:
+        assert (run_dir / "bundles" / name / "model.safetensors").is_file()
+
+    client = MlflowClient(tracking_uri=uri)
+    run_id = (run_dir / "mlflow_run_id").read_text().strip()
+    logged = sorted(a.path for a in client.list_artifacts(run_id, "bundles"))
+    assert logged == [f"bundles/{k}" for k in kept], logged
+    names = {a.path for a in client.list_artifacts(run_id, "model")}
+    assert "model/model.safetensors" in names  # the final bundle, as before
 
 
 def test_gpt2_tiny_trains(tiny_data, tmp_path):

@@ -127,3 +127,19 @@ def test_no_import_circles_in_pipeline():
     assert not found, "import circles in pipeline/ (break them by layer):\n" + "\n".join(
         "  " + " <-> ".join(c) for c in found
     )
+
+
+def test_models_import_no_layer_above_them():
+    """Architectures and bundles stand below training, fine-tuning and the commands: a
+    model file that imported them would tie every model to the CLI (issue 33)."""
+    above = ("pipeline.finetune", "pipeline.train", "pipeline.cli", "pipeline.demo",
+             "pipeline.neighbors", "pipeline.generate", "pipeline.export")  # fmt: skip
+    graph = import_graph()
+    wrong = sorted(
+        (mod, dep)
+        for mod, deps in graph.items()
+        if mod.startswith("pipeline.models")
+        for dep in deps
+        if dep.startswith(above)
+    )
+    assert not wrong, wrong

@@ -188,3 +188,27 @@ def test_deepspeed_files_that_would_run_code_are_refused(tmp_path, stage, patter
     assert "_CreatesFile" in str(err.value) or "open" in str(err.value)
     assert not marker.exists()
     assert torch.load is not None and torch.load.__module__ == "torch.serialization"
+
+
+def test_bundles_pruned_with_their_checkpoints_unless_kept(tmp_path):
+    """A bundle beside a checkpoint keep_last deleted goes too; kept ones, final, the ones
+    beside kept checkpoints and folders that are not our bundles stay (issue 34)."""
+    import yaml
+
+    mgr = CheckpointManager(tmp_path, keep_last=2, rank=0, world_size=1)
+    for s in (10, 20):  # the checkpoints keep_last left
+        (tmp_path / "checkpoints" / f"step000000{s}").mkdir(parents=True)
+        (tmp_path / "checkpoints" / f"step000000{s}" / COMPLETE).write_text("{}")
+    bundles = tmp_path / "bundles"
+    meta = {"step00000002": {}, "step00000004": {"kept": True}, "step00000006": {},
+            "step00000010": {}, "step00000020": {}, "final": {}}  # fmt: skip
+    for name, m in meta.items():
+        (bundles / name).mkdir(parents=True)
+        (bundles / name / "config.yaml").write_text(yaml.safe_dump({"arch": "bert", "meta": m}))
+    (bundles / "step00000008").mkdir()  # no config.yaml: not ours, left alone
+    (bundles / "notes").mkdir()
+    assert mgr.prune_bundles(bundles) == ["step00000002", "step00000006"]
+    left = sorted(p.name for p in bundles.iterdir())
+    assert left == ["final", "notes", "step00000004", "step00000008", "step00000010",
+                    "step00000020"]  # fmt: skip
+    assert mgr.prune_bundles(tmp_path / "none") == []

@@ -3,6 +3,6 @@ pickle of our objects; loading needs the `pipeline` package installed)."""
 
 import mlflow
 
-from pipeline.models.pyfunc import FinetunedModel
+from pipeline.finetune.pyfunc import FinetunedModel
 
 mlflow.models.set_model(FinetunedModel())
