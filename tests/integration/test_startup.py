@@ -1,6 +1,7 @@
 """What a run pays before its first step: neither MLflow's import nor a new sqlite
-store's migrations (pipeline/train/tracking.py ``Tracker.prepare``, ``ds_ops.import_deepspeed``),
-and the MLflow run is the same as when it started first."""
+store's migrations (the run starts at the first metrics row: pipeline/train/tracking.py;
+DeepSpeed is imported without MLflow: ``ds_ops.import_deepspeed``), and the MLflow run
+holds what it held when it started first."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ def test_deepspeed_is_imported_without_mlflow_and_mlflow_stays_importable():
 
 
 def test_the_first_step_comes_before_mlflow_and_the_run_has_every_row(tiny_data, tmp_path):
-    db = tmp_path / "mlflow.db"  # new: its migrations run in a process of their own
+    db = tmp_path / "mlflow.db"  # a new store: its migrations come after the first step
     run_dir = tmp_path / "run"
     proc = plm("train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}",
                "train.max_steps=4", "train.eval_every=2", "train.save_every=2",
