@@ -172,8 +172,12 @@ def main(argv: list[str] | None = None) -> int:
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobStatus, JobSubmissionClient
 
-    if not args.verbose:  # Ray's own INFO lines about zipping and uploading the code
-        logging.getLogger("ray").setLevel(logging.WARNING)
+    if not args.verbose:
+        # Ray's own lines about zipping and uploading the code and closing the log stream
+        # (INFO, and a WARNING that .git is left out, which EXCLUDES does anyway): its
+        # handler on the "ray" logger shows errors only; the job's fate is printed below.
+        for handler in logging.getLogger("ray").handlers:
+            handler.setLevel(logging.ERROR)
 
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     job_id = args.job_id or f"plm-{args.stage}-{stamp}"
