@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import shlex
 import sys
@@ -133,6 +134,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--no-wait", action="store_true", help="submit and return at once")
     parser.add_argument(
+        "-v", "--verbose", action="store_true",
+        help="also show Ray's INFO lines (packaging the working_dir, the log stream's end)",
+    )  # fmt: skip
+    parser.add_argument(
         "--installed",
         action="store_true",
         help="the cluster has plm-pipeline installed: ship no working_dir",
@@ -166,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     print(configure_auth(), file=sys.stderr)
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobStatus, JobSubmissionClient
+
+    if not args.verbose:
+        # Ray's own lines about zipping and uploading the code and closing the log stream
+        # (INFO, and a WARNING that .git is left out, which EXCLUDES does anyway): its
+        # handler on the "ray" logger shows errors only; the job's fate is printed below.
+        for handler in logging.getLogger("ray").handlers:
+            handler.setLevel(logging.ERROR)
 
     stamp = f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}"
     job_id = args.job_id or f"plm-{args.stage}-{stamp}"

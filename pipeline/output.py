@@ -2,7 +2,8 @@
 
 By default the libraries' chatter that looks like a failure but is none is kept out:
 MLflow's INFO lines (system metrics started/stopped, run links, registry notes) and its
-artifact download bars, the
+artifact download bars, transformers' progress bars when the output is not a terminal
+(`plm export`'s "Writing model shards"), the
 FutureWarnings DeepSpeed triggers in torch.distributed on every rank, and Ray's warning
 that a local cluster enabled token authentication (it stays on). ``-v`` shows them all
 again. The settings are
@@ -13,6 +14,7 @@ workers and other processes `plm` starts inherit them.
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 
 VERBOSE = 0  # plm -v: 1 or more
@@ -27,6 +29,8 @@ def configure(verbose: int) -> None:
         return
     os.environ.setdefault("MLFLOW_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")  # per download
+    if not sys.stderr.isatty():  # transformers' bars ("Writing model shards") into a pipe
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     # DeepSpeed 0.19 calls torch.distributed's deprecated all_gather_into_tensor /
     # reduce_scatter_tensor: one FutureWarning per rank and call site, nothing to act on.
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")

@@ -100,6 +100,8 @@ def test_prepare_runs_as_a_ray_job_with_token_auth(head, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     assert "auth: token from RAY_AUTH_TOKEN_PATH" in done.stderr
     assert "SUCCEEDED" in done.stderr
+    # Ray's lines about packaging the working_dir only with -v.
+    assert " INFO " not in done.stderr and " WARNING " not in done.stderr, done.stderr
     data = DataDir(out)
     assert data.verify() == []
     assert data.manifest["totals"]["documents_kept"] == 60

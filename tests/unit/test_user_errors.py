@@ -40,6 +40,18 @@ def test_an_export_transformers_cannot_represent_is_one_line(tmp_path):
     assert "is not a model bundle" in one_plm_line(proc)
 
 
+def test_export_into_a_pipe_prints_no_progress_bar(tmp_path):
+    """transformers' "Writing model shards" bar is for terminals: piped, `plm export` says
+    only where the folder went (with -v the libraries' output is left as it is)."""
+    pytest.importorskip("transformers")
+    from test_export_hf_gpt import gpt_bundle
+
+    _, bundle = gpt_bundle(tmp_path)
+    proc = plm("export", "--to", "hf", str(bundle), str(tmp_path / "hf"), cwd=tmp_path)
+    assert "Writing model shards" not in proc.stderr + proc.stdout, proc.stderr
+    assert proc.stdout.strip() == f"transformers folder written to {tmp_path / 'hf'}"
+
+
 @pytest.mark.parametrize(
     "rank,local_rank,typo_prints,missing_file_prints",
     [("0", "0", True, True), ("1", "1", False, False), ("2", "0", False, True)],
