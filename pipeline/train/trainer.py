@@ -909,7 +909,6 @@ class Trainer:
                 m[f"tokens_seen/{source.name}"] = n
         # Per-step loss too, so a resumed run can be compared step by step.
         m["step_loss"] = window[-1]["loss"]
-        self.tracker.log_metrics(m, self.step)
         total = self.cfg.train.max_steps
         left = total - self.step  # at this window's pace, for a person watching
         eta = f", {self.step}/{total}, {_duration(left * seconds / len(window))} left"
@@ -918,6 +917,7 @@ class Trainer:
             f"{m['grad_norm']:.3f} tok/s {m['tokens_per_s']:.0f} skipped {self.skipped}"
             + (eta if left > 0 else "")
         )
+        self.tracker.log_metrics(m, self.step)  # the first row starts the MLflow run
 
 
 def _duration(seconds: float) -> str:
