@@ -218,7 +218,11 @@ class Tracker:
         params: dict[str, Any],
         tags: dict[str, str],
         resume: bool,
+        defer: bool = False,
     ) -> None:
+        """The MLflow run: started now, or (``defer``) by the first metrics row or the
+        first call that needs the run, so that MLflow's import (about 1.5 s) and a new
+        sqlite store's migrations (about 4 s) come after the first step, not before it."""
         if not self.enabled:
             return
         self._start_args = dict(tracking_uri=tracking_uri, experiment=experiment,
@@ -230,10 +234,10 @@ class Tracker:
             self._sent = int(synced.read_text()) if synced.is_file() else self._rows
         _short_http_timeouts()
         self.uri = resolve_tracking_uri(tracking_uri)
-        # MLflow's import (about 1.5 s) and a new sqlite store's migrations (about 4 s)
-        # after the first step, not before it: the run starts at the first metrics row
-        # (``log_metrics``, which sends that row) or at any call that needs the run.
-        self._deferred = []
+        if defer:
+            self._deferred = []  # the calls made meanwhile, made once the run started
+        else:
+            self._start_now()
 
     def _start_now(self) -> None:
         import mlflow

@@ -493,6 +493,7 @@ class Trainer:
             params=params,
             tags=tags,
             resume=self.resumed_from is not None,
+            defer=True,  # MLflow's start-up after the first step (the row that starts it)
         )
         if self.resumed_from is None:
             self.tracker.log_dict(cfg.model_dump(mode="json"), "config/experiment.json")
