@@ -1,0 +1,72 @@
+"""Time to the first step of a 1-step `plm train` (bert-tiny, a new sqlite MLflow store),
+two code trees side by side, taking turns.
+
+    python bench/bench_startup.py --data DATA_DIR [--rounds 5] TREE [TREE ...]
+
+Each run is a fresh `python -m pipeline.cli train configs/test/bert-tiny.yaml
+train.max_steps=1` with ``PYTHONPATH=TREE`` (a checkout or worktree: before and after a
+change), a new out_dir and a new sqlite store (its migrations included), one torch thread.
+Printed per tree: the median (min, max) of the seconds until the `step 1:` line and until
+exit. DATA_DIR: any prepared data dir of a WordPiece tokenizer (`plm demo` writes
+demo/data).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+
+def one_run(tree: str, data: str) -> tuple[float, float]:
+    work = tempfile.mkdtemp(prefix="bench-startup-")
+    env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "pipeline.cli", "train", f"{tree}/configs/test/bert-tiny.yaml",
+           f"data.path={data}", "train.max_steps=1", "train.eval_every=0",
+           "train.save_every=0", f"train.out_dir={work}/run",
+           f"mlflow.tracking_uri=sqlite:///{work}/mlflow.db"]  # fmt: skip
+    try:
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                cwd=work, env=env)  # fmt: skip
+        first = None
+        for line in proc.stdout:
+            if first is None and "step 1:" in line:
+                first = time.monotonic() - start
+        code = proc.wait()
+        total = time.monotonic() - start
+        if code != 0 or first is None:
+            raise SystemExit(f"{tree}: plm train exited {code} (first step seen: {first})")
+        return first, total
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trees", nargs="+")
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    times: dict[str, list[tuple[float, float]]] = {t: [] for t in args.trees}
+    for r in range(args.rounds):
+        for tree in args.trees:
+            first, total = one_run(tree, args.data)
+            times[tree].append((first, total))
+            print(f"round {r + 1} {tree}: first step {first:.2f} s, exit {total:.2f} s",
+                  flush=True)  # fmt: skip
+    for tree, runs in times.items():
+        firsts, totals = [f for f, _ in runs], [t for _, t in runs]
+        print(f"{tree}: first step {statistics.median(firsts):.2f} s "
+              f"[{min(firsts):.2f}, {max(firsts):.2f}], exit {statistics.median(totals):.2f} s "
+              f"[{min(totals):.2f}, {max(totals):.2f}]")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
