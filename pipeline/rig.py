@@ -228,8 +228,8 @@ def _hosts_file(rig_hosts: list[Host], laptop: str) -> str:
 def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
        root: Path = DEFAULT_ROOT, s3: bool = True, ssh: bool = True) -> Rig:  # fmt: skip
     """Create the hosts (see the module's text); on any failure, undo what was made."""
-    if not name.isalnum() or len(name) > 6:
-        raise RigError(f"--name {name!r}: 1-6 letters or digits (it prefixes interface names)")
+    if not name.isalnum() or len(name) > 8:  # interface names: 15 bytes at most
+        raise RigError(f"--name {name!r}: 1-8 letters or digits (it prefixes interface names)")
     if n_hosts < 1:
         raise RigError("--hosts must be at least 1")
     why = check_prerequisites(ssh)
@@ -271,8 +271,8 @@ def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
         if s3:
             rig.s3_endpoint = _start_s3(rig)
         _save(rig)
-        for h in rig.hosts:
-            _wait_listening(rig, h.name, h.address, SSH_PORT) if ssh else None
+        for h in rig.hosts if ssh else []:
+            _wait_listening(rig, h.name, h.address, SSH_PORT)
     except BaseException:
         down(name, root)
         raise

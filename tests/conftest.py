@@ -289,7 +289,7 @@ def rig():
     if shutil.which("pdsh") is None:
         pytest.skip("the hostfile launch needs pdsh (Debian: pdsh)")
     _down_stale_test_rigs(rigmod)
-    name = f"t{os.getpid() % 100000}"
+    name = f"t{os.getpid()}"
     made = None
     for subnet in RIG_SUBNETS:
         try:
@@ -313,10 +313,6 @@ def _down_stale_test_rigs(rigmod) -> None:
     import re
 
     for state in sorted(rigmod.DEFAULT_ROOT.glob("*/rig.json")):
-        name = state.parent.name
-        m = re.fullmatch(r"[td](\d+)", name)
-        if m and not any(
-            Path(f"/proc/{pid}").exists()
-            for pid in range(int(m.group(1)), 1 << 22, 100000)  # the pid the name came from
-        ):
-            rigmod.down(name)
+        m = re.fullmatch(r"[td](\d+)", state.parent.name)
+        if m and not Path(f"/proc/{m.group(1)}").exists():
+            rigmod.down(state.parent.name)

@@ -121,15 +121,14 @@ class Tracker:
         self._waited = False
         self._deferred: list[Any] | None = None  # calls made before the run started
 
-    def _catch_up(self) -> bool:
+    def _catch_up(self) -> None:
         """Start the deferred run (``start``), then make the calls that came meanwhile."""
         if self._deferred is None:
-            return True
+            return
         calls, self._deferred = self._deferred, None
         self._start_now()
         for call in calls:
             call()
-        return True
 
     def _fail(self, what: str, err: BaseException) -> None:
         msg = (
