@@ -136,3 +136,9 @@ def test_the_cli_runs_a_command_on_a_host_and_passes_its_status_on(rig):
                              capture_output=True, text=True, cwd="/")  # fmt: skip
     assert missing.returncode == 2
     assert missing.stderr.strip().startswith("plm: rig: ") and "node9" in missing.stderr
+
+
+@pytest.mark.parametrize("name", ["bad-name", "toolongname", ""])
+def test_a_rig_name_that_cannot_prefix_interface_names_is_refused(name):
+    with pytest.raises(rigmod.RigError, match="letters or digits"):
+        rigmod.up(1, name=name)
