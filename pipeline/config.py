@@ -241,6 +241,10 @@ class TrainSection(Strict):
     max_steps: int = Field(1000, gt=0)
     micro_batch_size: int = Field(32, gt=0)
     grad_accum: int = Field(1, gt=0)
+    # Samples per optimizer step over all ranks. Set, it fixes grad_accum on any number of
+    # ranks (global_batch / (micro_batch_size x ranks)), which an elastic run needs: the
+    # same batch whichever hosts are up. Unset: micro_batch_size x grad_accum x ranks.
+    global_batch: int | None = Field(None, gt=0)
     lr: float = Field(1.0e-4, gt=0)
     min_lr_ratio: float = Field(0.0, ge=0, le=1)
     weight_decay: float = Field(0.01, ge=0)
@@ -275,12 +279,46 @@ class TrainSection(Strict):
     # stop without one (keep it below the platform's kill delay: Kubernetes' default 30 s,
     # the `deepspeed` launcher's 30 s)
     stop_grace_s: float = Field(25.0, gt=0)
+    # How long a rank waits for the others: at the rendezvous and in every collective.
+    # A host that dies or whose link is cut is noticed after at most this long (a killed
+    # process is noticed at once: its peers' connections close); the elastic agent then
+    # restarts the survivors (docs/elastic.md). Longer than the longest pause one rank
+    # makes alone (rank 0 writing a bundle and uploading it to MLflow).
+    collective_timeout_s: float = Field(300.0, gt=0)
+    # Ranks whose clocks differ from rank 0's by more than this refuse to start (0: not
+    # checked); so do ranks running other software (Python, torch, DeepSpeed, plm source).
+    max_clock_skew_s: float = Field(30.0, ge=0)
     # DeepSpeed's CPU shared-memory all-reduce op (JIT-built C++, once per venv, announced;
     # `plm setup` builds it ahead). Off: it serves only DeepSpeed's inference all-reduce
     # (AutoTP), which training does not call, so gloo does every all-reduce either way.
     # Used with several ranks on the CPU only (pipeline/train/ds_ops.py).
     cpu_shm_allreduce: bool = False
     out_dir: str = "runs/default"
+
+
+def with_global_batch(cfg: ExperimentConfig, world: int) -> ExperimentConfig:
+    """``cfg`` with grad_accum set from ``train.global_batch`` for ``world`` ranks (the
+    same config when it is unset), or a ConfigError naming the sizes that fit."""
+    t = cfg.train
+    if t.global_batch is None:
+        return cfg
+    per_step = t.micro_batch_size * world
+    if t.global_batch % per_step:
+        fits = [
+            n
+            for n in range(1, t.global_batch + 1)
+            if t.global_batch % (t.micro_batch_size * n) == 0
+        ]
+        raise ConfigError(
+            f"train.global_batch={t.global_batch} is not a multiple of train.micro_batch_size="
+            f"{t.micro_batch_size} x {world} ranks: with this micro batch it fits "
+            f"{', '.join(map(str, fits[:12]))} ranks; change train.global_batch or "
+            "train.micro_batch_size"
+        )
+    accum = t.global_batch // per_step
+    if accum == t.grad_accum:
+        return cfg
+    return cfg.model_copy(update={"train": t.model_copy(update={"grad_accum": accum})})
 
 
 class MlflowSection(Strict):

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pipeline.config import ConfigError, ExperimentConfig
+from pipeline.config import ConfigError, ExperimentConfig, with_global_batch
 from pipeline.data.shards import DataDir
 from pipeline.train import ds_ops, parallelize
 from pipeline.train import engine as ds_engine
@@ -179,6 +179,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
     from pipeline.models.registry import build_model, resolve_model_config
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    cfg = with_global_batch(cfg, world)
     key = "data.path" if cfg.data.sources is None else "data.sources"
     sources = open_sources(cfg.data)  # tokenizers checked
     data = sources[0].path

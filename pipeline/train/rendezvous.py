@@ -36,6 +36,17 @@ import torch.distributed as dist
 from pipeline.config import ConfigError
 
 
+class RendezvousUnreachable(Exception):
+    """A rank that cannot reach the rendezvous store; the message names the rank, the
+    host, the address and what to check."""
+
+
+def _first_line(err: BaseException) -> str:
+    """The first line of a torch/gloo error, without its C++ source location."""
+    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return line.split("] ", 1)[-1] if line.startswith("[") else line
+
+
 def master_addr_port() -> tuple[str, int]:
     """MASTER_ADDR (brackets of an IPv6 literal dropped) and MASTER_PORT from the env."""
     addr = os.environ.get("MASTER_ADDR", "").strip()
@@ -176,13 +187,26 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     addr, port = master_addr_port()
     wait_s = timeout.total_seconds()
-    if rank == 0:
+    # Under torch's elastic agent (torchrun, launch/elastic_train.py) the agent of node
+    # rank 0 already serves a store at MASTER_ADDR:MASTER_PORT, a new one for each round
+    # of its rendezvous: every rank is its client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if rank == 0 and not agent_store:
         sock = listen(addr, port, wait_s)
         host = sock.getsockname()[0]  # an address literal: what its own client dials
         fd = sock.detach()  # the store closes it
         store = dist.TCPStore(host, port, world, True, timeout=timeout, master_listen_fd=fd)
     else:
-        store = dist.TCPStore(addr, port, world, False, timeout=timeout)
+        try:
+            store = dist.TCPStore(addr, port, world, False, timeout=timeout)
+        except dist.DistError as err:
+            raise RendezvousUnreachable(
+                f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous store at "
+                f"MASTER_ADDR={addr} MASTER_PORT={port} within {wait_s:.0f} s "
+                f"(train.collective_timeout_s): {_first_line(err)}. Check that rank 0's host "
+                "is up and that this host reaches it (`nc -zv ADDR PORT`)"
+            ) from None
+        host = addr
     if not os.environ.get("GLOO_SOCKET_IFNAME"):
-        bind_gloo(host if rank == 0 else local_address(addr, port))
+        bind_gloo(host if rank == 0 and not agent_store else local_address(addr, port))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)

@@ -448,7 +448,11 @@ class Tracker:
         )
 
     def end(self, status: str = "FINISHED") -> None:
+        """End the run with ``status``; "RUNNING": send what is unsent and leave the run
+        open (an elastic agent starts the ranks again, and they resume it)."""
         self._catch_up()
+        if status == "RUNNING":
+            return
         if self.enabled and not self.mlflow_ok:
             if status == "FINISHED":
                 self.await_server()

@@ -15,6 +15,7 @@ import shutil
 import signal
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +23,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ConfigError, ExperimentConfig
+from pipeline.config import ConfigError, ExperimentConfig, with_global_batch
 from pipeline.data.mixture import open_sources
 from pipeline.data.shards import DataDir
 from pipeline.data.stream import MixSource
 from pipeline.train import engine as ds_engine
-from pipeline.train import parallelize
+from pipeline.train import faults, parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
 from pipeline.train.plan import check_checkpoint, check_positions, resolve_deepspeed
@@ -315,8 +316,11 @@ class Trainer:
         self.cfg = cfg
         if not torch.cuda.is_available():
             parallelize.set_cpu_threads()
-        ds_engine.init_distributed(cfg.train.cpu_shm_allreduce)
+        ds_engine.init_distributed(
+            cfg.train.cpu_shm_allreduce, timedelta(seconds=cfg.train.collective_timeout_s)
+        )
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        faults.check_peers(cfg.train.max_clock_skew_s)
         self.dev = device()
         self.run_dir = Path(cfg.train.out_dir)
         self.tracker = Tracker(
@@ -330,6 +334,7 @@ class Trainer:
         # anything is built from the config.
         self.sources = open_sources(cfg.data)  # one for data.path; tokenizers checked
         self.data = self.sources[0].path  # the tokenizer every source shares
+        cfg = with_global_batch(cfg, self.world)
         cfg = resolve_deepspeed(cfg, self.ckpt, self.world)
         cfg, self.elastic = self.plan_elastic_resume(cfg)
         self.cfg = cfg
@@ -364,6 +369,7 @@ class Trainer:
         self.resumed_from: str | None = None
         self.stopper = GracefulStop(cfg.train.stop_grace_s, self._killed_by_timer)
         self.stop_agreed = False  # every rank saw a stop signal's flag in the same all-reduce
+        self.membership: dict[str, Any] | None = None  # a change to log after the next step
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
@@ -724,6 +730,7 @@ class Trainer:
         cfg, t = self.cfg, self.cfg.train
         self.stopper.install()  # before the loader forks its workers: they inherit it
         self.resume_if_asked()
+        self.membership = self.membership_change()
         self.start_tracking()
         peak = device_peak_flops(t.precision)
         self.log(
@@ -773,6 +780,8 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     self._log_window(time.perf_counter() - t0, peak)
                     t0 = time.perf_counter()
+                if self.membership is not None:
+                    self.log_membership_change()
                 if t.eval_every and self.step % t.eval_every == 0:
                     ev = self.evaluate()
                     self.tracker.log_metrics(ev, self.step)
@@ -815,6 +824,13 @@ class Trainer:
                     )
             status = "FINISHED"
         except BaseException as err:
+            fault = faults.peer_fault(err, self.rank, self.step, t.collective_timeout_s)
+            if fault is not None:
+                self.tracker.set_tags({"elastic/last_fault": str(fault)})
+                # An elastic agent with restarts left starts the ranks again: the MLflow
+                # run goes on (stays RUNNING) rather than ending here.
+                status = "RUNNING" if elastic_restarts_left() else "FAILED"
+                raise fault from None
             # The MLflow run says why it failed, not only that it did.
             reason = "diverged" if isinstance(err, TrainingDiverged) else type(err).__name__
             if isinstance(err, KeyboardInterrupt):
@@ -833,6 +849,54 @@ class Trainer:
         result = self._result(bundle_dir, version)
         result.tracking_left_behind = self.tracker.left_behind()
         return result
+
+    def membership_change(self) -> dict[str, Any] | None:
+        """After a resume by the elastic agent or on another world size: what changed, and
+        (rank 0) the last step metrics.jsonl logged before, for ``log_membership_change``."""
+        if self.resumed_from is None:
+            return None
+        saved = int(self.ckpt.meta(self.resumed_from)["world_size"])
+        if saved == self.world and "TORCHELASTIC_RUN_ID" not in os.environ:
+            return None
+        last_step, last_time, changes = self.step, None, 0
+        rows = self.run_dir / "metrics.jsonl"
+        if self.rank == 0 and rows.is_file():
+            for line in rows.read_text(encoding="utf-8").splitlines():
+                row = json.loads(line)
+                if "step_loss" in row:
+                    last_step, last_time = max(last_step, int(row["step"])), row["time"]
+                changes = max(changes, int(row.get("elastic/changes", 0)))
+        ga = self.elastic["grad_accum"] if self.elastic else (self.cfg.train.grad_accum,) * 2
+        return {
+            "old_world": saved, "step": self.step, "last_step": last_step,
+            "last_time": last_time, "changes": changes + 1, "grad_accum": ga,
+        }  # fmt: skip
+
+    def log_membership_change(self) -> None:
+        """The first step after a membership change is done: log it (rank 0) as metrics
+        and a tag of the MLflow run, and as a row of metrics.jsonl."""
+        c, self.membership = self.membership, None
+        if self.rank != 0 or c is None:
+            return
+        lost = time.time() - c["last_time"] if c["last_time"] is not None else 0.0
+        recomputed = max(0, c["last_step"] - c["step"])
+        self.tracker.log_metrics(
+            {
+                "elastic/changes": c["changes"],
+                "elastic/old_world_size": c["old_world"],
+                "elastic/world_size": self.world,
+                "elastic/seconds_lost": lost,
+                "elastic/steps_recomputed": recomputed,
+            },
+            self.step,
+        )
+        text = (
+            f"at step {c['step']}: {c['old_world']} -> {self.world} ranks (grad_accum "
+            f"{c['grad_accum'][0]} -> {c['grad_accum'][1]}); first step {lost:.1f} s after "
+            f"the last one logged before (step {c['last_step']}); {recomputed} steps recomputed"
+        )
+        self.tracker.set_tags({f"elastic/change_{c['changes']}": text})
+        self.log(f"membership change {c['changes']} {text}")
 
     def stop_on_signal(self) -> None:
         """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""
@@ -931,6 +995,21 @@ def _duration(seconds: float) -> str:
     return f"{s // 3600} h {s % 3600 // 60:02d} min"
 
 
+def elastic_restarts_left() -> bool:
+    """Under torch's elastic agent with restarts left: a failed rank will be started again."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    most = os.environ.get("TORCHELASTIC_MAX_RESTARTS")
+    return count is not None and most is not None and int(count) < int(most)
+
+
 def train(cfg: ExperimentConfig, stop_after: int | None = None) -> RunResult:
     """Entry point of ``plm train`` on every rank."""
-    return Trainer(cfg).run(stop_after=stop_after)
+    try:
+        trainer = Trainer(cfg)
+    except RuntimeError as err:  # the process group or DeepSpeed's groups could not form
+        rank = int(os.environ.get("RANK", "0"))
+        fault = faults.peer_fault(err, rank, 0, cfg.train.collective_timeout_s)
+        if fault is None:
+            raise
+        raise fault from None
+    return trainer.run(stop_after=stop_after)
