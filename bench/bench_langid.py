@@ -110,7 +110,7 @@ def main() -> None:
         f"mean {sum(len(t) for _, t in items) / len(items):.0f} characters; "
         f"{len(long_docs)} whole documents, mean {sum(map(len, long_docs)) / len(long_docs):.0f}"
     )
-    print(f"| library | accuracy (all) | en | zh | other 9 | short docs/s | whole docs/s |")
+    print("| library | accuracy (all) | en | zh | other 9 | short docs/s | whole docs/s |")
     print("|---|---|---|---|---|---|---|")
     for name, detect in candidates().items():
         for _, text in items[:50]:  # warm-up
@@ -118,7 +118,7 @@ def main() -> None:
         got = [detect(text).split("-")[0] for _, text in items]
         right = [g == code for g, (code, _) in zip(got, items, strict=True)]
 
-        def share(keep) -> str:
+        def share(keep, right=right) -> str:
             picked = [r for r, (code, _) in zip(right, items, strict=True) if keep(code)]
             return f"{sum(picked)}/{len(picked)}"
 
