@@ -42,6 +42,8 @@ _PREPARE_FLAGS = {
     "entities": "entities",
     "ray_address": "ray_address",
     "num_cpus": "num_cpus",
+    "languages": "languages",
+    "filters": "filters",
 }
 
 
@@ -225,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--max-doc-tokens", type=int)
     prep.add_argument("--text-field")
     prep.add_argument("--entities", help="entity list (one per line) -> spans.npy (ERNIE)")
+    prep.add_argument(
+        "--languages", help="keep only these ISO 639-1 codes, e.g. en,zh (turns language ID on)"
+    )
+    prep.add_argument(
+        "--filters", help="a quality filter preset (web); lists and thresholds: data config"
+    )
     prep.add_argument("--ray-address", help="a running cluster (else RAY_ADDRESS, else local)")
     prep.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
     prep.add_argument("--force", action="store_true", help="rebuild even if up to date")

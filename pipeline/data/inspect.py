@@ -9,7 +9,8 @@ from pipeline.data.shards import DataDir, ShardError
 
 
 def summarize(data: DataDir) -> list[str]:
-    """Human-readable lines: totals, splits, rejects, tokenizer, sources."""
+    """Human-readable lines: totals, splits, languages, what each stage removed,
+    tokenizer, sources."""
     m = data.manifest
     totals = m.get("totals", {})
     lines = [
@@ -24,11 +25,16 @@ def summarize(data: DataDir) -> list[str]:
             f"  {split:<10} {info['n_docs']:,} docs  {info['n_tokens']:,} tokens  "
             f"{len(info['shards'])} shards  {info.get('pattern', '')}"
         )
-    rejected = m.get("rejected", {})
-    total_rejected = sum(rejected.values())
-    lines.append(f"rejected     {total_rejected:,} docs")
-    for reason, count in sorted(rejected.items(), key=lambda kv: (-kv[1], kv[0])):
-        lines.append(f"  {reason:<14} {count:,}")
+    lines.extend(removed_table(m))
+    languages = totals.get("languages", {})
+    if languages:
+        kept = sum(languages.values()) or 1
+        shown = sorted(languages.items(), key=lambda kv: (-kv[1], kv[0]))
+        lines.append(
+            "languages    "
+            + "  ".join(f"{code} {n:,} ({n / kept:.1%})" for code, n in shown[:12])
+            + (f"  ... {len(shown) - 12} more" if len(shown) > 12 else "")
+        )
     tok = m.get("tokenizer", {})
     lines.append(
         f"tokenizer    {tok.get('kind', '?')}  vocab {tok.get('vocab_size', '?')}  "
@@ -41,6 +47,76 @@ def summarize(data: DataDir) -> list[str]:
     if len(sources) > 20:
         lines.append(f"  ... {len(sources) - 20} more")
     return lines
+
+
+# Which stage of `plm data prepare` rejects a document for a reason (docs/data.md).
+STAGE_OF = {
+    "invalid_utf8": "read",
+    "nul_bytes": "read",
+    "bad_json": "read",
+    "no_text": "read",
+    "truncated": "read",
+    "too_long": "read/clean",
+    "too_short": "clean",
+    "language": "language",
+    "gopher_repetition": "filters",
+    "gopher_quality": "filters",
+    "c4": "filters",
+    "fineweb": "filters",
+    "duplicate": "dedup",
+    "no_tokens": "tokenize",
+}
+STAGES = ("read", "read/clean", "clean", "language", "filters", "dedup", "tokenize")
+EXAMPLES_SHOWN = 2  # per reason
+EXAMPLE_TEXT = 60  # characters of a filtered document's text
+
+
+def removed_table(m: dict) -> list[str]:
+    """What each stage removed, as a plain table: reason, documents, their share of the
+    documents read, a few examples (where: source, ordinal, line; why: the rule; the start
+    of the text). Then the documents each filter rule rejected and the lines it removed
+    from documents it kept. A reason no stage above names shows under ``other``."""
+    rejected = m.get("rejected", {})
+    totals = m.get("totals", {})
+    read = totals.get("documents_read") or totals.get("n_docs", 0) + sum(rejected.values())
+    examples = m.get("reject_examples", {})
+    out = [f"rejected     {sum(rejected.values()):,} docs of {read:,} read"]
+    if rejected:
+        out.append(f"  {'stage':<11} {'reason':<18} {'docs':>9} {'share':>7}  examples")
+    order = {stage: k for k, stage in enumerate(STAGES)}
+    rows = sorted(
+        rejected.items(),
+        key=lambda kv: (order.get(STAGE_OF.get(kv[0], "other"), len(order)), -kv[1], kv[0]),
+    )
+    for reason, count in rows:
+        stage = STAGE_OF.get(reason, "other")
+        share = f"{count / read:.1%}" if read else "-"
+        shown = [_example_text(e) for e in examples.get(reason, [])[:EXAMPLES_SHOWN]]
+        first = shown[0] if shown else ""
+        out.append(f"  {stage:<11} {reason:<18} {count:>9,} {share:>7}  {first}".rstrip())
+        out.extend(f"  {'':<11} {'':<18} {'':>9} {'':>7}  {more}" for more in shown[1:])
+    rules = m.get("filter_rules", {})
+    removed = m.get("lines_removed", {})
+    if rules or removed:
+        out.append(f"  {'filter rule':<32} {'docs rejected':>13} {'lines removed':>13}")
+        for rule in sorted(set(rules) | set(removed)):
+            out.append(f"  {rule:<32} {rules.get(rule, 0):>13,} {removed.get(rule, 0):>13,}")
+    return out
+
+
+def _example_text(example: dict) -> str:
+    where = f"{Path(str(example.get('source', '?'))).name}#{example.get('ordinal', '?')}"
+    if example.get("line"):
+        where += f" line {example['line']}"
+    if example.get("from_byte"):
+        where += f" (from byte {example['from_byte']:,})"
+    if example.get("detail"):
+        where += f" [{example['detail']}]"
+    if example.get("text"):
+        text = " ".join(str(example["text"]).split())
+        text = text if len(text) <= EXAMPLE_TEXT else text[: EXAMPLE_TEXT - 3] + "..."
+        where += f" {text!r}"
+    return where
 
 
 def _digest_text(source: dict) -> str:

@@ -29,10 +29,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from pipeline.config import ConfigError, config_file
 from pipeline.data.clean import CleanConfig, clean
+from pipeline.data.langid import parse_languages
+from pipeline.data.quality import FilterConfig, expand_filters
 from pipeline.data.readers import (
     DEFAULT_MAX_DOC_BYTES,
     Digest,
@@ -89,6 +98,14 @@ class PrepareConfig(BaseModel):
     # becomes a token span in spans.npy (see pipeline.data.segment.entity_pattern).
     entities: str | None = None
     clean: CleanConfig = CleanConfig()
+    # Language ID and quality filters (docs/data.md "Filters"): off by default. With
+    # language_id each document's ISO 639-1 code (py3langid) goes into the shards and the
+    # manifest; `languages` keeps only those codes; `filters` is a preset name ("web") or
+    # a list of filters (a name, or a mapping with `name` and threshold overrides), run
+    # in order after cleaning. Either of the last two turns language_id on.
+    language_id: bool = False
+    languages: list[str] | None = Field(None, min_length=1)
+    filters: list[FilterConfig] = []
     # Input bytes per unit of work (a task): big txt/jsonl files are cut into byte ranges
     # of this size on document boundaries, parquet into runs of row groups, small files
     # grouped. Each unit writes its own shards, so it decides shard boundaries.
@@ -104,7 +121,40 @@ class PrepareConfig(BaseModel):
     def _one_shard_size(self) -> PrepareConfig:
         if self.shard_docs is not None and self.shard_bytes is not None:
             raise ValueError("set shard_docs or shard_bytes, not both")
+        if self.filters or self.languages is not None:
+            self.language_id = True  # the filters and `languages` judge by the ISO code
         return self
+
+    _filters = field_validator("filters", mode="before")(expand_filters)
+
+    @field_validator("languages", mode="before")
+    @classmethod
+    def _language_codes(cls, value: object) -> object:
+        return parse_languages(value)
+
+    @field_validator("languages")
+    @classmethod
+    def _known_codes(cls, value: list[str] | None) -> list[str] | None:
+        from pipeline.data.langid import known_languages
+
+        unknown = sorted(set(value or ()) - set(known_languages()))
+        if unknown:
+            raise ValueError(
+                f"unknown language code(s) {', '.join(unknown)}: use ISO 639-1 codes such as "
+                "en, zh, de (the languages py3langid knows)"
+            )
+        return value
+
+    def filter_settings(self) -> dict[str, Any]:
+        """Language ID and filters as output_settings adds them (only when on, so a data
+        dir prepared without them keeps its config hash)."""
+        if not self.language_id:
+            return {}
+        return {
+            "language_id": True,
+            "languages": self.languages,
+            "filters": [f.model_dump() for f in self.filters],
+        }
 
     def output_settings(self) -> dict[str, Any]:
         """The settings that decide the output bytes (hashed into data_config_hash)."""
@@ -122,6 +172,7 @@ class PrepareConfig(BaseModel):
             "entities_sha256": None
             if self.entities is None
             else _sha256_json(load_entities(self.entities, self.clean)),
+            **self.filter_settings(),
         }
 
     @property
@@ -333,6 +384,9 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         batch_docs=cfg.batch_docs,
         entities=entities,
         builtin_docs=python_docs() if any(s.format == "builtin" for s in sources) else None,
+        language_id=cfg.language_id,
+        languages=tuple(cfg.languages) if cfg.languages is not None else None,
+        filters=tuple(cfg.filters),
     )
     partitions = n_partitions(input_bytes)
     cpu_before_ray = _cpu_seconds()
@@ -351,12 +405,15 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     # 4. Counts, stats and the manifest, last and atomically.
     tally_read, tally_kept = Counter(), Counter()
     rejected, languages = Counter(), Counter()
+    filter_rules, lines_removed = Counter(), Counter()
     examples: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         tally_read.update(r.read)
         tally_kept.update(r.kept)
         rejected.update(r.rejected)
         languages.update(r.languages)
+        filter_rules.update(r.filter_rules)
+        lines_removed.update(r.lines_removed)
         for reason, found in r.examples.items():
             kept = examples.setdefault(reason, [])
             kept.extend(found[: MAX_REJECT_EXAMPLES - len(kept)])
@@ -412,6 +469,9 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         },
         "rejected": dict(sorted(rejected.items())),
         "reject_examples": dict(sorted(examples.items())),
+        # Quality filters: documents rejected per "filter.rule", lines removed per rule.
+        "filter_rules": dict(sorted(filter_rules.items())),
+        "lines_removed": dict(sorted(lines_removed.items())),
         "stats": stats,
     }
     if manifest["totals"]["n_docs"] == 0:  # an unusable input: no data dir, exit 2

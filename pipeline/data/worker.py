@@ -33,6 +33,8 @@ from pipeline.data.clean import (
     language_of,
     reject_reason,
 )
+from pipeline.data.langid import identify
+from pipeline.data.quality import run_filters
 from pipeline.data.readers import (
     Digest,
     RawDocument,
@@ -44,6 +46,7 @@ from pipeline.data.readers import (
 from pipeline.data.shards import SPLITS, ShardWriter, split_of
 
 MAX_REJECT_EXAMPLES = 5  # per reason and unit; the driver keeps the first 5 overall
+EXAMPLE_CHARS = 120  # of a filtered document's text, in its reject example
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,12 @@ class JobSpec:
     batch_docs: int
     entities: list[str] | None
     builtin_docs: tuple[str, ...] | None = None
+    # Language ID and quality filters (pipeline/data/langid.py, quality.py): with
+    # ``language_id`` each document's ISO code is what the shards hold; ``languages``
+    # (codes) keeps only those; ``filters`` are quality.FilterConfig objects, in order.
+    language_id: bool = False
+    languages: tuple[str, ...] | None = None
+    filters: tuple[Any, ...] = ()
 
 
 @dataclass
@@ -78,6 +87,12 @@ class UnitResult:
     rejected: Counter = field(default_factory=Counter)
     examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     languages: Counter = field(default_factory=Counter)
+    # The trace's T_LANGUAGE indexes this list (codes in the order the unit met them).
+    language_names: list[str] = field(default_factory=lambda: list(LANGUAGES))
+    # Quality filters: "filter.rule" -> documents it rejected / lines it removed from
+    # documents (quality.run_filters).
+    filter_rules: Counter = field(default_factory=Counter)
+    lines_removed: Counter = field(default_factory=Counter)
     n_tokens: int = 0
     input_bytes: int = 0
     cpu_seconds: float = 0.0  # the task's, set by job._write_task
@@ -212,7 +227,7 @@ class _SplitParts:
 # The trace of a unit: one row per document that survived cleaning, in source order.
 (T_POSITION, T_SLICE, T_ORDINAL, T_LINE, T_SPLIT, T_LANGUAGE, T_PIECES, T_TOKENS) = range(8)
 NO_TOKENS = -1  # T_SPLIT of a document that gave no token
-LANGUAGES = ("other", "zh")  # T_LANGUAGE codes
+LANGUAGES = ("other", "zh")  # the first T_LANGUAGE codes (UnitResult.language_names)
 
 
 def _example(part: Slice, source: str, ordinal: int, line: int | None, detail=None):
@@ -265,27 +280,35 @@ def write_unit(
     keys: list[bytes] = []
     trace: list[np.ndarray] = []
 
-    def reject(reason: str, part: Slice, doc: RawDocument, position: int = -1) -> None:
+    def reject(
+        reason: str, part: Slice, doc: RawDocument, position: int = -1, detail=None, text=None
+    ) -> None:
         result.rejected[reason] += 1
         examples = result.examples.setdefault(reason, [])
         if len(examples) < MAX_REJECT_EXAMPLES:
-            examples.append(_example(part, doc.source, doc.ordinal, doc.line, doc.detail))
+            example = _example(part, doc.source, doc.ordinal, doc.line, detail or doc.detail)
+            if text is not None:  # a filter's reject: the start of the text it judged
+                example["text"] = text[:EXAMPLE_CHARS]
+            examples.append(example)
             if reason == "duplicate":
                 result.duplicate_positions.append(position)
 
-    batch: list[tuple[int, Slice, RawDocument, str, str]] = []
+    # (position, slice, document, text, language for segment (zh/other), language stored)
+    batch: list[tuple[int, Slice, RawDocument, str, str, str]] = []
     seen: set[bytes] = set()  # the unit's keys: a repeat inside the unit is never written
 
     def flush() -> None:
-        pieces = segment([t for *_, t, _ in batch], [lang for *_, lang in batch])
+        pieces = segment([b[3] for b in batch], [b[4] for b in batch])
         counts = np.bincount(pieces.docs, minlength=len(batch))
         tokens = np.bincount(pieces.docs, weights=pieces.ends - pieces.starts, minlength=len(batch))
         rows = np.zeros((len(batch), 8), dtype=np.int64)
-        for d, (position, part, doc, text, lang) in enumerate(batch):
+        for d, (position, part, doc, text, _, lang) in enumerate(batch):
             row = rows[d]
             row[T_POSITION], row[T_SLICE] = position, slice_of[id(part)]
             row[T_ORDINAL], row[T_LINE] = doc.ordinal, doc.line or 0
-            row[T_LANGUAGE] = LANGUAGES.index(lang)
+            if lang not in result.language_names:
+                result.language_names.append(lang)
+            row[T_LANGUAGE] = result.language_names.index(lang)
             if not counts[d]:
                 reject("no_tokens", part, doc)
                 row[T_SPLIT] = NO_TOKENS
@@ -302,7 +325,7 @@ def write_unit(
             if mine.n_pieces:
                 docs = mine.docs.tolist()
                 parts[split].add_many(
-                    mine, [batch[d][2].source for d in docs], [batch[d][4] for d in docs]
+                    mine, [batch[d][2].source for d in docs], [batch[d][5] for d in docs]
                 )
         batch.clear()
 
@@ -312,6 +335,20 @@ def write_unit(
         if text is None:
             reject(reason, part, doc)
             continue
+        stored = None
+        if spec.language_id:  # language ID, then the language and quality filters
+            stored = identify(text)
+            if spec.languages is not None and stored not in spec.languages:
+                reject("language", part, doc, detail=stored, text=text)
+                continue
+            if spec.filters:
+                judged = run_filters(text, stored, list(spec.filters))
+                result.lines_removed.update(judged.lines_removed)
+                if judged.text is None:
+                    result.filter_rules[f"{judged.reason}.{judged.rule}"] += 1
+                    reject(judged.reason, part, doc, detail=judged.rule, text=text)
+                    continue
+                text = judged.text  # lines dropped: the dedup key is the final text's
         key = dedup_key(text)
         if key in seen or position in known_duplicates:
             seen.add(key)
@@ -319,7 +356,8 @@ def write_unit(
             continue
         seen.add(key)
         keys.append(key)
-        batch.append((position, part, doc, text, _language(text)))
+        lang = _language(text)
+        batch.append((position, part, doc, text, lang, stored or lang))
         if len(batch) >= spec.batch_docs:
             flush()
     if batch:
@@ -354,7 +392,7 @@ def fix_unit(
             result.rejected["no_tokens"] -= 1
         else:
             result.kept[part.source] -= 1
-            result.languages[LANGUAGES[row[T_LANGUAGE]]] -= 1
+            result.languages[result.language_names[row[T_LANGUAGE]]] -= 1
             result.n_tokens -= row[T_TOKENS]
         result.rejected["duplicate"] += 1
     for counter in (result.kept, result.languages, result.rejected):

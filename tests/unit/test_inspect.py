@@ -72,3 +72,50 @@ def test_verify_passes_then_names_the_corrupted_shard(tmp_path, capsys):
 def test_inspect_of_an_unfinished_dir_fails_clearly(tmp_path, capsys):
     assert main(["data", "inspect", str(tmp_path)]) == 1
     assert "plm data prepare" in capsys.readouterr().err
+
+
+def test_the_removed_table_has_stages_counts_shares_examples_and_rules():
+    from pipeline.data.inspect import removed_table
+
+    manifest = {
+        "totals": {"n_docs": 60, "documents_read": 100},
+        "rejected": {"duplicate": 5, "c4": 20, "language": 10, "too_short": 4, "novel": 1},
+        "reject_examples": {
+            "c4": [
+                {"source": "/data/web.jsonl", "ordinal": 7, "line": 8,
+                 "detail": "curly_brace", "text": "function f() { return 1; } " * 5},
+                {"source": "/data/web.jsonl", "ordinal": 9, "line": 10,
+                 "detail": "too_few_sentences", "text": "Home. About."},
+                {"source": "/data/web.jsonl", "ordinal": 11, "detail": "lorem_ipsum"},
+            ],
+            "language": [{"source": "/data/web.jsonl", "ordinal": 3, "detail": "de"}],
+        },
+        "filter_rules": {"c4.curly_brace": 12, "c4.too_few_sentences": 8},
+        "lines_removed": {"c4.javascript": 3, "c4.no_terminal_punctuation": 40},
+    }  # fmt: skip
+    lines = removed_table(manifest)
+    text = "\n".join(lines)
+    assert lines[0] == "rejected     40 docs of 100 read"
+    stages = ("read", "clean", "language", "filters", "dedup", "tokenize", "other")
+    reasons = [line.split()[1] for line in lines[2:] if line.split()[0] in stages]
+    assert reasons == ["too_short", "language", "c4", "duplicate", "novel"]  # stage order
+    c4 = next(line for line in lines if " c4 " in line)
+    assert c4.split()[:4] == ["filters", "c4", "20", "20.0%"]
+    assert "web.jsonl#7 line 8 [curly_brace] 'function f() { return 1; }" in c4
+    assert "web.jsonl#9 line 10 [too_few_sentences] 'Home. About.'" in text
+    assert "lorem_ipsum" not in text  # two examples per reason
+    assert "web.jsonl#3 [de]" in text and "other       novel" in text
+    rule = next(line for line in lines if "c4.curly_brace" in line)
+    assert rule.split() == ["c4.curly_brace", "12", "0"]
+    assert next(x for x in lines if "no_terminal" in x).split()[1:] == ["0", "40"]
+
+
+def test_languages_are_listed_with_their_shares(tmp_path, capsys):
+    from pipeline.data.shards import DataDir
+
+    make_data_dir(tmp_path)
+    data = DataDir(tmp_path)
+    data.manifest["totals"]["languages"] = {"en": 6, "zh": 2}
+    from pipeline.data.inspect import summarize
+
+    assert "languages    en 6 (75.0%)  zh 2 (25.0%)" in summarize(data)

@@ -15,6 +15,7 @@ import pytest
 from pipeline.data import dedup
 from pipeline.data.clean import CleanConfig
 from pipeline.data.job import plan_units
+from pipeline.data.quality import C4, run_filters
 from pipeline.data.readers import resolve_inputs
 from pipeline.data.shards import SPLITS
 from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
@@ -76,6 +77,9 @@ def _spec(sources, out, tokenizer, **kw) -> JobSpec:
         block_tokens=kw.get("block_tokens", 40),
         batch_docs=kw.get("batch_docs", 16),
         entities=kw.get("entities"),
+        language_id=kw.get("language_id", False),
+        languages=kw.get("languages"),
+        filters=kw.get("filters", ()),
     )
 
 
@@ -97,6 +101,9 @@ CASES = [
     {"shard_docs": 1000, "block_tokens": 1 << 19, "max_doc_tokens": 1000},
     {"shard_docs": 3, "block_tokens": 7, "valid_fraction": 0.0, "batch_docs": 3},
     {"shard_bytes": 5000, "entities": ["Paris", "model reads"]},
+    # Language ID and a filter that drops lines (C4's, for every language): the dedup
+    # key is the filtered text's, the counts per rule survive the fix.
+    {"shard_docs": 5, "language_id": True, "filters": (C4(languages=["*"], min_sentences=2),)},
 ]
 
 
@@ -130,12 +137,17 @@ def test_fix_unit_equals_a_write_that_never_saw_the_duplicates(tmp_path, tokeniz
         want, _, _ = write_unit(never, i, unit, n_partitions, known_duplicates=frozenset(dups))
         n_fixed += bool(dups)
         assert _as_written(fixed.parts) == want.parts, i  # fix- parts: same bytes
-        for name in ("read", "kept", "rejected", "examples", "languages", "n_tokens"):
+        for name in ("read", "kept", "rejected", "examples", "languages", "n_tokens",
+                     "filter_rules", "lines_removed"):  # fmt: skip
             assert getattr(fixed, name) == getattr(want, name), (i, name)
         assert fixed.duplicate_positions == want.duplicate_positions
         n_rejected += fixed.rejected["duplicate"]
     assert n_fixed >= 3 and n_inside >= 3
-    assert n_rejected == sum(1 for k, d in enumerate(docs) if d in docs[:k] and d != "tiny")
+    filters = list(kw.get("filters", ()))
+    kept = [d for d in docs if d != "tiny" and run_filters(d, "any", filters).text is not None]
+    assert n_rejected == sum(1 for k, d in enumerate(kept) if d in kept[:k])
+    if filters:
+        assert sum(r.rejected["c4"] for r in fixed_results) > 0
     # The same files once the parts the fixes replaced are gone (the driver's job).
     named = {e[key] for r in fixed_results for es in r.parts.values() for e in es
              for key in ("name", "index")}  # fmt: skip
