@@ -50,8 +50,12 @@ def plan_units(sources: list[Source], split_bytes: int) -> list[list[Slice]]:
 
 
 def _write_task(spec: JobSpec, index: int, unit: list[Slice], n_partitions: int):
+    from pipeline.data import records
     from pipeline.data.worker import write_unit
 
+    saved = records.load(spec.fs, spec.output, index)  # done before: a retry or a rerun
+    if saved is not None:
+        return saved
     started = time.process_time()
     result, trace, parts = write_unit(spec, index, unit, n_partitions)
     result.cpu_seconds = time.process_time() - started
@@ -59,7 +63,9 @@ def _write_task(spec: JobSpec, index: int, unit: list[Slice], n_partitions: int)
 
     result.node = ray.get_runtime_context().get_node_id()
     result.host = socket.gethostname()
-    return (result, trace, *parts)
+    out = (result, trace, *parts)
+    records.save(spec.fs, spec.output, index, out)
+    return out
 
 
 def _dedup_task(units: list[int], *parts):
@@ -177,8 +183,9 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
     return {
         "results": results,
         "dedup_cpu_seconds": dedup_cpu,
-        "write_cpu_seconds": sum(r.cpu_seconds for r in results if r is not None),
+        "write_cpu_seconds": sum(r.cpu_seconds for r in results if r and not r.reused),
         "units_fixed": len(affected),
+        "units_reused": sum(1 for r in results if r is not None and r.reused),
         "nodes": len({r.node for r in results if r is not None}),
         "hosts": sorted({r.host for r in results if r is not None}),
     }

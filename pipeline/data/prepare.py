@@ -316,6 +316,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     Returns the data dir: a Path for a local output, else the URI."""
     import pyarrow.fs as pafs
 
+    from pipeline.data import records
     from pipeline.data.dedup import n_partitions
     from pipeline.data.job import init_ray, plan_units, run_job
     from pipeline.data.worker import JobSpec
@@ -355,9 +356,19 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
             "config; pass --force to replace it or choose another --output"
         )
 
-    # 2. Start clean: no manifest until the end, no stale shards or temp files.
+    # 2. Start clean: no manifest until the end, no stale shards or temp files; but the
+    # parts of units an earlier run of this same job finished (a rerun after the driver
+    # or the head died) are kept with their records, and not redone (records.py).
+    units = plan_units(sources, cfg.split_bytes)
+    input_bytes = sum(s.size for s in sources)
+    partitions = n_partitions(input_bytes)
     fs.create_dir(root, recursive=True)
-    clear_own_files(fs, root)
+    job_id = {"fingerprint": fp, "units": len(units), "partitions": partitions}
+    kept = records.start(fs, root, job_id)
+    clear_own_files(fs, root, keep=frozenset(n for names in kept.values() for n in names))
+    if kept:
+        print(f"prepare: {len(kept)} of {len(units)} units were finished by an earlier run "
+              "of this job: kept, not redone", flush=True)  # fmt: skip
     for sub in (*SPLITS, TOKENIZER_DIR):
         fs.create_dir(f"{root}/{sub}", recursive=True)
     tokenizer_bytes = (tok_dir / TOKENIZER_FILE).read_bytes()
@@ -365,9 +376,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     write_file(fs, f"{root}/{TOKENIZER_DIR}/{META_FILE}", (tok_dir / META_FILE).read_bytes())
     dtype = token_dtype(meta["vocab_size"])
 
-    # 3. Plan, then the Ray job; the workers write the shards.
-    units = plan_units(sources, cfg.split_bytes)
-    input_bytes = sum(s.size for s in sources)
+    # 3. The Ray job; the workers write the shards.
     spec = JobSpec(
         sources=sources,
         output=root,
@@ -388,7 +397,6 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         languages=tuple(cfg.languages) if cfg.languages is not None else None,
         filters=tuple(cfg.filters),
     )
-    partitions = n_partitions(input_bytes)
     cpu_before_ray = _cpu_seconds()
     own_ray = init_ray(cfg.ray_address, cfg.num_cpus)
     ray_ready, ray_start_cpu = time.perf_counter(), _cpu_seconds() - cpu_before_ray
@@ -438,6 +446,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         "worker_cpu_seconds": round(worker_cpu, 3),
         "worker_cpu_seconds_dedup": round(job["dedup_cpu_seconds"], 3),
         "units_rewritten_for_duplicates": job["units_fixed"],
+        "units_reused": job["units_reused"],  # finished by an earlier run of the same job
         "units": len(units),
         "writer_nodes": job["nodes"],
         "writer_hosts": job["hosts"],  # the hostnames of the nodes that wrote parts
@@ -477,6 +486,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     if manifest["totals"]["n_docs"] == 0:  # an unusable input: no data dir, exit 2
         raise InputError(_nothing_usable(cfg, sources, manifest["totals"], rejected))
     write_file(fs, f"{root}/{MANIFEST}", manifest_bytes(manifest))
+    records.finish(fs, root)
     totals = manifest["totals"]
     per_split = ", ".join(f"{k} {v['n_docs']:,}" for k, v in splits.items())
     rejects = ", ".join(f"{k} {v:,}" for k, v in sorted(rejected.items()))

@@ -32,7 +32,10 @@ class PrepareError(ConfigError):
     """The output folder or the inputs cannot be used as they are; the message says why."""
 
 
-_OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR}
+RECORDS_DIR = "units"  # finished units' records while the job runs (data/records.py)
+JOB_FILE = "job.json"
+_OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR, RECORDS_DIR}
+_OWN_RECORD = re.compile(r"(unit-\d{6,}\.npz|job\.json)(\.tmp)?")
 _OWN_SHARD = re.compile(r"(shard-\d{6,}|(part|fix)-\d{6,}-\d{3,})(\.tar|\.idx\.npy)(\.tmp)?")
 _OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
 
@@ -67,23 +70,25 @@ def foreign_files(fs, root: str) -> list[str]:
         name = entry.base_name
         if name not in _OWN_TOP:
             found.append(name)
-        elif name in SPLITS or name == TOKENIZER_DIR:
+        elif name in SPLITS or name in (TOKENIZER_DIR, RECORDS_DIR):
             if entry.type != pafs.FileType.Directory:
                 found.append(name)
                 continue
+            own = {TOKENIZER_DIR: None, RECORDS_DIR: _OWN_RECORD}.get(name, _OWN_SHARD)
             for sub in listing(fs, entry.path):
                 ok = (
                     sub.base_name in _OWN_TOKENIZER
-                    if name == TOKENIZER_DIR
-                    else bool(_OWN_SHARD.fullmatch(sub.base_name))
+                    if own is None
+                    else bool(own.fullmatch(sub.base_name))
                 )
                 if not ok or sub.type != pafs.FileType.File:
                     found.append(f"{name}/{sub.base_name}")
     return found
 
 
-def clear_own_files(fs, root: str) -> None:
-    """Remove the manifest first (the folder stops being 'finished'), then our files."""
+def clear_own_files(fs, root: str, keep: frozenset[str] = frozenset()) -> None:
+    """Remove the manifest first (the folder stops being 'finished'), then our files but
+    ``keep`` (paths relative to ``root``: the parts of units a rerun does not redo)."""
     import pyarrow.fs as pafs
 
     for name in (MANIFEST, MANIFEST + ".tmp"):
@@ -91,6 +96,8 @@ def clear_own_files(fs, root: str) -> None:
             fs.delete_file(f"{root}/{name}")
     for sub in (*SPLITS, TOKENIZER_DIR):
         for f in listing(fs, f"{root}/{sub}"):
+            if f"{sub}/{f.base_name}" in keep:
+                continue
             if f.type == pafs.FileType.File and (
                 _OWN_SHARD.fullmatch(f.base_name) or f.base_name in _OWN_TOKENIZER
             ):

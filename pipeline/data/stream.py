@@ -416,6 +416,7 @@ class _Core:
         rank: int,
         world_size: int,
         cycle: bool,
+        step_samples: int | None = None,
     ):
         self.sources, self.objective = sources, objective
         self.B, self.seed, self.rank, self.W, self.cycle = (
@@ -428,7 +429,16 @@ class _Core:
         # positions run on across epochs, each source cycling its own epochs as it goes.
         self.source_units = np.array([source.n_units for source in sources], dtype=np.int64)
         self.n_units = int(self.source_units.sum())
-        self.batches_per_epoch = self.n_units // (self.W * self.B)
+        # An epoch ends at a multiple of ``step_samples`` (the global batch of an optimizer
+        # step): a step never straddles two epochs, and the cursor at every step boundary
+        # is a multiple of any world size x micro batch that keeps that global batch, so
+        # an elastic run resumes there on any of them. (Recurrent rows lay the epoch out
+        # per row, by batches: not cut that way.)
+        per_batch = self.W * self.B
+        step = per_batch if objective.recurrent_rows else (step_samples or per_batch)
+        if step % per_batch:
+            raise ValueError(f"step_samples {step} is not a multiple of {per_batch}")
+        self.batches_per_epoch = self.n_units // step * (step // per_batch)
         self.row_sources: list[tuple[int, int]] = []
         self.row_batches: list[int] = []
         if self.mix is not None and objective.recurrent_rows:
@@ -578,6 +588,7 @@ class PretrainStream:
         on_bad_shard: str = "error",
         *,
         cycle: bool | None = None,
+        step_samples: int | None = None,
         chunk_docs: int = 64,
         group_chunks: int = 32,
         cache_docs: int | None = None,
@@ -630,8 +641,9 @@ class PretrainStream:
             )
         weights = [m.weight for m in self.mixture]
         self._core = _Core(
-            sources, weights, objective, micro_batch_size, seed, rank, world_size, self.cycle
-        )
+            sources, weights, objective, micro_batch_size, seed, rank, world_size, self.cycle,
+            step_samples,
+        )  # fmt: skip
         small = self._core.too_small()
         if small is not None:
             where, n = (

@@ -103,6 +103,7 @@ class UnitResult:
     duplicate_positions: list[int] = field(default_factory=list)
     # Per slice: (source index, first byte, end byte, sha256 of the stored bytes between).
     digests: list[tuple[int, int, int, str]] = field(default_factory=list)
+    reused: bool = False  # loaded from the unit's record (data/records.py), not written now
 
 
 def part_name(split: str, unit: int, k: int) -> str:

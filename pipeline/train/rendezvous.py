@@ -191,6 +191,14 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
     # rank 0 already serves a store at MASTER_ADDR:MASTER_PORT, a new one for each round
     # of its rendezvous: every rank is its client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    if agent_store and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        # That store outlives the round, and so do the keys a failed round's ranks left in
+        # it: the next round's gloo would read them and dial ports nobody listens on.
+        raise ConfigError(
+            "torchrun --max-restarts with the agents' shared store: set "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (launch/elastic_train.py does), so each "
+            "round's ranks get a store of their own"
+        )
     if rank == 0 and not agent_store:
         sock = listen(addr, port, wait_s)
         host = sock.getsockname()[0]  # an address literal: what its own client dials

@@ -132,6 +132,8 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int, sources: list
     if hasattr(objective, "bind_data"):  # corpus/tokenizer-derived state (ELMo, word2vec)
         objective.bind_data(data, model)
 
+    t = cfg.train
+
     def stream(split: str, workers: int, source: int | None = None):
         """The split of the whole mixture, or of one source (``source``: its index)."""
         return PretrainStream(
@@ -145,6 +147,7 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int, sources: list
             num_workers=workers,
             verify_checksums=cfg.data.verify_checksums,
             on_bad_shard=cfg.data.on_bad_shard,
+            step_samples=t.micro_batch_size * t.grad_accum * world_size if split == "train" else None,
         )
 
     return meta, model_cfg, model, objective, stream
@@ -855,7 +858,8 @@ class Trainer:
         (rank 0) the last step metrics.jsonl logged before, for ``log_membership_change``."""
         if self.resumed_from is None:
             return None
-        saved = int(self.ckpt.meta(self.resumed_from)["world_size"])
+        meta = self.ckpt.meta(self.resumed_from)
+        saved = int(meta["world_size"])
         if saved == self.world and "TORCHELASTIC_RUN_ID" not in os.environ:
             return None
         last_step, last_time, changes = self.step, None, 0
@@ -866,7 +870,7 @@ class Trainer:
                 if "step_loss" in row:
                     last_step, last_time = max(last_step, int(row["step"])), row["time"]
                 changes = max(changes, int(row.get("elastic/changes", 0)))
-        ga = self.elastic["grad_accum"] if self.elastic else (self.cfg.train.grad_accum,) * 2
+        ga = (int(meta.get("grad_accum", self.cfg.train.grad_accum)), self.cfg.train.grad_accum)
         return {
             "old_world": saved, "step": self.step, "last_step": last_step,
             "last_time": last_time, "changes": changes + 1, "grad_accum": ga,
@@ -968,6 +972,7 @@ class Trainer:
         positions = sum(w["_positions"] for w in window)
         m["padding_fraction"] = 1.0 - tokens / positions if positions else 0.0
         m["skipped_steps"] = self.skipped
+        m["world_size"] = self.world  # changes when an elastic run loses or gains a host
         m["tokens_seen"] = self.tokens_seen
         if len(self.sources) > 1:
             for source, n in zip(self.sources, self.tokens_by_source, strict=True):
