@@ -55,6 +55,8 @@ def prepare_config_from_args(args: argparse.Namespace):
     }
     if getattr(args, "force", False):
         overrides["force"] = True
+    if getattr(args, "near_dedup", None) is not None:  # the section's other keys: the YAML's
+        overrides["near_dedup"] = {"enabled": args.near_dedup == "on"}
     return load_prepare_config(args.config, overrides)
 
 
@@ -220,6 +222,11 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--max-doc-tokens", type=int)
     prep.add_argument("--text-field")
     prep.add_argument("--entities", help="entity list (one per line) -> spans.npy (ERNIE)")
+    prep.add_argument(
+        "--near-dedup",
+        choices=("on", "off"),
+        help="MinHash LSH near-duplicate removal (data config near_dedup.*; default off)",
+    )
     prep.add_argument("--ray-address", help="a running cluster (else RAY_ADDRESS, else local)")
     prep.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
     prep.add_argument("--force", action="store_true", help="rebuild even if up to date")
