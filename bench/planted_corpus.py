@@ -26,6 +26,7 @@ order in the files, counting from 0 over the files in name order).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import re
@@ -49,6 +50,7 @@ class Pair:
     copy: int
 
 
+@functools.cache
 def sentences() -> list[str]:
     """The sentences of builtin:python-docs with 6 words or more, in a fixed order."""
     from pipeline.data.readers import python_docs
