@@ -104,9 +104,9 @@ def _fix_task(
     traces,
     *reduced,
 ):
-    """``near_removed``: the components' output (or None); ``all_units`` and ``traces``
-    (refs to the units and to a list of every unit's trace ref, fetched only for the
-    units whose document a near-duplicate example names as kept)."""
+    """``near_removed``: the components' output (or None); ``all_units``: every unit's
+    slices, ``traces``: every unit's trace ref (both None without near-dedup), a trace
+    fetched only for a unit whose document a near-duplicate example names as kept."""
     import ray
 
     from pipeline.data import near_dedup
@@ -119,7 +119,7 @@ def _fix_task(
 
     def kept_example(kept_unit: int, position: int) -> dict[str, Any]:
         if kept_unit not in found:
-            found[kept_unit] = (ray.get(all_units)[kept_unit], ray.get(ray.get(traces)[kept_unit]))
+            found[kept_unit] = (all_units[kept_unit], ray.get(traces[kept_unit]))
         slices, kept_trace = found[kept_unit]
         return trace_example(spec, slices, kept_trace, position)
 
