@@ -17,7 +17,7 @@ Planted (shares of the base documents):
 - ``low``: one copy at J in [0.1, 0.5] (a base with a low copy has no other copy);
 - ``exact``: one exact copy.
 
-Written: ``corpus-NNN.jsonl`` files (``{"text": ...}`` a line, the order above; several
+Written: ``corpus-NNN.jsonl`` files (``{"text": ..., "id": global index}`` a line, the order above; several
 files so the corpus is read as several sources), and ``pairs.jsonl``: one line per planted
 copy: kind, target and exact J, ngram, the original's and the copy's global index (their
 order in the files, counting from 0 over the files in name order).
@@ -161,8 +161,8 @@ def write(out: Path, docs: list[str], pairs: list[Pair], n_files: int = 4) -> li
     for f in range(n_files):
         path = out / f"corpus-{f:03d}.jsonl"
         with path.open("w", encoding="utf-8") as stream:
-            for doc in docs[f * per_file : (f + 1) * per_file]:
-                stream.write(json.dumps({"text": doc}) + "\n")
+            for k in range(f * per_file, min((f + 1) * per_file, len(docs))):
+                stream.write(json.dumps({"text": docs[k], "id": str(k)}) + "\n")
         paths.append(path)
     with (out / "pairs.jsonl").open("w", encoding="utf-8") as stream:
         for p in pairs:
