@@ -160,3 +160,23 @@ def test_planted_near_duplicates_recall_and_false_removals():
     # Never an original: the first in source order of each cluster is kept.
     originals = {p.original for p in pairs} - {p.copy for p in pairs}
     assert not originals & removed
+
+
+def test_the_near_dedup_config_section_and_flag(tmp_path):
+    from pipeline.cli import build_parser, prepare_config_from_args
+    from pipeline.config import ConfigError
+    from pipeline.data.prepare import load_prepare_config
+
+    yaml = tmp_path / "data.yaml"
+    yaml.write_text("inputs: [x]\ntokenizer: t\noutput: o\nnear_dedup:\n  bands: 20\n")
+    args = build_parser().parse_args(
+        ["data", "prepare", "--config", str(yaml), "--near-dedup", "on"]
+    )
+    cfg = prepare_config_from_args(args)
+    assert cfg.near_dedup.enabled and cfg.near_dedup.bands == 20 and cfg.near_dedup.rows == 8
+    assert cfg.output_settings()["near_dedup"]["bands"] == 20
+    off = load_prepare_config(yaml, {"near_dedup": {"enabled": False}})
+    assert "near_dedup" not in off.output_settings()  # off: the config hash of before
+    yaml.write_text("inputs: [x]\ntokenizer: t\noutput: o\nnear_dedup:\n  rows: 0\n")
+    with pytest.raises(ConfigError, match="near_dedup.rows"):
+        load_prepare_config(yaml, {})
