@@ -57,6 +57,8 @@ def prepare_config_from_args(args: argparse.Namespace):
     }
     if getattr(args, "force", False):
         overrides["force"] = True
+    if getattr(args, "near_dedup", None) is not None:  # the section's other keys: the YAML's
+        overrides["near_dedup"] = {"enabled": args.near_dedup == "on"}
     return load_prepare_config(args.config, overrides)
 
 
@@ -232,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     prep.add_argument(
         "--filters", help="a quality filter preset (web); lists and thresholds: data config"
+    )
+    prep.add_argument(
+        "--near-dedup",
+        choices=("on", "off"),
+        help="MinHash LSH near-duplicate removal (data config near_dedup.*; default off)",
     )
     prep.add_argument("--ray-address", help="a running cluster (else RAY_ADDRESS, else local)")
     prep.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")

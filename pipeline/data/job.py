@@ -2,10 +2,14 @@
 
     plan (driver)      sources -> slices -> units of about ``split_bytes`` of input
     write  (1 / unit)  read, clean, filter, tokenize, write the unit's parts; the dedup
-                       keys, hash-partitioned, and a trace of the documents (worker.write_unit)
+                       keys (and with near-dedup the MinHash band keys), hash-partitioned,
+                       and a trace of the documents                   (worker.write_unit)
     dedup  (1 / part.) the duplicates of one key partition              (dedup.duplicates)
-    fix    (1 / unit with a duplicate)  drop them from the unit's parts and counts
-                       (worker.fix_unit: its blocks are filtered, nothing is re-tokenized)
+    near   (1 / band partition) candidate edges of one band-key partition, then one
+                       task joins them into clusters  (near_dedup.candidates, .components)
+    fix    (1 / unit with a duplicate or near-duplicate)  drop them from the unit's parts
+                       and counts (worker.fix_unit: its blocks are filtered, nothing is
+                       re-tokenized)
 
 Every task takes one CPU; Ray places them on any node, and each writes its parts to the
 output filesystem itself. The driver holds object refs and per-unit counts only: its
@@ -49,7 +53,9 @@ def plan_units(sources: list[Source], split_bytes: int) -> list[list[Slice]]:
 # Module-level task bodies, so Ray pickles them by reference.
 
 
-def _write_task(spec: JobSpec, index: int, unit: list[Slice], n_partitions: int):
+def _write_task(
+    spec: JobSpec, index: int, unit: list[Slice], n_partitions: int, n_near_partitions: int
+):
     from pipeline.data import records
     from pipeline.data.worker import write_unit
 
@@ -57,7 +63,9 @@ def _write_task(spec: JobSpec, index: int, unit: list[Slice], n_partitions: int)
     if saved is not None:
         return saved
     started = time.process_time()
-    result, trace, parts = write_unit(spec, index, unit, n_partitions)
+    result, trace, parts = write_unit(
+        spec, index, unit, n_partitions, n_near_partitions=n_near_partitions
+    )
     result.cpu_seconds = time.process_time() - started
     import ray
 
@@ -76,12 +84,52 @@ def _dedup_task(units: list[int], *parts):
     return dups, np.unique(dups[:, 0]), time.process_time() - started
 
 
-def _fix_task(spec: JobSpec, index: int, unit: list[Slice], result: UnitResult, trace, *reduced):
-    from pipeline.data.dedup import of_unit
-    from pipeline.data.worker import fix_unit
+def _candidates_task(units: list[int], *parts):
+    from pipeline.data.near_dedup import candidates
 
     started = time.process_time()
-    result = fix_unit(spec, unit, result, trace, of_unit(index, list(reduced)))
+    return candidates(units, list(parts)), time.process_time() - started
+
+
+def _components_task(*reduced):
+    from pipeline.data.near_dedup import components, units_of
+
+    started = time.process_time()
+    removed = components(list(reduced))
+    return removed, units_of(removed), time.process_time() - started
+
+
+def _fix_task(
+    spec: JobSpec,
+    index: int,
+    unit: list[Slice],
+    result: UnitResult,
+    trace,
+    near_removed,
+    all_units,
+    traces,
+    *reduced,
+):
+    """``near_removed``: the components' output (or None); ``all_units``: every unit's
+    slices, ``traces``: every unit's trace ref (both None without near-dedup), a trace
+    fetched only for a unit whose document a near-duplicate example names as kept."""
+    import ray
+
+    from pipeline.data import near_dedup
+    from pipeline.data.dedup import of_unit
+    from pipeline.data.worker import fix_unit, trace_example
+
+    started = time.process_time()
+    near = near_dedup.of_unit(index, near_removed) if near_removed is not None else {}
+    found: dict[int, tuple[list[Slice], Any]] = {index: (unit, trace)}
+
+    def kept_example(kept_unit: int, position: int) -> dict[str, Any]:
+        if kept_unit not in found:
+            found[kept_unit] = (all_units[kept_unit], ray.get(traces[kept_unit]))
+        slices, kept_trace = found[kept_unit]
+        return trace_example(spec, slices, kept_trace, position)
+
+    result = fix_unit(spec, unit, result, trace, of_unit(index, list(reduced)), near, kept_example)
     return result, time.process_time() - started
 
 
@@ -127,10 +175,15 @@ def _unwrap(err: Exception) -> Exception:
     return cause if isinstance(cause, ConfigError) else err
 
 
-def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[str, Any]:
-    """Run the three waves on the connected Ray cluster; results in unit order + CPU."""
+def run_job(
+    spec: JobSpec, units: list[list[Slice]], n_partitions: int, n_near_partitions: int = 0
+) -> dict[str, Any]:
+    """Run the waves on the connected Ray cluster; results in unit order + CPU. With
+    ``spec.near_dedup``, ``n_near_partitions`` band-key partitions (at least one)."""
     import ray
 
+    near_on = spec.near_dedup is not None
+    n_near = max(1, n_near_partitions) if near_on else 0
     spec_ref = ray.put(spec)
     # Reading and writing are the work: spread over the nodes. Without it Ray's locality
     # preference puts tasks where their (small) inputs sit, which can be one node of the
@@ -140,7 +193,9 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
     fix = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_fix_task)
     index = list(range(len(units)))
     written = [
-        write.options(num_returns=n_partitions + 2).remote(spec_ref, i, unit, n_partitions)
+        write.options(num_returns=n_partitions + n_near + 2).remote(
+            spec_ref, i, unit, n_partitions, n_near
+        )
         for i, unit in enumerate(units)
     ]
     reducers = [
@@ -148,6 +203,23 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
         for p in range(n_partitions)
     ]
     reduced = [dups for dups, _, _ in reducers]
+    near_removed = near_units = None
+    near_cpu_refs = []
+    if near_on:
+        near = ray.remote(num_cpus=1)(_candidates_task)
+        joined = ray.remote(num_cpus=1)(_components_task)
+        edges = [
+            near.options(num_returns=2).remote(
+                index, *[refs[2 + n_partitions + q] for refs in written]
+            )
+            for q in range(n_near)
+        ]
+        near_removed, near_units, components_cpu = joined.options(num_returns=3).remote(
+            *[found for found, _ in edges]
+        )
+        near_cpu_refs = [cpu for _, cpu in edges] + [components_cpu]
+    units_ref = ray.put(units) if near_on else None
+    traces_ref = ray.put([refs[1] for refs in written]) if near_on else None
     progress = _Progress(sum(p.size for unit in units for p in unit), len(units))
     results: list[UnitResult | None] = [None] * len(units)
     pending = [refs[0] for refs in written]
@@ -160,11 +232,21 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
                 progress.update(result)
         # Units with a duplicate (per-unit lists, not the duplicates) get their parts fixed.
         with_dups = _get([units_of for _, units_of, _ in reducers])
+        if near_on:
+            with_dups.append(_get(near_units))
         affected = sorted({int(u) for units_of in with_dups for u in units_of})
         fixes = [
             fix.options(num_returns=2).remote(
-                spec_ref, i, units[i], written[i][0], written[i][1], *reduced
-            )
+                spec_ref,
+                i,
+                units[i],
+                written[i][0],
+                written[i][1],
+                near_removed,
+                units_ref,
+                traces_ref,
+                *reduced,
+            )  # fmt: skip
             for i in affected
         ]
         del written  # the traces and key partitions can go once nothing needs them
@@ -180,9 +262,13 @@ def run_job(spec: JobSpec, units: list[list[Slice]], n_partitions: int) -> dict[
         for ref in pending:
             ray.cancel(ref, force=True)
     dedup_cpu = sum(_get([cpu for _, _, cpu in reducers])) + fix_cpu
+    near_cpu = sum(_get(near_cpu_refs)) + sum(r.near_dedup_cpu_seconds for r in results if r)
     return {
         "results": results,
         "dedup_cpu_seconds": dedup_cpu,
+        # Near-dedup's own: signatures (in the write tasks), candidates, components.
+        "near_dedup_cpu_seconds": near_cpu,
+        "near_dedup_reducer_cpu_seconds": sum(_get(near_cpu_refs)),
         "write_cpu_seconds": sum(r.cpu_seconds for r in results if r and not r.reused),
         "units_fixed": len(affected),
         "units_reused": sum(1 for r in results if r is not None and r.reused),

@@ -80,6 +80,24 @@ DEFAULT_BLOCK_TOKENS = 1 << 19  # 1 MiB of uint16 tokens
 MAX_REJECT_EXAMPLES = 5  # per reason, kept in the manifest so a reject can be found
 
 
+class NearDedupConfig(BaseModel):
+    """MinHash LSH near-dedup (pipeline/data/near_dedup.py); the defaults are FineWeb's.
+    Two documents whose word ``ngram`` shingles have Jaccard similarity J share a band
+    with probability 1 - (1 - J**rows)**bands (about 0.92 at J = 0.8, 0.05 at J = 0.5)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False  # off: exact dedup only (`--near-dedup on|off`)
+    ngram: int = Field(5, gt=0, le=64)  # words per shingle
+    bands: int = Field(14, gt=0, le=64)
+    rows: int = Field(8, gt=0, le=64)  # MinHash values per band
+
+    def spec(self):
+        from pipeline.data.near_dedup import NearDedupSpec
+
+        return NearDedupSpec(ngram=self.ngram, bands=self.bands, rows=self.rows)
+
+
 class PrepareConfig(BaseModel):
     """Everything `plm data prepare` needs (configs/data/*.yaml; command-line flags override)."""
 
@@ -106,6 +124,7 @@ class PrepareConfig(BaseModel):
     language_id: bool = False
     languages: list[str] | None = Field(None, min_length=1)
     filters: list[FilterConfig] = []
+    near_dedup: NearDedupConfig = NearDedupConfig()
     # Input bytes per unit of work (a task): big txt/jsonl files are cut into byte ranges
     # of this size on document boundaries, parquet into runs of row groups, small files
     # grouped. Each unit writes its own shards, so it decides shard boundaries.
@@ -158,7 +177,7 @@ class PrepareConfig(BaseModel):
 
     def output_settings(self) -> dict[str, Any]:
         """The settings that decide the output bytes (hashed into data_config_hash)."""
-        return {
+        settings = {
             "valid_fraction": self.valid_fraction,
             "shard_docs": self.shard_docs,
             "shard_bytes": self.shard_bytes if self.shard_docs else self.effective_shard_bytes,
@@ -174,6 +193,9 @@ class PrepareConfig(BaseModel):
             else _sha256_json(load_entities(self.entities, self.clean)),
             **self.filter_settings(),
         }
+        if self.near_dedup.enabled:  # off: the settings (and hash) of before near-dedup
+            settings["near_dedup"] = self.near_dedup.model_dump()
+        return settings
 
     @property
     def effective_shard_bytes(self) -> int | None:
@@ -214,7 +236,10 @@ def load_prepare_config(path: str | Path | None, overrides: dict[str, Any]) -> P
         data.pop("shard_bytes", None)
     if "shard_bytes" in overrides:
         data.pop("shard_docs", None)
-    data.update(overrides)
+    for key, value in overrides.items():  # a section's flag overrides that key only
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            value = {**data[key], **value}
+        data[key] = value
     try:
         return PrepareConfig(**data)
     except ValidationError as err:
@@ -316,7 +341,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     Returns the data dir: a Path for a local output, else the URI."""
     import pyarrow.fs as pafs
 
-    from pipeline.data import records
+    from pipeline.data import near_dedup, records
     from pipeline.data.dedup import n_partitions
     from pipeline.data.job import init_ray, plan_units, run_job
     from pipeline.data.worker import JobSpec
@@ -362,8 +387,13 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     units = plan_units(sources, cfg.split_bytes)
     input_bytes = sum(s.size for s in sources)
     partitions = n_partitions(input_bytes)
+    near_partitions = (
+        near_dedup.n_partitions(input_bytes, cfg.near_dedup.bands) if cfg.near_dedup.enabled else 0
+    )
     fs.create_dir(root, recursive=True)
-    job_id = {"fingerprint": fp, "units": len(units), "partitions": partitions}
+    job_id = {
+        "fingerprint": fp, "units": len(units), "partitions": [partitions, near_partitions],
+    }  # fmt: skip
     kept = records.start(fs, root, job_id)
     clear_own_files(fs, root, keep=frozenset(n for names in kept.values() for n in names))
     if kept:
@@ -396,12 +426,13 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         language_id=cfg.language_id,
         languages=tuple(cfg.languages) if cfg.languages is not None else None,
         filters=tuple(cfg.filters),
+        near_dedup=cfg.near_dedup.spec() if cfg.near_dedup.enabled else None,
     )
     cpu_before_ray = _cpu_seconds()
     own_ray = init_ray(cfg.ray_address, cfg.num_cpus)
     ray_ready, ray_start_cpu = time.perf_counter(), _cpu_seconds() - cpu_before_ray
     try:
-        job = run_job(spec, units, partitions)
+        job = run_job(spec, units, partitions, near_partitions)
     finally:
         if own_ray:
             import ray
@@ -433,7 +464,9 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     n_tokens = sum(info["n_tokens"] for info in splits.values())
     wall = time.perf_counter() - started
     driver_cpu = _cpu_seconds() - cpu_started
-    worker_cpu = job["dedup_cpu_seconds"] + job["write_cpu_seconds"]
+    worker_cpu = (
+        job["dedup_cpu_seconds"] + job["write_cpu_seconds"] + job["near_dedup_reducer_cpu_seconds"]
+    )
     stats = {
         "wall_seconds": round(wall, 3),
         "ray_start_seconds": round(ray_ready - started, 3),
@@ -452,6 +485,10 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         "writer_hosts": job["hosts"],  # the hostnames of the nodes that wrote parts
         "dedup_partitions": partitions,
     }
+    if cfg.near_dedup.enabled:
+        # Signatures (inside the write tasks' CPU), candidate reducers and components.
+        stats["worker_cpu_seconds_near_dedup"] = round(job["near_dedup_cpu_seconds"], 3)
+        stats["near_dedup_partitions"] = near_partitions
     manifest = {
         "format_version": FORMAT_VERSION,
         "prepare_version": PREPARE_VERSION,

@@ -7,10 +7,11 @@ several small files), numbered in source order. One pass over it, then a fix-up:
    ``batch_docs`` documents), and write the unit's own shards
    (``train/part-UUUUUU-KKK.tar``, ``valid/...``) straight to the output filesystem;
    the dedup key of every document that survived cleaning, hash-partitioned
-   (``dedup.partition``) for the reducers, and a trace of those documents (where each
-   went). Returns counts and the part entries, never documents.
-2. ``fix_unit`` (only for a unit the reducers found a duplicate in): drop the
-   duplicates from its parts (blocks read back and filtered) and from its counts.
+   (``dedup.partition``) for the reducers, with near-dedup on their MinHash band keys
+   too (``near_dedup``), and a trace of those documents (where each went). Returns
+   counts and the part entries, never documents.
+2. ``fix_unit`` (only for a unit the reducers found a duplicate or near-duplicate in):
+   drop them from its parts (blocks read back and filtered) and from its counts.
 
 Documents are numbered inside a unit by their position among everything read (rejects
 included), so (unit, position) is the document's place in source order.
@@ -19,8 +20,9 @@ included), so (unit, position) is the document's place in source order.
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,7 @@ from pipeline.data.clean import (
     reject_reason,
 )
 from pipeline.data.langid import identify
+from pipeline.data.near_dedup import NearDedupSpec
 from pipeline.data.quality import run_filters
 from pipeline.data.readers import (
     Digest,
@@ -74,6 +77,7 @@ class JobSpec:
     language_id: bool = False
     languages: tuple[str, ...] | None = None
     filters: tuple[Any, ...] = ()
+    near_dedup: NearDedupSpec | None = None  # None: no near-dedup (no signatures)
 
 
 @dataclass
@@ -96,6 +100,7 @@ class UnitResult:
     n_tokens: int = 0
     input_bytes: int = 0
     cpu_seconds: float = 0.0  # the task's, set by job._write_task
+    near_dedup_cpu_seconds: float = 0.0  # of it, the MinHash signatures and band keys
     node: str = ""  # the Ray node that wrote the parts
     host: str = ""  # that node's hostname
     # Positions of examples["duplicate"] found by write_unit (repeats inside the unit),
@@ -251,17 +256,23 @@ def write_unit(
     unit: list[Slice],
     n_partitions: int,
     known_duplicates: frozenset[int] = frozenset(),
+    n_near_partitions: int = 0,
+    known_near_duplicates: dict[int, dict[str, Any]] | None = None,
 ):
     """Read, clean, filter, tokenize and write the unit's parts; see the module doc. A
     repeat of a document earlier in the unit is rejected at once; a repeat of one in an
-    earlier unit is not known yet: written, and dropped by ``fix_unit``. Returns
-    (UnitResult, trace, the dedup keys of the unit's first occurrences partitioned for the
-    reducers). ``known_duplicates`` (positions) are rejected before anything is written:
-    what ``fix_unit`` must equal (tests/unit/test_prepare_dedup.py)."""
+    earlier unit is not known yet: written, and dropped by ``fix_unit``; so are all
+    near-duplicates. Returns (UnitResult, trace, the dedup keys of the unit's first
+    occurrences partitioned for the reducers: ``n_partitions`` arrays, then with
+    ``spec.near_dedup`` their MinHash band keys in ``n_near_partitions`` arrays).
+    ``known_duplicates`` (positions) and ``known_near_duplicates`` (position -> the kept
+    document's reject example) are rejected before anything is written: what
+    ``fix_unit`` must equal (tests/unit/test_prepare_dedup.py, test_near_dedup.py)."""
     os.environ["RAYON_NUM_THREADS"] = "1"  # one task per CPU is the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
+    from pipeline.data import near_dedup
     from pipeline.data.dedup import partition
     from pipeline.data.segment import Segmenter, entity_pattern
     from pipeline.data.shards import token_dtype
@@ -280,9 +291,19 @@ def write_unit(
     slice_of = {id(part): k for k, part in enumerate(unit)}
     keys: list[bytes] = []
     trace: list[np.ndarray] = []
+    near = spec.near_dedup
+    known_near = known_near_duplicates or {}
+    band_keys: list[np.ndarray] = []  # per batch: (documents with words, bands) uint64
+    band_positions: list[np.ndarray] = []
 
     def reject(
-        reason: str, part: Slice, doc: RawDocument, position: int = -1, detail=None, text=None
+        reason: str,
+        part: Slice,
+        doc: RawDocument,
+        position: int = -1,
+        detail=None,
+        text=None,
+        kept: dict | None = None,
     ) -> None:
         result.rejected[reason] += 1
         examples = result.examples.setdefault(reason, [])
@@ -290,6 +311,8 @@ def write_unit(
             example = _example(part, doc.source, doc.ordinal, doc.line, detail or doc.detail)
             if text is not None:  # a filter's reject: the start of the text it judged
                 example["text"] = text[:EXAMPLE_CHARS]
+            if kept is not None:
+                example["kept"] = kept
             examples.append(example)
             if reason == "duplicate":
                 result.duplicate_positions.append(position)
@@ -319,6 +342,12 @@ def write_unit(
             row[T_SPLIT] = SPLITS.index(split_of(text, spec.valid_fraction))
         rows[:, T_PIECES], rows[:, T_TOKENS] = counts, tokens
         trace.append(rows)
+        if near is not None:  # on the text the exact dedup key is taken from
+            started = time.process_time()
+            sigs, has_words = near_dedup.signatures([text for *_, text, _ in batch], near)
+            band_keys.append(near_dedup.band_keys(sigs[has_words], near))
+            band_positions.append(rows[has_words, T_POSITION])
+            result.near_dedup_cpu_seconds += time.process_time() - started
         result.n_tokens += int(pieces.tokens.shape[0])
         piece_split = rows[pieces.docs, T_SPLIT]
         for k, split in enumerate(SPLITS):
@@ -356,6 +385,9 @@ def write_unit(
             reject("duplicate", part, doc, position)
             continue
         seen.add(key)
+        if position in known_near:
+            reject("near_duplicate", part, doc, kept=known_near[position])
+            continue
         keys.append(key)
         lang = _language(text)
         batch.append((position, part, doc, text, lang, stored or lang))
@@ -367,27 +399,53 @@ def write_unit(
         writer.close()
         result.parts[split] = writer.entries
     rows = np.concatenate(trace) if trace else np.zeros((0, 8), dtype=np.int64)
-    return result, rows, partition(b"".join(keys), rows[:, T_POSITION], n_partitions)
+    partitions = partition(b"".join(keys), rows[:, T_POSITION], n_partitions)
+    if near is not None:
+        started = time.process_time()
+        found = np.concatenate(band_keys) if band_keys else np.zeros((0, near.bands), np.uint64)
+        at = np.concatenate(band_positions) if band_positions else np.zeros(0, np.int64)
+        partitions += near_dedup.partition(found, at, n_near_partitions)
+        result.near_dedup_cpu_seconds += time.process_time() - started
+    return result, rows, partitions
+
+
+def trace_example(spec: JobSpec, unit: list[Slice], trace: np.ndarray, position: int):
+    """The reject example of the document at ``position`` of a unit, from its trace."""
+    row = trace[np.searchsorted(trace[:, T_POSITION], position)].tolist()
+    part = unit[row[T_SLICE]]
+    return _example(part, spec.sources[part.source].uri, row[T_ORDINAL], row[T_LINE])
 
 
 def fix_unit(
-    spec: JobSpec, unit: list[Slice], result: UnitResult, trace: np.ndarray, duplicates: set[int]
+    spec: JobSpec,
+    unit: list[Slice],
+    result: UnitResult,
+    trace: np.ndarray,
+    duplicates: set[int],
+    near_duplicates: dict[int, tuple[int, int]] | None = None,
+    kept_example: Callable[[int, int], dict[str, Any]] | None = None,
 ) -> UnitResult:
-    """Drop the unit's duplicates (``duplicates``: their positions) from what
-    ``write_unit`` wrote and counted: the parts of a split from the first that holds one
-    on are read back block by block, filtered (no document is read or tokenized again)
-    and written as ``fix-`` parts, the bytes a write that never saw the duplicates gives
-    (the written ones are left for the driver to remove: a retried fix reads them
-    again); the counts and reject examples are corrected from the trace."""
+    """Drop the unit's duplicates (``duplicates``: their positions) and near-duplicates
+    (``near_duplicates``: position -> (unit, position) of the document kept in their
+    cluster, whose reject example ``kept_example`` gives) from what ``write_unit`` wrote
+    and counted: the parts of a split from the first that holds one on are read back
+    block by block, filtered (no document is read or tokenized again) and written as
+    ``fix-`` parts, the bytes a write that never saw them gives (the written ones are
+    left for the driver to remove: a retried fix reads them again); the counts and
+    reject examples are corrected from the trace. A document that is both is counted a
+    duplicate."""
     from pipeline.data.segment import PieceBatch
     from pipeline.data.shards import read_blocks, token_dtype
 
-    if not duplicates:
+    near_duplicates = near_duplicates or {}
+    if not duplicates and not near_duplicates:
         return result
     dup = np.isin(trace[:, T_POSITION], np.fromiter(duplicates, dtype=np.int64))
+    near = np.isin(trace[:, T_POSITION], np.fromiter(near_duplicates, dtype=np.int64)) & ~dup
+    drop_doc = dup | near
     split_col = trace[:, T_SPLIT]
     # Counts: a duplicate is never kept, never "no_tokens" (dedup comes first).
-    for row in trace[dup].tolist():
+    for row, is_dup in zip(trace[drop_doc].tolist(), dup[drop_doc].tolist(), strict=True):
         part = unit[row[T_SLICE]]
         if row[T_SPLIT] == NO_TOKENS:
             result.rejected["no_tokens"] -= 1
@@ -395,7 +453,7 @@ def fix_unit(
             result.kept[part.source] -= 1
             result.languages[result.language_names[row[T_LANGUAGE]]] -= 1
             result.n_tokens -= row[T_TOKENS]
-        result.rejected["duplicate"] += 1
+        result.rejected["duplicate" if is_dup else "near_duplicate"] += 1
     for counter in (result.kept, result.languages, result.rejected):
         for key in [k for k, v in counter.items() if v == 0]:
             del counter[key]
@@ -413,18 +471,26 @@ def fix_unit(
     ]
     written = zip(result.duplicate_positions, result.examples.get("duplicate", []), strict=True)
     merged = sorted([*written, *found], key=lambda item: item[0])[:MAX_REJECT_EXAMPLES]
-    result.examples["duplicate"] = [e for _, e in merged]
+    if merged:
+        result.examples["duplicate"] = [e for _, e in merged]
     result.duplicate_positions = [position for position, _ in merged]
+    if near.any():
+        near_rows = trace[near][:MAX_REJECT_EXAMPLES]
+        near_examples = examples(near_rows)
+        for row, example in zip(near_rows.tolist(), near_examples, strict=True):
+            if kept_example is not None:
+                example["kept"] = kept_example(*near_duplicates[row[T_POSITION]])
+        result.examples["near_duplicate"] = near_examples
     result.examples.pop("no_tokens", None)
-    if no_tokens := examples(trace[(split_col == NO_TOKENS) & ~dup]):
+    if no_tokens := examples(trace[(split_col == NO_TOKENS) & ~drop_doc]):
         result.examples["no_tokens"] = no_tokens
     # Parts: each split's pieces in order, those of a duplicate dropped.
     dtype = token_dtype(spec.vocab_size)
     for s, split in enumerate(SPLITS):
         mine = split_col == s
-        if not (dup & mine).any():
+        if not (drop_doc & mine).any():
             continue
-        drop = np.repeat(dup[mine], trace[mine, T_PIECES])
+        drop = np.repeat(drop_doc[mine], trace[mine, T_PIECES])
         entries = result.parts[split]
         firsts = np.cumsum([0] + [e["n_docs"] for e in entries])
         first = int(np.searchsorted(firsts, np.flatnonzero(drop)[0], side="right")) - 1

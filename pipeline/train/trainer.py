@@ -147,7 +147,9 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int, sources: list
             num_workers=workers,
             verify_checksums=cfg.data.verify_checksums,
             on_bad_shard=cfg.data.on_bad_shard,
-            step_samples=t.micro_batch_size * t.grad_accum * world_size if split == "train" else None,
+            step_samples=t.micro_batch_size * t.grad_accum * world_size
+            if split == "train"
+            else None,
         )
 
     return meta, model_cfg, model, objective, stream

@@ -126,3 +126,57 @@ def test_ray_listens_on_its_hosts_own_addresses(rig, ray_cluster):
     head = {(a, p) for a, p, _, _ in listeners(rig, "node0")}
     assert (rig.hosts[0].address, DASHBOARD_PORT) in head  # the dashboard: node0's address
     assert (rig.hosts[0].address, 22) in head and (rig.hosts[0].address, rigmod.S3_PORT) in head
+
+
+def test_near_dedup_on_the_cluster_gives_the_bytes_of_one_cpu(rig, ray_cluster, tmp_path):
+    """`--near-dedup on` across the two worker nodes: the signatures are computed where
+    the units are written, the band reducers and the components run anywhere; shards,
+    counts and reject examples are those of a local one-CPU run."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import planted_corpus
+
+    s3 = pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
+                           secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
+    bucket = rigmod.S3_BUCKET
+    docs, pairs = planted_corpus.generate(300_000, seed=5)
+    local_corpus = tmp_path / "corpus"
+    planted_corpus.write(local_corpus, docs, pairs, n_files=2)
+    (local_corpus / "pairs.jsonl").unlink()
+    for path in sorted(local_corpus.iterdir()):
+        with s3.open_output_stream(f"{bucket}/near/corpus/{path.name}") as f:
+            f.write(path.read_bytes())
+    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+
+    tok = train_tokenizer([str(local_corpus)], TokenizerSpec(kind="wordpiece", vocab_size=300),
+                          rig.shared / "near_tok")  # fmt: skip
+    prepare = ["--input", f"s3://{bucket}/near/corpus/", "--tokenizer", str(tok),
+               "--shard-docs", "40", "--split-bytes", "30000", "--near-dedup", "on"]  # fmt: skip
+    done = submit(
+        ["--address", ray_cluster["address"], "--job-id", f"plm-near-{secrets.token_hex(3)}",
+         "--", *prepare, "--output", f"s3://{bucket}/near/shards"],
+        {"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(ray_cluster["token"])},
+    )  # fmt: skip
+    assert done.returncode == 0 and "SUCCEEDED" in done.stderr, done.stdout + done.stderr
+    local = tmp_path / "local"
+    env = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1"}
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "data", "prepare", *prepare,
+                    "--output", str(local), "--num-cpus", "1"],
+                   env=env, cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
+
+    from pipeline.data.shards import load_manifest
+
+    ours = load_manifest(local)
+    with s3.open_input_file(f"{bucket}/near/shards/manifest.json") as f:
+        theirs = json.loads(f.read())
+    assert theirs["stats"]["writer_hosts"] == ["node1", "node2"]
+    assert ours["rejected"]["near_duplicate"] >= 10
+    for key in ("rejected", "reject_examples", "totals", "data_config"):
+        assert theirs[key] == ours[key], key
+    n_files = 0
+    for info in ours["splits"].values():
+        for entry in info["shards"]:
+            for name in (entry["name"], entry["index"]):
+                with s3.open_input_file(f"{bucket}/near/shards/{name}") as f:
+                    assert f.read() == (local / name).read_bytes(), name
+                n_files += 1
+    assert n_files >= 8

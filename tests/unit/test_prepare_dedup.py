@@ -6,6 +6,7 @@ No Ray here: the tasks' bodies on real files, a real tokenizer and the real redu
 """
 
 import copy
+import dataclasses
 import json
 import random
 
@@ -164,3 +165,69 @@ def test_fix_parts_are_own_files_of_prepare():
     for name in ("fix-000001-002.tar", "fix-000001-002.idx.npy", "fix-000001-002.tar.tmp"):
         assert _OWN_SHARD.fullmatch(name)
     assert not _OWN_SHARD.fullmatch("fixed-000001-002.tar")
+
+
+def _near_corpus(seed: int) -> list[str]:
+    """``_corpus`` with near-duplicates: a document again with a word or two changed,
+    near and far, and some twice (a cluster of three)."""
+    rng = random.Random(seed)
+    docs = _corpus(seed)
+    for _ in range(80):
+        k = rng.randrange(len(docs))
+        words = docs[k].split()
+        if len(words) < 20:
+            continue
+        for _ in range(rng.randint(1, 2)):
+            words[rng.randrange(len(words))] = rng.choice(WORDS)
+        docs.insert(rng.randint(k + 1, len(docs)), " ".join(words))
+    return docs
+
+
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_fix_unit_drops_near_duplicates_as_a_write_that_never_saw_them(tmp_path, tokenizer, case):
+    """Duplicates and near-duplicates in one fix: the parts, counts and examples (each
+    near-duplicate's with the kept document's place) of a write that never saw them."""
+    from pipeline.data import near_dedup
+    from pipeline.data.worker import trace_example
+
+    kw = CASES[case]
+    docs = _near_corpus(case + 10)
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in/a.txt").write_text("\n\n".join(docs) + "\n", "utf-8")
+    sources = resolve_inputs([str(tmp_path / "in")])
+    units = plan_units(sources, 2500)
+    assert len(units) >= 4
+    near = near_dedup.NearDedupSpec()
+    fused = dataclasses.replace(
+        _spec(sources, tmp_path / "fused", tokenizer, **kw), near_dedup=near
+    )
+    never = _spec(sources, tmp_path / "never", tokenizer, **kw)
+    n_exact, n_near = 2, 3
+    written = [write_unit(fused, i, unit, n_exact, n_near_partitions=n_near)
+               for i, unit in enumerate(units)]  # fmt: skip
+    index = list(range(len(units)))
+    reduced = [dedup.duplicates(index, [w[2][p] for w in written]) for p in range(n_exact)]
+    edges = [near_dedup.candidates(index, [w[2][n_exact + q] for w in written])
+             for q in range(n_near)]  # fmt: skip
+    removed = near_dedup.components(edges)
+
+    def kept_example(unit: int, position: int):
+        return trace_example(fused, units[unit], written[unit][1], position)
+
+    n_near_found = 0
+    for i, (unit, (result, trace, _)) in enumerate(zip(units, written, strict=True)):
+        dups = dedup.of_unit(i, reduced)
+        nears = near_dedup.of_unit(i, removed)
+        fixed = fix_unit(fused, unit, result, trace, dups, nears, kept_example)
+        known = {p: kept_example(*kept) for p, kept in nears.items() if p not in dups}
+        want, _, _ = write_unit(never, i, unit, 1, frozenset(dups), known_near_duplicates=known)
+        assert _as_written(fixed.parts) == want.parts, i
+        for name in ("read", "kept", "rejected", "examples", "languages", "n_tokens"):
+            assert getattr(fixed, name) == getattr(want, name), (i, name)
+        n_near_found += fixed.rejected["near_duplicate"]
+        for example in fixed.examples.get("near_duplicate", []):
+            kept = example["kept"]  # the kept one comes first in source order
+            assert (kept.get("from_byte", 0), kept["ordinal"]) < (
+                example.get("from_byte", 0), example["ordinal"]
+            )  # fmt: skip
+    assert n_near_found >= 12
