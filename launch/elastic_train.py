@@ -32,7 +32,7 @@ import shlex
 import subprocess
 import sys
 
-HEARTBEAT_S = 5  # the agents' keep-alive period in the rendezvous
+HEARTBEAT_S = 3  # the agents' keep-alive period in the rendezvous
 HEARTBEATS_MISSED = 3  # a host is dropped from the rendezvous after this many
 
 
@@ -116,15 +116,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("config", help="experiment YAML (the same path on every host)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
-    parser.add_argument("--nnodes", required=True, help="MIN:MAX hosts (e.g. 2:3)")
-    parser.add_argument("--nproc-per-node", type=int, default=1, help="ranks per host")
+    # Defaults from the PET_* variables the Kubeflow training operator gives an elastic
+    # PyTorchJob's pods (k8s/training/elastic), which torchrun itself reads too.
+    env = os.environ
     parser.add_argument(
-        "--rdzv-endpoint", required=True, help="HOST:PORT of the rendezvous (a host that stays up)"
+        "--nnodes", default=env.get("PET_NNODES"), help="MIN:MAX hosts (e.g. 2:3; PET_NNODES)"
     )
+    parser.add_argument(
+        "--nproc-per-node", type=int, default=int(env.get("PET_NPROC_PER_NODE", "1")),
+        help="ranks per host (PET_NPROC_PER_NODE)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--rdzv-endpoint", default=env.get("PET_RDZV_ENDPOINT"),
+        help="HOST:PORT of the rendezvous, a host that stays up (PET_RDZV_ENDPOINT)",
+    )  # fmt: skip
     parser.add_argument("--run-id", help="the rendezvous id (default: from the command)")
     parser.add_argument(
-        "--max-restarts", type=int, default=10, help="failures survived (a host joining is free)"
-    )
+        "--max-restarts", type=int, default=int(env.get("PET_MAX_RESTARTS", "10")),
+        help="failures survived; a host joining is free (PET_MAX_RESTARTS)",
+    )  # fmt: skip
     parser.add_argument("--join-timeout", type=int, default=600, help="seconds to wait for MIN")
     parser.add_argument(
         "--last-call", type=int, default=5, help="seconds a round waits for more than MIN hosts"
@@ -133,7 +143,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--print-only", action="store_true", help="print the command, start nothing"
     )
-    return parser.parse_args(argv)
+    return parser.parse_intermixed_args(argv)  # overrides before or after the flags
 
 
 def dry_run(args: argparse.Namespace, overrides: list[str], low: int, high: int) -> None:
@@ -149,6 +159,12 @@ def dry_run(args: argparse.Namespace, overrides: list[str], low: int, high: int)
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        if not args.nnodes or not args.rdzv_endpoint:
+            raise LaunchError("give --nnodes MIN:MAX and --rdzv-endpoint HOST:PORT (or PET_NNODES "
+                              "and PET_RDZV_ENDPOINT, as the training operator sets them)")  # fmt: skip
+        if os.environ.get("PET_RDZV_BACKEND", "c10d") != "c10d":
+            raise LaunchError(f"PET_RDZV_BACKEND={os.environ['PET_RDZV_BACKEND']}: this launch "
+                              "uses torch's c10d rendezvous (elasticPolicy.rdzvBackend: c10d)")  # fmt: skip
         low, high = parse_nnodes(args.nnodes)
         if args.nproc_per_node < 1:
             raise LaunchError("--nproc-per-node must be at least 1")

@@ -8,7 +8,8 @@ follow its logs, exit with its status.
 Everything after ``--`` goes to `plm data <stage>` on the cluster (paths there are the
 cluster's: use absolute paths or URIs such as s3://... that every node can read).
 Exit status: 0 the job succeeded (or was submitted, with --no-wait), 1 it failed or was
-stopped, 2 the cluster refused or could not be reached.
+stopped, or the cluster was lost while it ran (one `plm:` line says what to do), 2 the
+cluster refused or could not be reached.
 
 The code travels as the job's ``working_dir`` (this repository, without caches and run
 outputs) unless ``--installed`` says the cluster's image already has the package.
@@ -53,6 +54,7 @@ EXCLUDES = [
 ]
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
 STAGES = ("prepare", "tokenizer")  # the `plm data` commands a job can run
+STATUS_TRIES = 3  # status requests failing in a row (2 s apart): the cluster is lost
 
 
 def entrypoint_argv(stage: str, installed: bool, stage_args: list[str]) -> list[str]:
@@ -166,6 +168,65 @@ async def _follow(client, job_id: str) -> None:
         print(lines, end="", flush=True)
 
 
+class ClusterLost(Exception):
+    """The cluster stopped answering while the job ran (its head is down)."""
+
+
+def _connection_errors() -> tuple[type[BaseException], ...]:
+    """What the job SDK raises when the head is gone: the log stream's RuntimeError (closed
+    abnormally) or aiohttp's errors, and requests' ConnectionError (an OSError)."""
+    import aiohttp
+
+    return (OSError, RuntimeError, aiohttp.ClientError, asyncio.TimeoutError)
+
+
+def _wait(client, job_id: str):
+    """Follow the job's logs, then its status until it ends; the final JobInfo. A broken
+    log stream alone is not the end (the status is asked next); ClusterLost when the
+    status cannot be had either."""
+    from ray.job_submission import JobStatus
+
+    errors = _connection_errors()
+    try:
+        asyncio.run(_follow(client, job_id))
+    except errors:
+        pass  # the status below says whether the cluster is still there
+    ended = {JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.STOPPED}
+    failures = 0
+    while True:
+        try:
+            info = client.get_job_info(job_id)
+        except errors as err:
+            failures += 1
+            if failures >= STATUS_TRIES:  # a blip passes; a head that is down does not
+                raise ClusterLost(_first_line(err)) from None
+            time.sleep(2)
+            continue
+        failures = 0
+        if info.status in ended:
+            return info
+        time.sleep(1)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+
+
+def lost_cluster_line(address: str, job_id: str, stage: str, reason: str) -> str:
+    """The one line for a head lost mid-job: what happened and what to do."""
+    kept = (
+        "units the job finished are kept in the output and not redone"
+        if stage == "prepare"
+        else "the tokenizer is trained again from the start"
+    )
+    return (
+        f"plm: lost the Ray cluster at {address} while job {job_id} ran ({reason}); its "
+        "head, and the job's driver with it, is down: start a head (ray start --head) and "
+        f"its workers again, then rerun this same command: {kept}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     print(configure_auth(), file=sys.stderr)
@@ -215,16 +276,13 @@ def main(argv: list[str] | None = None) -> int:
         print(job_id)
         return 0
     try:
-        asyncio.run(_follow(client, job_id))
+        info = _wait(client, job_id)
     except KeyboardInterrupt:
         print(f"\nstopped following; the job goes on (ray job stop {job_id})", file=sys.stderr)
         return 130
-    while (info := client.get_job_info(job_id)).status not in {
-        JobStatus.SUCCEEDED,
-        JobStatus.FAILED,
-        JobStatus.STOPPED,
-    }:
-        time.sleep(1)
+    except ClusterLost as err:
+        print(lost_cluster_line(args.address, job_id, args.stage, str(err)), file=sys.stderr)
+        return 1
     print(f"job {job_id}: {info.status.value}", file=sys.stderr)
     if info.status != JobStatus.SUCCEEDED:
         if info.message:

@@ -344,7 +344,7 @@ def write_unit(
         trace.append(rows)
         if near is not None:  # on the text the exact dedup key is taken from
             started = time.process_time()
-            sigs, has_words = near_dedup.signatures([text for *_, text, _ in batch], near)
+            sigs, has_words = near_dedup.signatures([b[3] for b in batch], near)
             band_keys.append(near_dedup.band_keys(sigs[has_words], near))
             band_positions.append(rows[has_words, T_POSITION])
             result.near_dedup_cpu_seconds += time.process_time() - started

@@ -23,8 +23,9 @@ from conftest import REPO
 K8S = REPO / "k8s"
 KUBECTL = shutil.which("kubectl")
 K8S_VERSION = "1.32"  # the kubectl on the dev machines; the manifests use nothing newer
-OVERLAYS = ["overlays/cpu-smoke", "overlays/gpu"]
-PARTS = ["base", "data", "training/pytorchjob", "training/indexed-job", "tracking"]
+OVERLAYS = ["overlays/cpu-smoke", "overlays/gpu", "overlays/gpu-elastic"]
+PARTS = ["base", "data", "training/pytorchjob", "training/indexed-job", "training/elastic",
+         "tracking"]  # fmt: skip
 CUSTOM = {("ray.io/v1", "RayJob"): "rayjob", ("kubeflow.org/v1", "PyTorchJob"): "pytorchjob"}
 SECRET_NAME = re.compile(r"PASSWORD|PASSWD|SECRET|TOKEN|ACCESS_KEY|CREDENTIAL", re.I)
 
@@ -245,9 +246,14 @@ def plm_commands(docs: list[dict]) -> list[tuple[str, list[str], dict[str, str]]
         for where, spec in dict(pod_templates(doc)).items():
             for c in spec["spec"]["containers"]:
                 argv = [*c.get("command", []), *c.get("args", [])]
+                env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
                 if argv and argv[0] == "plm":
-                    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}
                     found.append((f"{name}:{where}", argv[1:], env))
+                elif argv[:2] == ["python", "launch/elastic_train.py"]:  # runs `plm train`
+                    policy = doc["spec"]["elasticPolicy"]
+                    world = policy["maxReplicas"] * policy.get("nProcPerNode", 1)
+                    env = {**env, "WORLD_SIZE": str(world)}
+                    found.append((f"{name}:{where}", ["train", *argv[2:]], env))
     return found
 
 
@@ -306,3 +312,40 @@ def world_size(docs: list[dict]) -> int:
         if d["kind"] == "Job" and d["metadata"]["name"] == "plm-train":
             return d["spec"]["completions"]
     raise AssertionError("no training job found")
+
+
+def test_the_elastic_overlay_runs_the_elastic_launch_on_every_pod_count(rendered, tmp_path,
+                                                                       monkeypatch, capsys):  # fmt: skip
+    """Worker pods only, MIN < MAX; each runs launch/elastic_train.py, which takes its
+    settings from the operator's PET_* variables and refuses a global batch that one of
+    the pod counts MIN..MAX cannot keep."""
+    import importlib.util
+
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in rendered["overlays/gpu-elastic"]}
+    job = docs[("PyTorchJob", "plm-train")]
+    policy = job["spec"]["elasticPolicy"]
+    assert policy["rdzvBackend"] == "c10d" and 1 <= policy["minReplicas"] < policy["maxReplicas"]
+    assert set(job["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert worker["restartPolicy"] == "OnFailure"
+    assert worker["replicas"] == policy["maxReplicas"]
+    container = worker["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python", "launch/elastic_train.py"]
+    config = docs[("ConfigMap", "plm-config")]["data"]["experiment.yaml"]
+    (tmp_path / "experiment.yaml").write_text(config)
+    args = [str(tmp_path / "experiment.yaml"), *container["args"][1:]]
+    spec = importlib.util.spec_from_file_location("elastic_train", REPO / "launch/elastic_train.py")
+    launch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launch)
+    nnodes = f"{policy['minReplicas']}:{policy['maxReplicas']}"
+    monkeypatch.setenv("PET_NNODES", nnodes)
+    monkeypatch.setenv("PET_RDZV_ENDPOINT", "plm-train-worker-0:29400")
+    monkeypatch.setenv("PET_NPROC_PER_NODE", str(policy["nProcPerNode"]))
+    monkeypatch.setenv("PET_RDZV_BACKEND", "c10d")
+    assert launch.main([*args, "--print-only"]) == 0
+    printed = capsys.readouterr().out
+    assert f"--nnodes={nnodes}" in printed and "--rdzv-endpoint=plm-train-worker-0:29400" in printed
+    # One pod more than the batch allows: refused before anything starts.
+    monkeypatch.setenv("PET_NNODES", f"{policy['minReplicas']}:{policy['maxReplicas'] + 1}")
+    assert launch.main([*args, "--print-only"]) == 2
+    assert "cannot be kept" in capsys.readouterr().err
