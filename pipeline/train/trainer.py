@@ -884,7 +884,10 @@ class Trainer:
         c, self.membership = self.membership, None
         if self.rank != 0 or c is None:
             return
-        lost = time.time() - c["last_time"] if c["last_time"] is not None else 0.0
+        import psutil
+
+        now = time.time()
+        lost = now - c["last_time"] if c["last_time"] is not None else 0.0
         recomputed = max(0, c["last_step"] - c["step"])
         self.tracker.log_metrics(
             {
@@ -892,6 +895,9 @@ class Trainer:
                 "elastic/old_world_size": c["old_world"],
                 "elastic/world_size": self.world,
                 "elastic/seconds_lost": lost,
+                # Of it, from this process's start (after detection and the rendezvous)
+                # to the end of its first step: imports, DeepSpeed, the resume, one step.
+                "elastic/startup_s": now - psutil.Process().create_time(),
                 "elastic/steps_recomputed": recomputed,
             },
             self.step,
