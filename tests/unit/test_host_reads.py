@@ -221,3 +221,33 @@ def test_the_counter_sees_the_reads_of_a_forward_without_a_layout(monkeypatch):
             layout = model.attention_layout(batch)
         objective.loss(model(**batch, layout=layout), batch)
     assert mode.reads == []
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize(
+    "arch,batches", [("bert", mlm_batches), ("electra", mlm_batches), ("gpt2", clm_batches)]
+)
+def test_no_sync_in_a_gpu_forward_and_backward(arch, batches):
+    """On a GPU, torch's own sync debug mode: forward, loss and backward with the layout
+    built on the CPU batch (varlen kernels) raise on any synchronising call."""
+    model = tiny_model(arch).cuda()
+    model.set_unpad(True)
+    kind = {"bert": "mlm", "electra": "rtd", "gpt2": "clm"}[arch]
+    extra = {"clm": {"block_cross_document_attention": True}} if arch == "gpt2" else {}
+    objective = build_objective(ObjectiveSection(kind=kind, **extra), ROLES, 100, 24, set())
+    batch = next(batches())
+    layout = model.attention_layout(batch).to("cuda")
+    batch = {k: v.cuda() for k, v in batch.items()}
+    inputs = {k: v for k, v in batch.items() if k in forward_keys(model)}
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss, _ = objective.loss(model(**inputs, layout=layout), batch)
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.isfinite(loss.detach().cpu())
