@@ -35,7 +35,6 @@ from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 REPO = Path(__file__).resolve().parents[1]
-OWN = frozenset({"pip", "setuptools", "wheel"})  # the stand-in venv's own
 
 
 def machine_packages() -> set[str]:
@@ -66,7 +65,8 @@ def stand_in(root: Path, base: str) -> Path:
     to this interpreter's distributions that the GPU machine has. Returns its python."""
     if root.exists():
         shutil.rmtree(root)
-    subprocess.run([base, "-m", "venv", str(root)], check=True)
+    # without its own pip: pip, setuptools and wheel are the machine's (linked), as there
+    subprocess.run([base, "-m", "venv", "--without-pip", str(root)], check=True)
     python = root / "bin" / "python"
     site = subprocess.run(
         [str(python), "-c", "import site; print(site.getsitepackages()[0])"],
@@ -78,7 +78,7 @@ def stand_in(root: Path, base: str) -> Path:
     wanted = machine_packages()
     for dist in md.distributions():
         name = canonicalize_name(dist.metadata["Name"])
-        if name not in wanted or name in OWN or not dist.files:
+        if name not in wanted or not dist.files:
             continue
         tops = {f.parts[0] for f in dist.files if f.parts and f.parts[0] not in ("..", "bin")}
         for top in tops:
@@ -101,7 +101,10 @@ def main() -> int:
     python = stand_in(root / "machine", args.base)
     env = {**os.environ, "REHEARSE": "1", "PY": str(python), "OUT": str(root / "out"),
            "VENV": str(root / "venv"), "OMP_NUM_THREADS": "1"}  # fmt: skip
-    env.pop("PYTHONPATH", None)
+    # pip as on the GPU machine: none of this machine's pip settings (find-links,
+    # extra indexes, constraints) may supply what the bundle lacks
+    env = {k: v for k, v in env.items() if not k.startswith("PIP_") and k != "PYTHONPATH"}
+    env["PIP_CONFIG_FILE"] = os.devnull
     proc = subprocess.run(["bash", "bench/gpu_run.sh", "all"], cwd=REPO, env=env)
     print(f"gpu_run.sh all (REHEARSE=1) exited {proc.returncode}; outputs in {root / 'out'}")
     return proc.returncode

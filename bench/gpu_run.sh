@@ -49,6 +49,13 @@ mkdir -p "$OUT"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# The carried wheels are for one Python (gpu_bundle.py --python; 3.12, the GPU machine's)
+want=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("wheels_for_python", "3.12"))' $CARRY/manifest.json)
+have=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$want" != "$have" ]; then
+  echo "$CARRY holds wheels for Python $want, $PY is $have: rebuild it (bench/gpu_bundle.py --python $have)" >&2
+  exit 2
+fi
 machine_site=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
 rm -rf "$VENV"
 "$PY" -m venv --system-site-packages --without-pip "$VENV"
