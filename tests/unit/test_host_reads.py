@@ -144,6 +144,12 @@ def mlm_batches(seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
                "token_type_ids": torch.zeros_like(ids)}  # fmt: skip
 
 
+def sop_batches(seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """The MLM batches with sentence-order labels (ALBERT's mlm+sop)."""
+    for batch in mlm_batches(seed):
+        yield {**batch, "sop_labels": torch.tensor([0, 1, 1, 0])}
+
+
 def clm_batches(seed: int = 0) -> Iterator[dict[str, torch.Tensor]]:
     """Packed CLM blocks with documents (block_cross_document_attention)."""
     g = torch.Generator().manual_seed(seed)
@@ -184,7 +190,7 @@ FLAG_READ = [("Tensor.tolist", "train_step")]  # the step's agreed non-finite / 
     [
         ("bert", "mlm", None, mlm_batches),
         ("roberta", "mlm", None, mlm_batches),
-        ("albert", "mlm+sop", None, mlm_batches),
+        ("albert", "mlm+sop", None, sop_batches),
         ("electra", "rtd", None, mlm_batches),
         ("gpt2", "clm", {"clm": {"block_cross_document_attention": True}}, clm_batches),
     ],
@@ -192,9 +198,6 @@ FLAG_READ = [("Tensor.tolist", "train_step")]  # the step's agreed non-finite / 
 def test_a_training_step_reads_only_its_flag_from_the_device(
     arch, kind, extra, batches, monkeypatch
 ):
-    if kind == "mlm+sop":
-        source = batches()
-        batches = lambda: ({**b, "sop_labels": torch.tensor([0, 1, 1, 0])} for b in source)  # noqa: E731
     trainer = make_trainer(arch, kind, extra)
     *steps, window = train_and_count(trainer, batches(), monkeypatch, steps=2)
     for reads in steps:  # grad_accum 2: two forwards, two backwards, one update each
