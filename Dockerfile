@@ -31,13 +31,23 @@ COPY pyproject.toml README.md ./
 COPY configs ./configs
 COPY pipeline ./pipeline
 RUN pip install ".[tracking]"
+# As in Dockerfile.cpu: DeepSpeed's C++ ops plm may need, compiled here into the venv's
+# extension cache (/opt/venv/var/plm/torch_extensions), so no container compiles them.
+# `docker build` sees no GPU, so DeepSpeed's accelerator here is the CPU's: these are the
+# CPU accelerator's CPU Adam and shared-memory all-reduce, what the image runs without a
+# GPU (the data stage, CPU smoke runs). On a GPU node DeepSpeed's CUDA build of CPU Adam
+# (an offloaded optimizer only, zero3-offload.json) is another build: plm compiles it on
+# first use, once per venv, and says so.
+RUN plm setup
 COPY launch ./launch
 
 # A non-root user with a fixed uid (the manifests' runAsUser); Ubuntu's own uid 1000 goes.
+# It owns the extension cache: torch takes a lock file there to load an op.
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
     && useradd --uid 1000 --user-group --create-home --shell /bin/bash plm \
     && mkdir -p /data /checkpoints \
-    && chown plm:plm /data /checkpoints /opt/plm
+    && chown plm:plm /data /checkpoints /opt/plm \
+    && chown -R plm:plm /opt/venv/var/plm
 ENV HOME=/home/plm
 USER 1000:1000
 

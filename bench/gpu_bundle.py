@@ -94,6 +94,9 @@ GPU_VERSIONS = {"torch": "2.11.0", "numpy": "2.5.2", "transformers": "5.17.0",
 # (typing-extensions>=4.14.1) and the docs give none; pip keeps the machine's if it suffices.
 ALWAYS_CARRY = frozenset({"typing-extensions"})
 ROOTS = ("deepspeed", "pydantic")
+# The GPU machine's Python (3.12.3); --python 3.11 builds a bundle for a CPU rehearsal of
+# bench/gpu_run.sh with this machine's interpreter (bench/gpu_run.sh says how).
+PYTHON = "3.12"
 TARGET = {"python_version": "3.12", "python_full_version": "3.12.3", "sys_platform": "linux",
           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
           "implementation_name": "cpython", "platform_python_implementation": "CPython",
@@ -114,9 +117,10 @@ def pip(*args: str, env: dict | None = None) -> None:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
 
 
-def fetch_wheel(name: str, version: str, out: Path, tmp: Path) -> Path:
-    """``name==version`` as a wheel for CPython 3.12 on Linux x86_64 into ``out``; DeepSpeed
-    (an sdist only) is built here into a pure-Python wheel."""
+def fetch_wheel(name: str, version: str, out: Path, tmp: Path, python: str = PYTHON) -> Path:
+    """``name==version`` as a wheel for CPython ``python`` (3.12: the GPU machine's) on Linux
+    x86_64 into ``out``; DeepSpeed (an sdist only) is built here into a pure-Python wheel."""
+    abi = "cp" + python.replace(".", "")
     spec = f"{name}=={version}"
     before = set(out.glob("*.whl"))
     if name == "deepspeed":
@@ -126,26 +130,30 @@ def fetch_wheel(name: str, version: str, out: Path, tmp: Path) -> Path:
             env={"DS_BUILD_OPS": "0"})  # fmt: skip
     else:
         platforms = [a for p in PLATFORMS for a in ("--platform", p)]
-        pip("download", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-            "--implementation", "cp", "--abi", "cp312", "--abi", "abi3", "--abi", "none",
+        pip("download", "--no-deps", "--only-binary=:all:", "--python-version", python,
+            "--implementation", "cp", "--abi", abi, "--abi", "abi3", "--abi", "none",
             *platforms, "-d", str(out), spec)  # fmt: skip
     (wheel,) = set(out.glob("*.whl")) - before
-    if "py3-none-any" not in wheel.name and "cp312" not in wheel.name:
-        raise SystemExit(f"{wheel.name}: not a CPython 3.12 wheel")
+    if "py3-none-any" not in wheel.name and abi not in wheel.name:
+        raise SystemExit(f"{wheel.name}: not a CPython {python} wheel")
     return wheel
 
 
-def requirements(wheel: Path) -> list[Requirement]:
-    """The wheel's ``Requires-Dist`` that apply on the GPU machine (no extras)."""
+def requirements(wheel: Path, python: str = PYTHON) -> list[Requirement]:
+    """The wheel's ``Requires-Dist`` that apply on the GPU machine (no extras), or on a
+    machine like it with CPython ``python``."""
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
         text = z.read(meta).decode()
     reqs = [Requirement(line.split(":", 1)[1].strip()) for line in text.splitlines()
             if line.startswith("Requires-Dist:")]  # fmt: skip
-    return [r for r in reqs if r.marker is None or r.marker.evaluate(TARGET)]
+    target = {**TARGET, "python_version": python}
+    if python != PYTHON:
+        target["python_full_version"] = f"{python}.0"
+    return [r for r in reqs if r.marker is None or r.marker.evaluate(target)]
 
 
-def build_wheels(out: Path, tmp: Path) -> dict:
+def build_wheels(out: Path, tmp: Path, python: str = PYTHON) -> dict:
     """Carry the closure of ROOTS over Requires-Dist, less what the GPU machine has.
     Returns {carried: {name: {...}}, met_there: {requirement: version or "listed"}}."""
     carried: dict[str, dict] = {}
@@ -156,11 +164,11 @@ def build_wheels(out: Path, tmp: Path) -> dict:
         if name in carried:
             continue
         version = md.version(name)  # what runs here
-        wheel = fetch_wheel(name, version, out, tmp)
+        wheel = fetch_wheel(name, version, out, tmp, python)
         carried[name] = {"version": version, "wheel": wheel.name, "bytes": wheel.stat().st_size,
                          "sha256": hashlib.sha256(wheel.read_bytes()).hexdigest(),
                          "requires": []}  # fmt: skip
-        for req in requirements(wheel):
+        for req in requirements(wheel, python):
             dep = canonicalize_name(req.name)
             carried[name]["requires"].append(str(req))
             if dep in GPU_HAS and dep not in ALWAYS_CARRY:
@@ -240,19 +248,23 @@ def main() -> int:
     ap.add_argument("--work-dir", default=str(Path(tempfile.gettempdir()) / "plm-gpu-bundle"),
                     help="corpora, tokenizers and data dirs, reused between runs")  # fmt: skip
     ap.add_argument("--no-smoke", action="store_true", help="skip the CPU smoke runs")
+    ap.add_argument("--python", default=PYTHON,
+                    help=f"the CPython the wheels are for (default {PYTHON}, the GPU machine's; "
+                         "this interpreter's version for a CPU rehearsal of gpu_run.sh)")  # fmt: skip
     args = ap.parse_args()
     if CARRY.exists():
         shutil.rmtree(CARRY)
     (CARRY / "wheels").mkdir(parents=True)
     with tempfile.TemporaryDirectory(prefix="plm-gpu-bundle-") as t:
         tmp = Path(t)
-        wheels = build_wheels(CARRY / "wheels", tmp)
+        wheels = build_wheels(CARRY / "wheels", tmp, args.python)
         data = {name: build_data(name, Path(args.work_dir)) for name in DATA}
         denied = denied_for_smoke(set(wheels["carried"]))
         imported = {} if args.no_smoke else smoke(denied, tmp)
     carry, tree = size(CARRY), travelling_tree()
     manifest = {
         "built_with": {"python": sys.version.split()[0], "torch": md.version("torch")},
+        "wheels_for_python": args.python,
         "wheels": wheels, "data": data, "smoke_denied_imports": denied,
         "smoke_imported": imported, "carry_bytes": carry, "tree_bytes": tree,
     }  # fmt: skip

@@ -26,6 +26,11 @@
 # machine venv's site-packages. pip then resolves the carried roots against everything the
 # machine has, installs only what is missing from bench/gpu_carry/wheels (--no-index), and
 # fails if anything is missing. Override the interpreter with PY=..., the output with OUT=...
+#
+# REHEARSE=1: the same stages on a CPU machine at tiny sizes (fp32, bert-tiny and
+# gpt2-tiny, a few rounds), with PY a stand-in for the GPU machine's venv: what
+# bench/gpu_rehearsal.py does here before a device call, so that call cannot fail on an
+# import, a path or a version.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:-all}
@@ -44,6 +49,13 @@ mkdir -p "$OUT"
 } >"$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
 
+# The carried wheels are for one Python (gpu_bundle.py --python; 3.12, the GPU machine's)
+want=$("$PY" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("wheels_for_python", "3.12"))' $CARRY/manifest.json)
+have=$("$PY" -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+if [ "$want" != "$have" ]; then
+  echo "$CARRY holds wheels for Python $want, $PY is $have: rebuild it (bench/gpu_bundle.py --python $have)" >&2
+  exit 2
+fi
 machine_site=$("$PY" -c 'import site; print(site.getsitepackages()[0])')
 rm -rf "$VENV"
 "$PY" -m venv --system-site-packages --without-pip "$VENV"
@@ -56,14 +68,21 @@ VPY="$VENV/bin/python"
 
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-4}
 deny=(--deny-import ray --deny-import mlflow)
+if [ "${REHEARSE:-0}" = 1 ]; then
+  bert_args=(--device cpu --precision fp32 --preset bert-tiny --batch 8 --seq 64 --rounds 2 --warmup 1)
+  gpt_args=(--device cpu --precision fp32 --preset gpt2-tiny --rounds 2 --warmup 1)
+else
+  bert_args=(--device cuda --precision bf16)
+  gpt_args=(--device cuda --precision bf16)
+fi
 status=0
 if [ "$stage" = all ] || [ "$stage" = bert ]; then
-  "$VPY" bench/bench_train.py --device cuda --precision bf16 --data-dir $CARRY/bert "${deny[@]}" \
+  "$VPY" bench/bench_train.py "${bert_args[@]}" --data-dir $CARRY/bert "${deny[@]}" \
     --json "$OUT/bert.json" >"$OUT/bert.log" 2>&1 || status=$?
   tail -n 12 "$OUT/bert.log"
 fi
 if [ "$stage" = all ] || [ "$stage" = gpt ]; then
-  "$VPY" bench/bench_gpt.py --device cuda --precision bf16 --data-dir $CARRY/gpt "${deny[@]}" \
+  "$VPY" bench/bench_gpt.py "${gpt_args[@]}" --data-dir $CARRY/gpt "${deny[@]}" \
     --json "$OUT/gpt.json" >"$OUT/gpt.log" 2>&1 || status=$?
   tail -n 12 "$OUT/gpt.log"
 fi

@@ -79,6 +79,8 @@ class FfnSublayer(nn.Module):
 
 
 class Albert(PretrainModel):
+    layout_kind = "encoder"
+
     def __init__(self, config: AlbertConfig):
         super().__init__()
         self.config = config
@@ -117,10 +119,11 @@ class Albert(PretrainModel):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
+        layout: Attention | None = None,  # attention_layout(batch), built by the caller
     ) -> dict[str, Tensor]:
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
-        attn = encoder_attention(attention_mask, self.unpad)
+        attn = layout if layout is not None else encoder_attention(attention_mask, self.unpad)
         positions = attn.positions(input_ids, position_ids)
         x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         x = self.project(x)

@@ -8,21 +8,47 @@ layers in ``repeated_layers()`` and calls each of them through ``run_layer``.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Mapping
+from typing import Literal
+
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
+
+from pipeline.models.blocks import Attention, decoder_attention, encoder_attention
 
 
 class PretrainModel(nn.Module):
     causal = False  # fine-tuning pools the last real token of causal models, [CLS] otherwise
     checkpointing = False  # set by the trainer (train.activation_checkpointing)
     unpad = False  # set by the trainer (train.unpad): compute on real tokens only
+    # The attention layout the forward takes as ``layout`` (pipeline/models/blocks.py):
+    # a bidirectional encoder's, a causal decoder's, or none (the model attends its own way)
+    layout_kind: Literal["encoder", "decoder"] | None = None
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         self.checkpointing = enabled
 
     def set_unpad(self, enabled: bool) -> None:
         self.unpad = enabled
+
+    def attention_layout(self, batch: Mapping[str, Tensor]) -> Attention | None:
+        """The attention layout of ``batch`` that this model's forward would build, for
+        its ``layout`` argument; None for a model without one. Built where ``batch`` is:
+        the trainer builds it on the loader's CPU batch, where the sizes it reads cost no
+        device sync, and moves it with ``.to(device)``, so the forward reads nothing from
+        the device. An encoder's records the MLM-labelled positions too when its forward
+        takes ``mlm_labels``."""
+        if self.layout_kind == "encoder":
+            takes_labels = "mlm_labels" in inspect.signature(self.forward).parameters
+            labels = batch.get("mlm_labels") if takes_labels else None
+            return encoder_attention(batch.get("attention_mask"), self.unpad, labels)
+        if self.layout_kind == "decoder":
+            return decoder_attention(
+                batch.get("attention_mask"), batch.get("document_ids"), self.unpad
+            )
+        return None
 
     def repeated_layers(self) -> list[nn.Module]:
         """The repeated layers, each called through ``run_layer``: the units activation

@@ -90,13 +90,17 @@ class BertMLMHead(nn.Module):
         labels: Tensor | None,
     ) -> Tensor:  # fmt: skip
         """``forward`` on hidden states in ``attn``'s layout: [N,Vpad] for the labelled
-        positions of ``labels`` [B,T] (row-major), else [B,T,Vpad] for every position."""
+        positions of ``labels`` [B,T] (row-major; gathered at the layout's ``labelled``
+        positions when it has them, so without a host read), else [B,T,Vpad] for every
+        position."""
         if labels is not None:
-            return self(h, word_embeddings, pad_bias, attn.pack(labels))
+            return self(attn.labelled_rows(h, labels), word_embeddings, pad_bias)
         return attn.unpack(self(h, word_embeddings, pad_bias))
 
 
 class Bert(PretrainModel):
+    layout_kind = "encoder"
+
     def __init__(self, config: BertConfig):
         super().__init__()
         self.config = config
@@ -130,10 +134,11 @@ class Bert(PretrainModel):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
+        layout: Attention | None = None,  # attention_layout(batch), built by the caller
     ) -> dict[str, Tensor]:
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
-        attn = encoder_attention(attention_mask, self.unpad)
+        attn = layout if layout is not None else encoder_attention(attention_mask, self.unpad)
         positions = attn.positions(input_ids, position_ids)
         x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         for block in self.blocks:

@@ -102,6 +102,14 @@ def causal_mask(
     """
     if attention_mask is not None and bool(attention_mask.all()):
         attention_mask = None  # no padding: keep the kernel's own causal path if we can
+    return _causal_mask(attention_mask, document_ids, seq_len)
+
+
+def _causal_mask(
+    attention_mask: Tensor | None, document_ids: Tensor | None, seq_len: int
+) -> tuple[Tensor | None, bool]:
+    """``causal_mask`` with ``attention_mask`` None unless the batch has padding: no host
+    read (the caller knows)."""
     if attention_mask is None and document_ids is None:
         return None, True
     device = (document_ids if document_ids is not None else attention_mask).device
@@ -116,10 +124,20 @@ def causal_mask(
 
 class Dense:
     """Attention over the padded [B,T] batch: SDPA with an optional bool mask or the
-    kernel's causal path. Tensors keep their [B,T,...] shape (pack/unpack do nothing)."""
+    kernel's causal path. Tensors keep their [B,T,...] shape (pack/unpack do nothing).
 
-    def __init__(self, mask: Tensor | None, is_causal: bool = False):
-        self.mask, self.is_causal = mask, is_causal
+    ``labelled`` [n]: the flat positions b*T+t of the MLM-labelled tokens, row-major,
+    when the layout was built with the labels (on the loader's CPU batch: see
+    ``encoder_attention``); None: ``labelled_rows`` finds them with a boolean mask."""
+
+    def __init__(
+        self, mask: Tensor | None, is_causal: bool = False, labelled: Tensor | None = None
+    ):
+        self.mask, self.is_causal, self.labelled = mask, is_causal, labelled
+
+    def to(self, device: torch.device | str) -> Dense:
+        """This layout on ``device`` (copies of its index tensors; no host read)."""
+        return Dense(_moved(self.mask, device), self.is_causal, _moved(self.labelled, device))
 
     def pack(self, x: Tensor | None) -> Tensor | None:
         return x
@@ -138,6 +156,12 @@ class Dense:
         """[B,H] each row's first token ([CLS])."""
         return h[:, 0]
 
+    def labelled_rows(self, h: Tensor, labels: Tensor) -> Tensor:
+        """[n,H] the states of the positions ``labels`` [B,T] marks (>= 0), row-major."""
+        if self.labelled is not None:
+            return h.reshape(-1, h.shape[-1]).index_select(0, self.labelled)
+        return h[labels >= 0]  # a boolean gather: its size is read to the host
+
     def attend(self, qkv: Tensor, num_heads: int, dropout_p: float) -> Tensor:
         """[B,T,3C] fused projections -> [B,T,C]."""
         B, T, C3 = qkv.shape
@@ -147,6 +171,16 @@ class Dense:
             q, k, v, attn_mask=self.mask, dropout_p=dropout_p, is_causal=self.is_causal
         )
         return y.transpose(1, 2).reshape(B, T, C3 // 3)
+
+
+def _moved(x: Tensor | None, device: torch.device | str) -> Tensor | None:
+    return None if x is None else x.to(device, non_blocking=True)
+
+
+def labelled_positions(labels: Tensor) -> Tensor:
+    """[n] the positions of ``labels`` (any shape, read flat) that are >= 0, in order.
+    Meant for the loader's CPU batch, where ``nonzero`` reads nothing from a device."""
+    return (labels.reshape(-1) >= 0).nonzero().squeeze(1)
 
 
 def true_positions(flags: Tensor, n: int, sync_free: bool) -> Tensor:
@@ -165,23 +199,32 @@ class Packed:
     document of a row (``from_documents``, causal; document ids are contiguous runs).
 
     ``index`` [N]: flat positions b*T+t of the tokens, in row-major order; ``cu_seqlens``
-    [S+1]: where each of the S sequences starts in the packed order. Attention runs as
-    varlen SDPA through nested jagged tensors on a GPU (flash / memory-efficient varlen
-    kernels, dropout included); on the CPU, where PyTorch's nested path loops, it pads
+    [S+1]: where each of the S sequences starts in the packed order; ``min_len`` and
+    ``max_len``: the shortest and longest sequence, host ints. Attention runs as varlen
+    SDPA through nested jagged tensors on a GPU (flash / memory-efficient varlen kernels,
+    causal and dropout included); on the CPU, where PyTorch's nested path loops, it pads
     the sequences into [S, longest] for one batched SDPA call (the FLOPs on padding are
-    then in attention's score matmuls only, not in any projection or MLP).
+    then in attention's score matmuls only, not in any projection or MLP), which is the
+    exact fallback: the same keys, order and scale per query.
+
+    Built from the loader's CPU batch (``from_mask`` / ``from_documents`` there, then
+    ``to(device)``), a forward reads nothing from the device: the sizes it needs are host
+    ints and every index was computed on the CPU. ``labelled`` [n]: the packed positions
+    of the MLM-labelled tokens when built with the labels (``with_labels``).
     """
 
     kernel: Literal["auto", "nested", "padded"] = "auto"  # auto: nested on a GPU
 
     def __init__(
         self, index: Tensor, seq: Tensor, offset: Tensor, lengths: Tensor, max_len: int,
-        shape: tuple[int, int], causal: bool,
+        shape: tuple[int, int], causal: bool, min_len: int = 0,
+        labelled: Tensor | None = None,
     ):  # fmt: skip
         self.index, self.seq, self.offset = index, seq, offset  # [N] each
+        self.lengths, self.labelled = lengths, labelled
         self.shape, self.causal = shape, causal
         self.n_seqs = int(lengths.shape[0])
-        self.max_len = max_len
+        self.max_len, self.min_len = max_len, min_len
         self.cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
         self.dense = index.shape[0] == shape[0] * shape[1]  # no padding: views, no gathers
         self.nested = index.is_cuda if self.kernel == "auto" else self.kernel == "nested"
@@ -193,6 +236,21 @@ class Packed:
                 real = torch.arange(L, device=index.device)[None] < lengths[:, None]
                 self.key_mask = real[:, None, None]  # [S,1,1,L]
 
+    def to(self, device: torch.device | str) -> Packed:
+        """This layout on ``device``: its index tensors copied, the sizes kept (host
+        ints), the kernel chosen for ``device``; no host read."""
+        moved = (_moved(x, device) for x in (self.index, self.seq, self.offset, self.lengths))
+        return Packed(
+            *moved, self.max_len, self.shape, self.causal, self.min_len,
+            _moved(self.labelled, device),
+        )  # fmt: skip
+
+    def with_labels(self, labels: Tensor) -> Packed:
+        """Records where the labelled tokens of ``labels`` [B,T] (>= 0) are in the packed
+        order (``labelled``), for the MLM heads' gather."""
+        self.labelled = labelled_positions(self.pack(labels))
+        return self
+
     @classmethod
     def from_mask(cls, attention_mask: Tensor, lengths: Tensor, host: list[int]) -> Packed:
         """Each row's real tokens (attention_mask 1) form one bidirectional sequence.
@@ -203,11 +261,15 @@ class Packed:
         index = true_positions(keep.flatten(), sum(host), sync_free=keep.is_cuda)
         seq = index // T
         offset = (keep.cumsum(1) - 1).flatten()[index]  # the token's rank within its row
-        return cls(index, seq, offset, lengths, max(host, default=0), (B, T), causal=False)
+        return cls(
+            index, seq, offset, lengths, max(host, default=0), (B, T), causal=False,
+            min_len=min(host, default=0),
+        )  # fmt: skip
 
     @classmethod
     def from_documents(cls, document_ids: Tensor) -> Packed:
-        """Every document of every row (a run of equal ids) is one causal sequence."""
+        """Every document of every row (a run of equal ids) is one causal sequence. One
+        host read (the shortest and longest document): none on the loader's CPU batch."""
         B, T = document_ids.shape
         new = torch.ones_like(document_ids, dtype=torch.bool)
         new[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
@@ -217,8 +279,8 @@ class Packed:
         lengths = torch.diff(first, append=first.new_tensor([B * T]))
         index = torch.arange(B * T, device=document_ids.device)
         offset = index - first[seq]
-        max_len = int(lengths.max()) if lengths.shape[0] else 0  # one host read
-        return cls(index, seq, offset, lengths, max_len, (B, T), causal=True)
+        low, high = torch.stack([lengths.min(), lengths.max()]).tolist() if B * T else (0, 0)
+        return cls(index, seq, offset, lengths, high, (B, T), causal=True, min_len=low)
 
     def pack(self, x: Tensor | None) -> Tensor | None:
         """[B,T,...] -> [1,N,...]"""
@@ -246,6 +308,13 @@ class Packed:
         """[S,H] each sequence's first token ([CLS]); an empty row gives some other token."""
         return h[0, self.cu_seqlens[:-1].clamp(max=max(h.shape[1] - 1, 0))]
 
+    def labelled_rows(self, h: Tensor, labels: Tensor) -> Tensor:
+        """[n,H] the states ``h`` [1,N,H] of the tokens ``labels`` [B,T] marks (>= 0), in
+        row-major order."""
+        if self.labelled is not None:
+            return h[0].index_select(0, self.labelled)
+        return h[self.pack(labels) >= 0]  # a boolean gather: its size is read to the host
+
     def attend(self, qkv: Tensor, num_heads: int, dropout_p: float) -> Tensor:
         """[1,N,3C] fused projections -> [1,N,C], attention within each sequence."""
         N, C = qkv.shape[1], qkv.shape[2] // 3
@@ -258,9 +327,11 @@ class Packed:
 
     def _attend_nested(self, q: Tensor, k: Tensor, v: Tensor, dropout_p: float) -> Tensor:
         def jagged(x: Tensor) -> Tensor:  # [N,nh,hd] -> [S, nh, (len), hd]
+            # the sizes given, so neither the kernel choice nor the kernel reads them
             return torch.nested.nested_tensor_from_jagged(
-                x.contiguous(), offsets=self.cu_seqlens, max_seqlen=self.max_len
-            ).transpose(1, 2)
+                x.contiguous(), offsets=self.cu_seqlens, min_seqlen=self.min_len,
+                max_seqlen=self.max_len,
+            ).transpose(1, 2)  # fmt: skip
 
         y = F.scaled_dot_product_attention(
             jagged(q), jagged(k), jagged(v), dropout_p=dropout_p, is_causal=self.causal
@@ -284,21 +355,35 @@ class Packed:
 Attention = Dense | Packed
 
 
-def encoder_attention(attention_mask: Tensor | None, unpad: bool) -> Attention:
+def encoder_attention(
+    attention_mask: Tensor | None, unpad: bool, mlm_labels: Tensor | None = None
+) -> Attention:
     """The layout of a bidirectional encoder's batch: ``Packed`` when ``unpad`` and the
-    batch has padding, else ``Dense`` (no padding: nothing to save, no gathers).
+    batch has padding, else ``Dense`` (no padding: nothing to save, no gathers). With
+    ``mlm_labels`` it also records where the labelled tokens are (``labelled``).
 
-    One host read per forward, the rows' lengths: they say whether there is padding, how
-    many real tokens there are and the longest row (on a GPU, three syncs otherwise)."""
+    One host read, the rows' lengths: they say whether there is padding, how many real
+    tokens there are and the longest row (on a GPU, three syncs otherwise). The trainer
+    builds it on the loader's CPU batch, where that read is free, and moves it to the
+    device (``to``), so the forward reads nothing; a forward given no layout builds it
+    from its own tensors."""
     if attention_mask is None:
-        return Dense(None)
-    lengths = attention_mask.sum(1, dtype=torch.int64)
-    host = lengths.tolist()
-    if min(host, default=attention_mask.shape[1]) == attention_mask.shape[1]:
-        return Dense(None)  # no padding: mask-free SDPA may use its fastest kernel
-    if unpad:
-        return Packed.from_mask(attention_mask, lengths, host)
-    return Dense(_may_attend(attention_mask))
+        attn: Attention = Dense(None)
+    else:
+        lengths = attention_mask.sum(1, dtype=torch.int64)
+        host = lengths.tolist()
+        if min(host, default=attention_mask.shape[1]) == attention_mask.shape[1]:
+            attn = Dense(None)  # no padding: mask-free SDPA may use its fastest kernel
+        elif unpad:
+            attn = Packed.from_mask(attention_mask, lengths, host)
+        else:
+            attn = Dense(_may_attend(attention_mask))
+    if mlm_labels is None:
+        return attn
+    if isinstance(attn, Packed):
+        return attn.with_labels(mlm_labels)
+    attn.labelled = labelled_positions(mlm_labels)
+    return attn
 
 
 def decoder_attention(
@@ -306,14 +391,16 @@ def decoder_attention(
 ) -> Attention:
     """The layout of a causal decoder's batch: documents packed in rows (no padding) are
     ``Packed`` causal sequences with ``unpad``, so no [B,T,T] mask is built; otherwise
-    ``Dense`` with the kernel's causal path or ``causal_mask``."""
+    ``Dense`` with the kernel's causal path or ``causal_mask``. The host reads it makes
+    (is there padding; the documents' lengths) are free on the loader's CPU batch, where
+    the trainer builds it (``to`` moves it to the device)."""
     padded = attention_mask is not None and not bool(attention_mask.all())
     if unpad and document_ids is not None and not padded:
         return Packed.from_documents(document_ids)
     if not padded and document_ids is None:
         return Dense(None, is_causal=True)
     T = (document_ids if document_ids is not None else attention_mask).shape[1]
-    return Dense(*causal_mask(attention_mask if padded else None, document_ids, T))
+    return Dense(*_causal_mask(attention_mask if padded else None, document_ids, T))
 
 
 # ----------------------------------------------------------------------------- layers

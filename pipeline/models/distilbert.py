@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from pipeline.models.base import PretrainModel
 from pipeline.models.bert import BertMLMHead
 from pipeline.models.blocks import (
+    Attention,
     TransformerConfig,
     encoder_attention,
     init_normal,
@@ -47,6 +48,8 @@ class DistilBertEmbeddings(nn.Module):
 
 
 class DistilBert(PretrainModel):
+    layout_kind = "encoder"
+
     def __init__(self, config: DistilBertConfig):
         super().__init__()
         self.config = config
@@ -74,10 +77,11 @@ class DistilBert(PretrainModel):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
+        layout: Attention | None = None,  # attention_layout(batch), built by the caller
     ) -> dict[str, Tensor]:
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
-        attn = encoder_attention(attention_mask, self.unpad)
+        attn = layout if layout is not None else encoder_attention(attention_mask, self.unpad)
         x = self.embeddings(attn.pack(input_ids), attn.positions(input_ids, position_ids))
         for block in self.blocks:
             x = self.run_layer(block, x, attn)

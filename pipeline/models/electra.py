@@ -123,6 +123,8 @@ def gumbel_sample(logits: Tensor) -> Tensor:
 
 
 class Electra(PretrainModel):
+    layout_kind = "encoder"
+
     def __init__(self, config: ElectraConfig):
         super().__init__()
         self.config = config
@@ -173,15 +175,15 @@ class Electra(PretrainModel):
 
     def generator_logits(
         self, input_ids, token_type_ids=None, attention_mask=None, position_ids=None,
-        where=None, attn: Attention | None = None,
+        mlm_labels=None, attn: Attention | None = None,
     ) -> Tensor:  # fmt: skip
-        """The generator's MLM logits, [B,T,Vpad], or [N,Vpad] at the positions ``where``
-        (``attn`` as for ``discriminate``)."""
+        """The generator's MLM logits, [B,T,Vpad], or [N,Vpad] at the N labelled positions
+        of ``mlm_labels`` (>= 0, row-major; ``attn`` as for ``discriminate``)."""
         attn = attn or encoder_attention(attention_mask, self.unpad)
         g = self.encode(self.generator, attn, input_ids, token_type_ids, position_ids)
-        if where is None:
+        if mlm_labels is None:
             return attn.unpack(self.generator_head(g, self.embeddings.word.weight, self.pad_bias))
-        g = g[attn.pack(where)]  # only the masked rows go through the vocabulary projection
+        g = attn.labelled_rows(g, mlm_labels)  # only those rows meet the vocabulary
         return self.generator_head(g, self.embeddings.word.weight, self.pad_bias)
 
     def forward(
@@ -192,9 +194,10 @@ class Electra(PretrainModel):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,
+        layout: Attention | None = None,  # attention_layout(batch), built by the caller
     ) -> dict[str, Tensor]:
         # one layout for both networks: the corrupted input pads exactly as the masked one
-        attn = encoder_attention(attention_mask, self.unpad)
+        attn = layout if layout is not None else encoder_attention(attention_mask, self.unpad)
         if mlm_labels is None:
             logits, h = self.discriminate(
                 input_ids, token_type_ids, position_ids=position_ids, attn=attn
@@ -202,8 +205,9 @@ class Electra(PretrainModel):
             return {"rtd_logits": logits, "hidden_states": h}
         masked = mlm_labels >= 0
         mlm_logits = self.generator_logits(
-            input_ids, token_type_ids, position_ids=position_ids, where=masked, attn=attn
-        )
+            input_ids, token_type_ids, position_ids=position_ids, mlm_labels=mlm_labels,
+            attn=attn,
+        )  # fmt: skip
         with torch.no_grad():  # no gradient flows from the discriminator into the generator
             sampled = gumbel_sample(mlm_logits.detach().float())
             corrupted = input_ids.masked_scatter(masked, sampled.to(input_ids.dtype))

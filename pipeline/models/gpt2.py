@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from pipeline.models.base import PretrainModel
 from pipeline.models.blocks import (
+    Attention,
     TransformerConfig,
     decoder_attention,
     init_normal,
@@ -37,6 +38,7 @@ class GPT2Config(TransformerConfig):
 
 
 class GPT2(PretrainModel):
+    layout_kind = "decoder"
     causal = True  # fine-tuning pools the last real token of causal models, [CLS] otherwise
     pre_ln = True  # GPT (pipeline/models/gpt.py) is this model with post-LN blocks
 
@@ -91,11 +93,16 @@ class GPT2(PretrainModel):
         attention_mask: Tensor | None = None,
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
+        layout: Attention | None = None,  # attention_layout(batch), built by the caller
     ) -> dict[str, Tensor]:
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...] (causal kernel or mask), or with unpadding and documents each
         # document a causal sequence, all tokens in one row [1,B*T,...]: no [B,T,T] mask
-        attn = decoder_attention(attention_mask, document_ids, self.unpad)
+        attn = (
+            layout
+            if layout is not None
+            else decoder_attention(attention_mask, document_ids, self.unpad)
+        )
         x = self.embed(attn.pack(input_ids), attn.positions(input_ids, position_ids))
         for block in self.blocks:
             x = self.run_layer(block, x, attn)

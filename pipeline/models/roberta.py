@@ -25,6 +25,7 @@ from torch import Tensor, nn
 from pipeline.models.base import PretrainModel
 from pipeline.models.bert import BertEmbeddings, BertMLMHead
 from pipeline.models.blocks import (
+    Attention,
     TransformerConfig,
     encoder_attention,
     init_normal,
@@ -58,6 +59,8 @@ def roberta_position_ids(input_ids: Tensor, pad_token_id: int) -> Tensor:
 
 
 class Roberta(PretrainModel):
+    layout_kind = "encoder"
+
     def __init__(self, config: RobertaConfig):
         super().__init__()
         self.config = config
@@ -89,6 +92,7 @@ class Roberta(PretrainModel):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
+        layout: Attention | None = None,  # attention_layout(batch), built by the caller
     ) -> dict[str, Tensor]:
         cfg = self.config
         T = input_ids.shape[1]
@@ -101,7 +105,7 @@ class Roberta(PretrainModel):
         if position_ids is None:
             position_ids = roberta_position_ids(input_ids, cfg.pad_token_id)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
-        attn = encoder_attention(attention_mask, self.unpad)
+        attn = layout if layout is not None else encoder_attention(attention_mask, self.unpad)
         positions = attn.positions(input_ids, position_ids)
         x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         for block in self.blocks:

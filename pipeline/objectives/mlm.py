@@ -146,18 +146,31 @@ def word_starts_in(doc: Document, start: int, stop: int) -> np.ndarray:
     return np.concatenate([[0], words]).astype(np.int64)
 
 
+def labelled_targets(labels: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] the labels of ``labels`` (any shape, read flat) that are not IGNORE_INDEX, in
+    order: the targets of an MLM head's [n, Vpad] logits, ``n`` their row count. With n
+    known, a stable sort that puts the labelled positions first finds them: a boolean
+    gather (``labels[labels != -100]``) would read its size to the host, a GPU sync."""
+    flat = labels.reshape(-1)
+    order = torch.argsort((flat == IGNORE_INDEX).to(torch.uint8), stable=True)
+    return flat.index_select(0, order[:n])
+
+
 def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean cross-entropy, accuracy) over the labelled positions.
 
     ``logits`` are [B, T, Vpad], of which the labelled rows (~15%) are gathered, or already
-    [N, Vpad] for the N labelled positions (models that take ``mlm_labels``). The padded
-    vocabulary columns stay in the softmax (labels are always < the real vocabulary, so
-    training pushes them down, as in Megatron); slicing them off would copy all logits.
-    A batch without any labelled position gives a zero loss that still has a graph.
+    [N, Vpad] for the N labelled positions (models that take ``mlm_labels``; then no host
+    read: ``labelled_targets``). The padded vocabulary columns stay in the softmax (labels
+    are always < the real vocabulary, so training pushes them down, as in Megatron);
+    slicing them off would copy all logits. A batch without any labelled position gives a
+    zero loss that still has a graph.
     """
-    selected = labels != IGNORE_INDEX
-    picked = (logits if logits.dim() == 2 else logits[selected]).float()
-    target = labels[selected]
+    if logits.dim() == 2:
+        picked, target = logits.float(), labelled_targets(labels, logits.shape[0])
+    else:
+        selected = labels != IGNORE_INDEX
+        picked, target = logits[selected].float(), labels[selected]
     if target.numel() == 0:
         zero = logits.sum() * 0.0
         return zero, zero.detach()

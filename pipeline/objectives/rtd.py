@@ -17,21 +17,25 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pipeline.objectives.mlm import MlmObjective
+from pipeline.objectives.mlm import MlmObjective, labelled_targets
 
 
 def rtd_loss(
     logits: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(mean binary cross-entropy, accuracy) of the per-token "replaced" logits [B,T]
-    over the real tokens (attention_mask 1)."""
-    real = (
-        torch.ones_like(labels, dtype=torch.bool) if attention_mask is None else attention_mask > 0
-    )
-    picked, target = logits[real].float(), labels[real].float()
-    loss = F.binary_cross_entropy_with_logits(picked, target)
-    acc = ((picked.detach() > 0).float() == target).float().mean()
-    return loss, acc
+    over the real tokens (attention_mask 1): sums over the real tokens divided by their
+    count, a tensor, so no host read (a boolean gather would read its size)."""
+    target = labels.float()
+    losses = F.binary_cross_entropy_with_logits(logits.float(), target, reduction="none")
+    right = ((logits.detach() > 0).float() == target).float()
+    if attention_mask is None:
+        return losses.mean(), right.mean()
+    real = attention_mask > 0
+    count = real.sum().clamp(min=1)
+    zero = losses.new_zeros(())
+    loss = torch.where(real, losses, zero).sum() / count
+    return loss, torch.where(real, right, zero).sum() / count
 
 
 def generator_loss(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,8 +61,8 @@ class RtdObjective(MlmObjective):
                 "objective.kind=rtd needs a model that takes mlm_labels and returns rtd_labels "
                 "(model.arch: electra)"
             )
-        labels = batch["mlm_labels"]
-        target = labels[labels >= 0]  # the row order of the model's [N, Vpad] mlm_logits
+        # the row order of the model's [N, Vpad] mlm_logits, found without a host read
+        target = labelled_targets(batch["mlm_labels"], outputs["mlm_logits"].shape[0])
         mlm_loss, mlm_acc = generator_loss(outputs["mlm_logits"], target)
         disc_loss, disc_acc = rtd_loss(
             outputs["rtd_logits"], outputs["rtd_labels"], batch.get("attention_mask")

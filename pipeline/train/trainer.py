@@ -540,7 +540,7 @@ class Trainer:
             squares, decoded = _work_stats(batch)
             host[n_sources + 2] += squares
             host[n_sources + 3] += decoded
-            batch = _to_device(batch, self.dev)
+            batch = self.device_batch(batch)
             # Dropout (and any other torch randomness of the step) is drawn from a seed of
             # the global micro-batch: the same samples get the same draws whatever the
             # world size and grad_accum (rank r's micro-batch m holds the step's samples
@@ -616,6 +616,19 @@ class Trainer:
                 self.tokens_by_source[k] += int(v)
         self.window = []
 
+    def device_batch(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """The loader's CPU batch on the device. For a model whose forward takes a
+        ``layout``, the attention layout (which tokens to pack, sequence boundaries, the
+        labelled positions) is built here on the CPU tensors and moved with them: the
+        sizes it reads cost no device sync, and the forward then reads none."""
+        layout = None
+        if "layout" in self.input_keys:
+            layout = self.engine.module.attention_layout(batch)
+        batch = _to_device(batch, self.dev)
+        if layout is not None:
+            batch["layout"] = layout.to(self.dev)
+        return batch
+
     def forward(self, batch: dict[str, Any], train: bool) -> dict[str, Any]:
         inputs = _model_inputs(batch, self.input_keys)
         if not self.uses_memory:
@@ -657,7 +670,7 @@ class Trainer:
         for i, batch in enumerate(self.valid_streams[k]):
             if i >= self.cfg.train.eval_batches:
                 break
-            batch = _to_device(batch, self.dev)
+            batch = self.device_batch(batch)
             loss, metrics = self.objective.loss(self.forward(batch, train=False), batch)
             names = sorted(metrics)
             row = torch.stack([loss.float(), *(metrics[m].float() for m in names)]).double()

@@ -80,12 +80,19 @@ def test_dockerignore_keeps_history_and_outputs_out():
     assert "pipeline" not in ignored and "configs" not in ignored
 
 
-def test_cpu_image_prebuilds_deepspeeds_cpu_op_for_its_runtime_user():
+@pytest.mark.parametrize(
+    "name,cache", [("Dockerfile.cpu", "/usr/local/var/plm"), ("Dockerfile", "/opt/venv/var/plm")]
+)
+def test_images_prebuild_deepspeeds_cpu_ops_for_their_runtime_user(name, cache):
     """`plm setup` after the package install (nothing compiles in a container), and the
-    extension cache it fills is the runtime user's (torch locks a file there to load)."""
-    runs = [a for k, a in instructions("Dockerfile.cpu") if k == "RUN"]
+    extension cache it fills (``sys.prefix``/var/plm: the system Python's on the CPU
+    image, the venv's on the GPU one) is the runtime user's (torch locks a file there
+    to load)."""
+    runs = [a for k, a in instructions(name) if k == "RUN"]
     install = next(i for i, a in enumerate(runs) if '".[tracking]"' in a)
     setup = next(i for i, a in enumerate(runs) if a.strip() == "plm setup")
     assert install < setup
-    assert any("chown -R plm:plm /usr/local/var/plm" in a for a in runs[setup + 1 :])
+    assert any(f"chown -R plm:plm {cache}" in a for a in runs[setup + 1 :])
     assert "build-essential" in " ".join(runs[:setup])  # g++ for the build
+    if name == "Dockerfile":  # the venv whose sys.prefix names the cache
+        assert any("VIRTUAL_ENV=/opt/venv" in a for k, a in instructions(name) if k == "ENV")

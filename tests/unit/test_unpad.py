@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 from conftest import tiny_model
 
-from pipeline.models.blocks import Packed, true_positions
-from pipeline.objectives.mlm import masked_lm_loss
+from pipeline.models.blocks import Dense, Packed, true_positions
+from pipeline.objectives.mlm import labelled_targets, masked_lm_loss
 from pipeline.objectives.rtd import generator_loss, rtd_loss
 from pipeline.train.trainer import forward_keys
 
@@ -160,3 +160,99 @@ def test_documents_attend_per_document_without_a_dense_mask(kernel, monkeypatch)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("unpad", [True, False])
+@pytest.mark.parametrize("arch", ENCODERS)
+def test_a_layout_built_on_the_cpu_batch_gives_the_same_step(arch, unpad):
+    """What the trainer runs (``attention_layout`` on the loader's CPU batch, moved with
+    ``to``) is bit for bit the forward that builds its layout from its own tensors:
+    outputs, loss and gradients."""
+    batch = padded_batch(arch)
+    results = []
+    for with_layout in (False, True):
+        model = tiny_model(arch, **NO_DROPOUT)
+        model.set_unpad(unpad)
+        inputs = {k: v for k, v in batch.items() if k in forward_keys(model)}
+        if with_layout:
+            layout = model.attention_layout(batch).to("cpu")
+            assert isinstance(layout, Packed if unpad else Dense)
+            if "mlm_labels" in inputs:  # the labelled positions come with it
+                assert layout.labelled is not None
+            inputs["layout"] = layout
+        torch.manual_seed(5)  # ELECTRA samples its replacements
+        out = model(**inputs)
+        loss = loss_of(arch, out, batch)
+        loss.backward()
+        results.append((out, loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (ref, ref_loss, ref_grads), (out, loss, grads) = results
+    assert torch.equal(loss, ref_loss)
+    for key, value in ref.items():
+        assert torch.equal(out[key], value), key
+    for name, g in ref_grads.items():
+        assert (g is None and grads[name] is None) or torch.equal(grads[name], g), name
+
+
+def test_labelled_targets_equal_the_boolean_gather():
+    """The MLM loss's targets, found by a stable sort of known size (no host read), are
+    what ``labels[labels != -100]`` gives: none, some and all positions labelled."""
+    gen = torch.Generator().manual_seed(0)
+    for p in (0.0, 0.15, 0.5, 1.0):
+        labels = torch.randint(0, 100, (5, 19), generator=gen)
+        labels[torch.rand(5, 19, generator=gen) >= p] = -100
+        expected = labels[labels != -100]
+        assert torch.equal(labelled_targets(labels, expected.numel()), expected)
+
+
+def test_rtd_loss_equals_the_mean_over_the_real_tokens():
+    """ELECTRA's discriminator loss without a boolean gather: the same mean BCE and
+    accuracy over the real tokens as gathering them first."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 24, generator=gen)
+    labels = (torch.rand(4, 24, generator=gen) < 0.2).long()
+    mask = padded_batch("electra")["attention_mask"]
+    real = mask.bool()
+    loss, acc = rtd_loss(logits, labels, mask)
+    expected = F.binary_cross_entropy_with_logits(logits[real], labels[real].float())
+    torch.testing.assert_close(loss, expected, atol=1e-6, rtol=1e-6)
+    assert acc == ((logits[real] > 0).long() == labels[real]).float().mean()
+    full, _ = rtd_loss(logits, labels, None)
+    torch.testing.assert_close(
+        full, F.binary_cross_entropy_with_logits(logits, labels.float()), atol=1e-6, rtol=1e-6
+    )
+
+
+# Documents (runs of increasing ids, as the CLM loader numbers them) of every shape:
+# one-token documents, a document filling its row, many short ones.
+DOCUMENTS = [
+    [[0] * 5 + [1] * 7 + [2] * 4, [0] * 16],
+    [[0, 1, 2, 3] + [4] * 12, [0] * 15 + [1]],
+    [[i // 2 for i in range(16)], [3] * 8 + [4] * 8],
+]
+
+
+@pytest.mark.parametrize("docs", DOCUMENTS)
+def test_packed_causal_fallback_and_cpu_layout_equal_the_dense_mask(docs):
+    """The CPU kernel of packed causal documents (``Packed`` padded per document: the
+    exact fallback of the GPU's varlen kernel) against the [B,1,T,T] mask path, and the
+    layout the trainer builds on the CPU batch against the one the forward builds."""
+    g = torch.Generator().manual_seed(4)
+    document_ids = torch.tensor(docs)
+    ids = torch.randint(0, 100, document_ids.shape, generator=g)
+    outputs = []
+    for unpad, with_layout in ((False, False), (True, False), (True, True)):
+        model = tiny_model("gpt2", **NO_DROPOUT)
+        model.set_unpad(unpad)
+        batch = {"input_ids": ids, "document_ids": document_ids}
+        if with_layout:
+            batch["layout"] = model.attention_layout(batch).to("cpu")
+        logits = model(**batch)["logits"]
+        F.cross_entropy(logits.flatten(0, 1)[:-1], ids.flatten()[1:]).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        outputs.append((logits.detach(), grads))
+    (dense, dense_grads), (packed, packed_grads), (shipped, shipped_grads) = outputs
+    torch.testing.assert_close(packed, dense, atol=1e-5, rtol=1e-5)
+    for name, grad in dense_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert torch.equal(shipped, packed)
+    assert all(torch.equal(shipped_grads[n], g) for n, g in packed_grads.items())
