@@ -199,7 +199,7 @@ def _wait(client, job_id: str):
         except errors as err:
             failures += 1
             if failures >= STATUS_TRIES:  # a blip passes; a head that is down does not
-                raise ClusterLost(_first_line(err)) from None
+                raise ClusterLost(_reason(err)) from None
             time.sleep(2)
             continue
         failures = 0
@@ -208,9 +208,18 @@ def _wait(client, job_id: str):
         time.sleep(1)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:200]
+def _reason(err: BaseException) -> str:
+    """A few words for why the status request failed (requests' own text is a page)."""
+    text = str(err).lower()
+    for words, reason in (
+        ("refused", "connection refused"),
+        ("timed out", "timed out"),
+        ("name or service", "unknown host"),
+        ("unreachable", "network unreachable"),
+    ):
+        if words in text:
+            return reason
+    return type(err).__name__
 
 
 def lost_cluster_line(address: str, job_id: str, stage: str, reason: str) -> str:
@@ -221,9 +230,9 @@ def lost_cluster_line(address: str, job_id: str, stage: str, reason: str) -> str
         else "the tokenizer is trained again from the start"
     )
     return (
-        f"plm: lost the Ray cluster at {address} while job {job_id} ran ({reason}); its "
-        "head, and the job's driver with it, is down: start a head (ray start --head) and "
-        f"its workers again, then rerun this same command: {kept}"
+        f"plm: lost the Ray cluster at {address} while job {job_id} ran (its dashboard: "
+        f"{reason}); its head, and the job's driver with it, is down: start a head "
+        f"(ray start --head) and its workers again, then rerun this same command: {kept}"
     )
 
 

@@ -72,6 +72,19 @@ def ray_pids(rig: rigmod.Rig, host: str) -> list[int]:
     return found
 
 
+def task_titles(rig: rigmod.Rig, host: str) -> list[str]:
+    """The write tasks running on ``host`` (a Ray worker's title names its task)."""
+    found = []
+    for pid in ray_pids(rig, host):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        except OSError:
+            continue
+        if title.startswith("ray::_write_task"):
+            found.append(title)
+    return found
+
+
 def kill_ray(rig: rigmod.Rig, host: str) -> list[int]:
     """SIGKILL every Ray process of ``host`` (a host that dies), and wait until they are gone."""
     pids = ray_pids(rig, host)
@@ -257,7 +270,15 @@ def test_a_worker_host_dies_mid_job(rig, ray_cluster, job, tmp_path):
                        f"s3://{root}")  # fmt: skip
     proc, seen = submit_until_records(argv, laptop_env(ray_cluster, tmp_path), s3, root,
                                       tmp_path)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not (running := task_titles(rig, "node2")):  # kill it with a unit half-done
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("node2 ran no write task after the first units:\n"
+                                 + "".join(proc.communicate()))  # fmt: skip
+        time.sleep(0.05)
     killed = kill_ray(rig, "node2")
+    killed_at = time.monotonic()
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0 and "SUCCEEDED" in err, out[-4000:] + err[-4000:]
     assert killed and ray_pids(rig, "node2") == []
@@ -265,15 +286,16 @@ def test_a_worker_host_dies_mid_job(rig, ray_cluster, job, tmp_path):
     assert "node1" in manifest["stats"]["writer_hosts"]
     assert len(seen) < manifest["stats"]["units"]  # node2 died with units left to do
     assert records_in(s3, root) == []  # the records go once the manifest is written
-    print(f"killed {len(killed)} Ray processes of node2 after {len(seen)} units; "
+    print(f"killed {len(killed)} Ray processes of node2 ({running}) after {len(seen)} units; "
+          f"the job ended {time.monotonic() - killed_at:.1f} s later; "
           f"stats: {json.dumps(manifest['stats'])}")  # fmt: skip
 
 
 def test_b_the_head_dies_and_a_rerun_finishes_the_job(rig, ray_cluster, job, tmp_path):
     """node0 dies (its GCS, dashboard, raylet and the job's driver) while the job runs:
-    ray_submit.py says so in one `plm:` line. The workers' Ray goes too (a raylet that
-    lost its GCS exits on its own, after Ray's reconnect timeout); a fresh cluster and the
-    same command finish the job: the units with a record (and their parts) are kept, the
+    ray_submit.py says so in one `plm:` line. The workers' Ray is stopped too (what a
+    user does before starting the cluster again); a fresh cluster and the same command
+    finish the job: the units with a record (and their parts) are kept, the
     rest are redone, and the bytes are those of a local one-CPU run."""
     if not ray_pids(rig, "node2"):
         ray_cluster.start_worker("node2")  # test A killed it
@@ -284,14 +306,19 @@ def test_b_the_head_dies_and_a_rerun_finishes_the_job(rig, ray_cluster, job, tmp
     env = laptop_env(ray_cluster, tmp_path)
     proc, _ = submit_until_records(argv, env, s3, root, tmp_path)
     assert kill_ray(rig, "node0")
+    killed_at = time.monotonic()
     out, err = proc.communicate(timeout=300)
+    print(f"ray_submit.py ended {time.monotonic() - killed_at:.1f} s after the head died")
     assert proc.returncode == 1, out[-4000:] + err[-4000:]
     assert "Traceback" not in err, err[-6000:]
     lines = [x for x in err.splitlines() if x.startswith("plm:")]
     assert len(lines) == 1, err[-6000:]
     assert ray_cluster.address in lines[0] and "ray start --head" in lines[0], lines[0]
     assert "rerun this same command" in lines[0] and "kept" in lines[0], lines[0]
+    print(lines[0])
 
+    left = {h: len(ray_pids(rig, h)) for h in ("node1", "node2")}
+    print(f"Ray processes left on the workers after the head died: {left}")
     ray_cluster.stop()  # what is left of the old cluster: node1's and node2's Ray
     from pipeline.data import records
 
