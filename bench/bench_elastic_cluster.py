@@ -78,7 +78,7 @@ def agent_events(log: Path, after: float) -> list[float]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--timeout", type=int, default=20, help="train.collective_timeout_s")
-    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--steps", type=int, default=5000, help="more than the scenario needs")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true", help="leave the rig up")
     args = ap.parse_args()
@@ -104,7 +104,8 @@ def main() -> int:
     try:
         write_corpus(base / "corpus.txt", 600, 12, 3000, 1234)
         for cmd in (
-            ["data", "tokenizer", "--input", str(base / "corpus.txt"), "--vocab-size", "2000",
+            ["data", "tokenizer", "--input", str(base / "corpus.txt"), "--kind", "wordpiece",
+             "--vocab-size", "2000",
              "--output", str(base / "tok")],
             ["data", "prepare", "--input", str(base / "corpus.txt"), "--tokenizer",
              str(base / "tok"), "--output", str(base / "data"), "--num-cpus", "1"],
@@ -174,7 +175,8 @@ def main() -> int:
                 "steps_recomputed": int(row["elastic/steps_recomputed"]),
             })  # fmt: skip
             print(f"{label}: {results[-1]}", flush=True)
-            wait(lambda: past(last_step() + 15), f"15 steps after {label}")
+            target = last_step() + 15
+            wait(lambda: past(target), f"15 steps after {label}")
 
         def kill() -> None:
             for pid in training_pids(rig, "node2"):
@@ -192,8 +194,10 @@ def main() -> int:
         change("link back up", lambda: subprocess.run(["ip", "link", "set", veth, "up"],
                                                       check=True))  # fmt: skip
         change("SIGTERM (preempted)", lambda: agents["node2"].send_signal(signal.SIGTERM))
-        codes = {h: agents[h].wait(timeout=900) for h in ("node0", "node1")}
-        print(f"exit codes {codes}")
+        for h in ("node0", "node1"):  # the figures are in: stop the run (a checkpoint)
+            agents[h].send_signal(signal.SIGTERM)
+        codes = {h: agents[h].wait(timeout=300) for h in ("node0", "node1")}
+        print(f"agents stopped with SIGTERM: exit codes {codes}")
         table = ["| change | world | detection s | rendezvous + restart s | start-up s | "
                  "event to first step s | steps recomputed |", "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in results:
