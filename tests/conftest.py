@@ -73,6 +73,16 @@ def build_data_dir(root: Path, shard_docs: int = 40, kind: str = "wordpiece") ->
     return Path(run_prepare(cfg))
 
 
+@pytest.fixture(scope="module")
+def ray_local():
+    """One local Ray for a whole module (start-up costs seconds); run_prepare reuses it."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield
+    ray.shutdown()
+
+
 @pytest.fixture(autouse=True)
 def _restore_environment():
     """Each test starts from the same environment: ``mlflow.set_tracking_uri`` (called by

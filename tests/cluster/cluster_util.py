@@ -59,3 +59,27 @@ def listeners(rig: rigmod.Rig, host: str) -> list[tuple[str, int, str, int]]:
         pid = int(users.split("pid=")[1].split(",")[0]) if "pid=" in users else -1
         found.append((address.strip("[]").removeprefix("::ffff:"), int(port), name, pid))
     return found
+
+
+def assert_same_shards(s3, root: str, local: Path) -> tuple[dict, dict]:
+    """The data dir at ``root`` on the S3 filesystem holds the shards and indexes of the
+    local data dir ``local``, byte for byte (at least 8 files); (local, remote) manifests."""
+    import json
+
+    from pipeline.data.shards import load_manifest
+
+    ours = load_manifest(local)
+    with s3.open_input_file(f"{root}/manifest.json") as f:
+        theirs = json.loads(f.read())
+    n_files = 0
+    for split, info in ours["splits"].items():
+        assert [e["sha256"] for e in theirs["splits"][split]["shards"]] == [
+            e["sha256"] for e in info["shards"]
+        ]
+        for entry in info["shards"]:
+            for name in (entry["name"], entry["index"]):
+                with s3.open_input_file(f"{root}/{name}") as f:
+                    assert f.read() == (local / name).read_bytes(), name
+                n_files += 1
+    assert n_files >= 8
+    return ours, theirs

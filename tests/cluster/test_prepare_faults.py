@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO, on, tool
+from cluster_util import REPO, assert_same_shards, on, tool
 from conftest import synthetic_corpus
 
 from pipeline import rig as rigmod
@@ -231,22 +231,7 @@ def submit_until_records(argv: list[str], env: dict[str, str], s3, root: str, cw
 
 def assert_bytes_of_local_run(s3, root: str, local: Path) -> dict:
     """The output's shards and indexes are the local one-CPU run's bytes; its manifest."""
-    from pipeline.data.shards import load_manifest
-
-    ours = load_manifest(local)
-    with s3.open_input_file(f"{root}/manifest.json") as f:
-        theirs = json.loads(f.read())
-    n_files = 0
-    for split, info in ours["splits"].items():
-        assert [e["sha256"] for e in theirs["splits"][split]["shards"]] == [
-            e["sha256"] for e in info["shards"]
-        ]
-        for entry in info["shards"]:
-            for name in (entry["name"], entry["index"]):
-                with s3.open_input_file(f"{root}/{name}") as f:
-                    assert f.read() == (local / name).read_bytes(), name
-                n_files += 1
-    assert n_files >= 8
+    ours, theirs = assert_same_shards(s3, root, local)
     for key in ("totals", "rejected", "sources", "data_config"):
         assert theirs[key] == ours[key], key
     assert theirs["stats"]["units"] == ours["stats"]["units"] >= 30

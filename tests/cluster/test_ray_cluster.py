@@ -5,15 +5,15 @@ local one-CPU run, and the manifest names the hosts that wrote them."""
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO, listeners, on, tool
+from cluster_util import REPO, assert_same_shards, listeners, on, tool
 from conftest import synthetic_corpus
 
 from pipeline import rig as rigmod
@@ -58,6 +58,16 @@ def submit(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
                           cwd=REPO)  # fmt: skip
 
 
+def prepare_locally(rig, prepare: list[str], tmp_path) -> Path:
+    """The same `plm data prepare` on the laptop on one CPU (the same S3 input)."""
+    local = tmp_path / "local"
+    env = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1"}
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "data", "prepare", *prepare,
+                    "--output", str(local), "--num-cpus", "1"],
+                   env=env, cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
+    return local
+
+
 def test_prepare_from_s3_to_s3_on_the_cluster(rig, ray_cluster, tmp_path):
     s3 = pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
                            secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
@@ -87,32 +97,15 @@ def test_prepare_from_s3_to_s3_on_the_cluster(rig, ray_cluster, tmp_path):
     assert done.returncode == 0 and "SUCCEEDED" in done.stderr, done.stdout + done.stderr
 
     # The same command, run locally on one CPU (the laptop, reading the same S3 input).
-    local = tmp_path / "local"
-    env = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1"}
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "data", "prepare", *prepare,
-                    "--output", str(local), "--num-cpus", "1"],
-                   env=env, cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
+    local = prepare_locally(rig, prepare, tmp_path)
 
-    from pipeline.data.shards import load_manifest, manifest_bytes
+    from pipeline.data.shards import manifest_bytes
 
-    ours = load_manifest(local)
-    with s3.open_input_file(f"{bucket}/ray/shards/manifest.json") as f:
-        theirs = json.loads(f.read())
+    ours, theirs = assert_same_shards(s3, f"{bucket}/ray/shards", local)
     assert theirs["stats"]["units"] >= 4
     # The head ran no task; both workers wrote parts; the manifest names them.
     assert theirs["stats"]["writer_hosts"] == ["node1", "node2"]
     assert ours["stats"]["writer_hosts"] == [os.uname().nodename]
-    n_files = 0
-    for split, info in ours["splits"].items():
-        assert [e["sha256"] for e in theirs["splits"][split]["shards"]] == [
-            e["sha256"] for e in info["shards"]
-        ]
-        for entry in info["shards"]:
-            for name in (entry["name"], entry["index"]):
-                with s3.open_input_file(f"{bucket}/ray/shards/{name}") as f:
-                    assert f.read() == (local / name).read_bytes(), name
-                n_files += 1
-    assert n_files >= 8
     assert manifest_bytes(theirs["tokenizer"]) == manifest_bytes(ours["tokenizer"])
 
 
@@ -157,26 +150,9 @@ def test_near_dedup_on_the_cluster_gives_the_bytes_of_one_cpu(rig, ray_cluster, 
         {"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(ray_cluster["token"])},
     )  # fmt: skip
     assert done.returncode == 0 and "SUCCEEDED" in done.stderr, done.stdout + done.stderr
-    local = tmp_path / "local"
-    env = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1"}
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "data", "prepare", *prepare,
-                    "--output", str(local), "--num-cpus", "1"],
-                   env=env, cwd=tmp_path, check=True, capture_output=True)  # fmt: skip
-
-    from pipeline.data.shards import load_manifest
-
-    ours = load_manifest(local)
-    with s3.open_input_file(f"{bucket}/near/shards/manifest.json") as f:
-        theirs = json.loads(f.read())
+    local = prepare_locally(rig, prepare, tmp_path)
+    ours, theirs = assert_same_shards(s3, f"{bucket}/near/shards", local)
     assert theirs["stats"]["writer_hosts"] == ["node1", "node2"]
     assert ours["rejected"]["near_duplicate"] >= 10
     for key in ("rejected", "reject_examples", "totals", "data_config"):
         assert theirs[key] == ours[key], key
-    n_files = 0
-    for info in ours["splits"].values():
-        for entry in info["shards"]:
-            for name in (entry["name"], entry["index"]):
-                with s3.open_input_file(f"{bucket}/near/shards/{name}") as f:
-                    assert f.read() == (local / name).read_bytes(), name
-                n_files += 1
-    assert n_files >= 8

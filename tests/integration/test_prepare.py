@@ -41,16 +41,6 @@ def paragraph(i: int, n_sent: int = 3) -> str:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    """One local Ray for the whole module (start-up costs seconds); run_prepare reuses it."""
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("tok")
     corpus = root / "corpus.txt"

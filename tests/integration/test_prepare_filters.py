@@ -37,15 +37,6 @@ def documents() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def ray_local():
-    import ray
-
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
 def inputs(tmp_path_factory):
     root = tmp_path_factory.mktemp("web")
     lines = [json.dumps({"text": d}, ensure_ascii=False) for d in documents()]
