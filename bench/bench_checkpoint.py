@@ -15,8 +15,9 @@ configured) and runs ``Trainer.train_step`` on its loader as ``Trainer.run`` doe
 --warmup steps it repeats --saves times: --steps-between timed steps, then one timed
 ``Trainer.save()``. Then, outside the timed part, rank 0 fsyncs every file of the new
 checkpoint (the save itself fsyncs only our small files: DeepSpeed's ``torch.save``
-returns once the bytes are in the page cache), which measures what writing them to the
-disk would cost.
+returns once the bytes are in the page cache): what was still not on the disk when the
+save returned (the kernel writes back during the save already, so this is no disk
+bandwidth).
 
 Measured on rank 0, wall seconds (training is blocked in wall time), the device
 synchronised first on CUDA:
@@ -220,11 +221,16 @@ def rank_main(args) -> None:
         ckpt_mod.atomic_write_bytes, ckpt_mod._torch_bytes, ckpt_mod.dist = saved
         del trainer.engine.save_checkpoint, trainer.ckpt._prune  # back to the class's
         del trainer.engine.checkpoint_engine.save
+        # what Trainer.run does next with train.bundle_every: 1 (the default): a bundle
+        _sync()
+        t0 = time.perf_counter()
+        trainer.bundle(tag)
+        bundle_s = time.perf_counter() - t0
         folder = trainer.ckpt.root / tag
         flush_s, nbytes = fsync_folder(folder) if rank == 0 else (0.0, 0)
         dist.barrier()
         saves.append({"tag": tag, "blocked_s": blocked, "parts": parts.seconds,
-                      "bytes": nbytes, "fsync_after_s": flush_s})  # fmt: skip
+                      "bytes": nbytes, "fsync_after_s": flush_s, "bundle_s": bundle_s})  # fmt: skip
     if rank == 0:
         out = {
             "world": world, "params": trainer.n_params, "vocab_size": trainer.meta["vocab_size"],
@@ -282,6 +288,7 @@ def report(res: dict) -> dict:
     med = statistics.median(blocked)
     nbytes = statistics.median(s["bytes"] for s in res["saves"])
     flush = statistics.median(s["fsync_after_s"] for s in res["saves"])
+    with_bundle = statistics.median(s["blocked_s"] + s["bundle_s"] for s in res["saves"])
     print(f"\n## {res['world']} rank(s): {res['params']:,} parameters (vocab {res['vocab_size']:,}), "
           f"{res['torch_threads']} torch thread(s) per rank; rank 0 wrote "
           f"{', '.join(res['rank0_files'])}")  # fmt: skip
@@ -309,11 +316,14 @@ def report(res: dict) -> dict:
         s["blocked_s"] - sum(v for k, v in s["parts"].items() if not k.startswith("  "))
         for s in res["saves"]])  # fmt: skip
     row("**save blocked (total)**", blocked)
+    row("then Trainer.bundle(tag) (train.bundle_every: 1, the default)",
+        [s["bundle_s"] for s in res["saves"]])  # fmt: skip
     flushes = ", ".join(f"{s['fsync_after_s']:.2f}" for s in res["saves"])
     print(f"fsync of the checkpoint's files after the save (not part of it): {flushes} s")
     return {"world": res["world"], "params": res["params"], "bytes": nbytes, "step_s": step,
             "steps": len(res["steps_s"]), "blocked_s": med, "blocked_min": min(blocked),
-            "blocked_max": max(blocked), "ratio": med / step, "fsync_after_s": flush}  # fmt: skip
+            "blocked_max": max(blocked), "ratio": med / step, "fsync_after_s": flush,
+            "with_bundle_s": with_bundle, "ratio_with_bundle": with_bundle / step}  # fmt: skip
 
 
 def main() -> None:
@@ -365,15 +375,15 @@ def main() -> None:
           f"{args.micro_batch} x {args.seq}, grad_accum 1; load {load1():.2f}")  # fmt: skip
     print(
         "| ranks | bytes per checkpoint | step (median) s | save blocked (median, range) s "
-        "| **save blocked / step** | fsync after s (disk MB/s) |"
+        "| **save blocked / step** | save + bundle s | (save + bundle) / step "
+        "| fsync after the save s |"
     )
-    print("|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for s in summary:
-        mbps = s["bytes"] / 1e6 / s["fsync_after_s"] if s["fsync_after_s"] else float("nan")
         print(f"| {s['world']} | {s['bytes'] / 2**20:,.0f} MiB | {s['step_s']:.2f} "
               f"({s['steps']} steps) | {s['blocked_s']:.2f} ({s['blocked_min']:.2f}-"
-              f"{s['blocked_max']:.2f}) | **{s['ratio']:.2f}** | {s['fsync_after_s']:.2f} "
-              f"({mbps:,.0f}) |")  # fmt: skip
+              f"{s['blocked_max']:.2f}) | **{s['ratio']:.2f}** | {s['with_bundle_s']:.2f} | "
+              f"{s['ratio_with_bundle']:.2f} | {s['fsync_after_s']:.2f} |")  # fmt: skip
     print(f"whole run {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "disk": disk,
