@@ -72,6 +72,7 @@ def experiment(args, data: Path, run_dir: Path):
             "max_steps": 1_000_000, "warmup_steps": 0, "schedule": "constant",
             "eval_every": 0, "save_every": 0, "log_every": 1_000_000, "resume": "never",
             "keep_last": args.keep_last, "out_dir": str(run_dir),
+            "async_save": args.async_save == "on",
         },
         "deepspeed": f"configs/deepspeed/zero{args.stage}.json",
         "mlflow": {"tracking_uri": f"sqlite:///{run_dir / 'mlflow.db'}", "register": False},
@@ -191,6 +192,8 @@ def rank_main(args) -> None:
     cfg = experiment(args, Path(args.data_dir), Path(args.run_dir))
     trainer = Trainer(cfg)
     rank, world = trainer.rank, trainer.world
+    if cfg.train.async_save:  # installed now, so that instrument() wraps its save
+        trainer.ckpt.writer = ckpt_mod.SnapshotWriter.install(trainer.engine)
     it = iter(trainer.stream)
     steps: list[float] = []
     saves: list[dict] = []
@@ -226,11 +229,24 @@ def rank_main(args) -> None:
         t0 = time.perf_counter()
         trainer.bundle(tag)
         bundle_s = time.perf_counter() - t0
+        # Asynchronous: training goes on while the files are written; then the wait (if
+        # any) for the writes, as the next save or the end of the run makes it.
+        writing_steps: list[float] = []
+        finish_wait = 0.0
+        if trainer.ckpt.pending is not None:
+            for _ in range(args.steps_between):
+                before = len(steps)
+                step(timed=True)
+                writing_steps.append(steps.pop(before))
+            t0 = time.perf_counter()
+            trainer.ckpt.finish()
+            finish_wait = time.perf_counter() - t0
         folder = trainer.ckpt.root / tag
         flush_s, nbytes = fsync_folder(folder) if rank == 0 else (0.0, 0)
         dist.barrier()
         saves.append({"tag": tag, "blocked_s": blocked, "parts": parts.seconds,
-                      "bytes": nbytes, "fsync_after_s": flush_s, "bundle_s": bundle_s})  # fmt: skip
+                      "bytes": nbytes, "fsync_after_s": flush_s, "bundle_s": bundle_s,
+                      "writing_steps_s": writing_steps, "finish_wait_s": finish_wait})  # fmt: skip
     if rank == 0:
         out = {
             "world": world, "params": trainer.n_params, "vocab_size": trainer.meta["vocab_size"],
@@ -266,7 +282,7 @@ def run_world(args, ranks: int, data: Path, out_dir: Path) -> dict:
              f"--precision={args.precision}", f"--micro-batch={args.micro_batch}",
              f"--seq={args.seq}", f"--warmup={args.warmup}", f"--saves={args.saves}",
              f"--steps-between={args.steps_between}", f"--keep-last={args.keep_last}",
-             f"--device={args.device}"]  # fmt: skip
+             f"--device={args.device}", f"--async-save={args.async_save}"]  # fmt: skip
     if ranks == 1:
         cmd = [sys.executable, *inner]
     else:
@@ -320,10 +336,13 @@ def report(res: dict) -> dict:
         [s["bundle_s"] for s in res["saves"]])  # fmt: skip
     flushes = ", ".join(f"{s['fsync_after_s']:.2f}" for s in res["saves"])
     print(f"fsync of the checkpoint's files after the save (not part of it): {flushes} s")
+    writing = [t for s in res["saves"] for t in s.get("writing_steps_s", [])]
     return {"world": res["world"], "params": res["params"], "bytes": nbytes, "step_s": step,
             "steps": len(res["steps_s"]), "blocked_s": med, "blocked_min": min(blocked),
             "blocked_max": max(blocked), "ratio": med / step, "fsync_after_s": flush,
-            "with_bundle_s": with_bundle, "ratio_with_bundle": with_bundle / step}  # fmt: skip
+            "with_bundle_s": with_bundle, "ratio_with_bundle": with_bundle / step,
+            "writing_step_s": statistics.median(writing) if writing else None,
+            "finish_wait_s": statistics.median(s.get("finish_wait_s", 0.0) for s in res["saves"])}  # fmt: skip
 
 
 def main() -> None:
@@ -344,6 +363,8 @@ def main() -> None:
         help="train.keep_last: 1 = every save after the first prunes one",
     )
     ap.add_argument("--out-dir", help="where the checkpoints go (default: a temp dir in /var/tmp)")
+    ap.add_argument("--async-save", choices=["on", "off", "both"], default="both",
+                    help="train.async_save; both: each world size with off, then on")  # fmt: skip
     ap.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-dir", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -365,25 +386,31 @@ def main() -> None:
               f"vocabulary {info['vocab_size']:,}\ncheckpoints under {out_dir} ({disk.split()}); "
               f"{os.cpu_count()} cpus, load {load1():.2f}")  # fmt: skip
         summary = []
+        modes = ["off", "on"] if args.async_save == "both" else [args.async_save]
         for ranks in [int(x) for x in args.ranks.split(",")]:
-            res = run_world(args, ranks, data, out_dir)
-            summary.append({**report(res), "process_wall_s": res["process_wall_s"], "raw": res})
+            for mode in modes:  # side by side: the same world size, synchronous then not
+                res = run_world(argparse.Namespace(**{**vars(args), "async_save": mode}),
+                                ranks, data, out_dir)  # fmt: skip
+                summary.append({**report(res), "async": mode,
+                                "process_wall_s": res["process_wall_s"], "raw": res})  # fmt: skip
     finally:
         if not args.out_dir:
             shutil.rmtree(out_dir, ignore_errors=True)
     print(f"\n## Summary: {args.preset}, ZeRO-{args.stage}, {args.precision}, micro batch "
           f"{args.micro_batch} x {args.seq}, grad_accum 1; load {load1():.2f}")  # fmt: skip
     print(
-        "| ranks | bytes per checkpoint | step (median) s | save blocked (median, range) s "
-        "| **save blocked / step** | save + bundle s | (save + bundle) / step "
-        "| fsync after the save s |"
+        "| ranks | async_save | bytes per checkpoint | step (median) s | save blocked (median, "
+        "range) s | **save blocked / step** | save + bundle s | (save + bundle) / step "
+        "| step while writing s | wait for the writes s | fsync after the save s |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
-        print(f"| {s['world']} | {s['bytes'] / 2**20:,.0f} MiB | {s['step_s']:.2f} "
+        writing = f"{s['writing_step_s']:.2f}" if s["writing_step_s"] is not None else "-"
+        print(f"| {s['world']} | {s['async']} | {s['bytes'] / 2**20:,.0f} MiB | {s['step_s']:.2f} "
               f"({s['steps']} steps) | {s['blocked_s']:.2f} ({s['blocked_min']:.2f}-"
               f"{s['blocked_max']:.2f}) | **{s['ratio']:.2f}** | {s['with_bundle_s']:.2f} | "
-              f"{s['ratio_with_bundle']:.2f} | {s['fsync_after_s']:.2f} |")  # fmt: skip
+              f"{s['ratio_with_bundle']:.2f} | {writing} | {s['finish_wait_s']:.2f} | "
+              f"{s['fsync_after_s']:.2f} |")  # fmt: skip
     print(f"whole run {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "disk": disk,

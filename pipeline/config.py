@@ -285,6 +285,10 @@ class TrainSection(Strict):
     # restarts the survivors (docs/elastic.md). Longer than the longest pause one rank
     # makes alone (rank 0 writing a bundle and uploading it to MLflow).
     collective_timeout_s: float = Field(300.0, gt=0)
+    # Checkpoints written in the background: a save blocks training only while the state
+    # is copied to host memory; the checkpoint is complete (COMPLETE, `latest`) once every
+    # rank's files are written, noticed at a step boundary (pipeline/train/checkpoint.py).
+    async_save: bool = True
     # Ranks whose clocks differ from rank 0's by more than this refuse to start (0: not
     # checked); so do ranks running other software (Python, torch, DeepSpeed, plm source).
     max_clock_skew_s: float = Field(30.0, ge=0)

@@ -23,6 +23,15 @@ that names anything else is refused with one ``CheckpointError``.
 DeepSpeed's own ``latest`` is written without waiting for the other ranks, and its
 ``load_checkpoint`` silently starts from scratch when it finds nothing, so we save with
 ``save_latest=False``, load with an explicit tag, and fail loudly if that tag won't load.
+
+Asynchronous saves (``train.async_save``): DeepSpeed's engine hands each state dict to
+``SnapshotWriter``, which copies every tensor to host memory (the only part training waits
+for) and writes the copies in a background thread. ``save`` then returns with the
+checkpoint pending: no ``COMPLETE``, ``latest`` unchanged. It is finished (``finish``:
+rank 0 writes ``COMPLETE``, moves ``latest``, prunes) once every rank's writes are done:
+at the first step boundary where the trainer's per-step all-reduce says so, or, waiting,
+before the next save and when training ends or stops. A process killed meanwhile leaves
+``latest`` on the previous checkpoint, as a killed synchronous save does.
 """
 
 from __future__ import annotations
@@ -33,9 +42,11 @@ import io
 import json
 import os
 import pickle
+import queue
 import random
 import re
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -58,6 +69,98 @@ class CheckpointError(RuntimeError):
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
+
+
+def snapshot(obj: Any) -> Any:
+    """A copy of a state dict that later training steps cannot change: every tensor copied
+    to host memory (compact: a view copies only its own elements, as DeepSpeed's
+    ``clone_tensors_for_torch_save`` does), containers rebuilt, other objects deep-copied
+    where they can be (a loss scaler changes as training goes on)."""
+    import copy
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        items = {k: snapshot(v) for k, v in obj.items()}
+        if type(obj) is dict:
+            return items
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    if isinstance(obj, list):
+        return [snapshot(v) for v in obj]
+    if isinstance(obj, tuple):
+        items = [snapshot(v) for v in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    try:
+        return copy.deepcopy(obj)
+    except Exception:  # an object that cannot be copied (a config holding a lock): as is
+        return obj
+
+
+class SnapshotWriter:
+    """DeepSpeed's checkpoint engine for asynchronous saves: ``save`` snapshots the state
+    dict (``snapshot``) and queues it; a background thread writes the queue in order, with
+    the same ``torch.save`` call (and so the same bytes) as DeepSpeed's own engine, and
+    fsyncs each file (a synchronous save leaves that to the kernel's write-back)."""
+
+    def __init__(self, base):
+        self.base = base  # DeepSpeed's TorchCheckpointEngine: loading, dirs, commit
+        self.queue: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    @classmethod
+    def install(cls, engine) -> SnapshotWriter:
+        writer = cls(engine.checkpoint_engine)
+        engine.checkpoint_engine = writer
+        return writer
+
+    def __getattr__(self, name: str):  # create, commit, makedirs, load, ...: DeepSpeed's
+        return getattr(self.base, name)
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # the snapshot is compact already: DeepSpeed need not clone first
+
+    def is_decoupled(self) -> bool:
+        return False
+
+    def save(self, state_dict, path: str) -> None:
+        if self.error is not None:
+            raise self.error
+        self.queue.put((snapshot(state_dict), path))
+
+    def _run(self) -> None:
+        while True:
+            state, path = self.queue.get()
+            try:
+                if self.error is None:
+                    zipfile = getattr(self.base, "zipfile_serialization", True)
+                    torch.save(state, path, _use_new_zipfile_serialization=zipfile)
+                    fd = os.open(path, os.O_RDONLY)  # on the disk before COMPLETE names it
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+            except BaseException as err:  # noqa: BLE001  (raised on the training thread)
+                self.error = err
+            finally:
+                del state
+                self.queue.task_done()
+
+    def busy(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.queue.unfinished_tasks > 0
+
+    def wait(self) -> None:
+        self.queue.join()
+        if self.error is not None:
+            raise self.error
 
 
 _TAG = re.compile(r"step\d{8,}")
@@ -188,11 +291,23 @@ def _torch_bytes(obj: Any) -> bytes:
 
 
 class CheckpointManager:
-    def __init__(self, run_dir: str | Path, keep_last: int, rank: int, world_size: int):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        keep_last: int,
+        rank: int,
+        world_size: int,
+        asynchronous: bool = False,
+        bundles: str | Path | None = None,
+    ):
         self.root = Path(run_dir) / "checkpoints"
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
+        self.asynchronous = asynchronous
+        self.bundles = bundles  # bundles beside the checkpoints: pruned with them
+        self.writer: SnapshotWriter | None = None
+        self.pending: tuple[str, dict[str, Any]] | None = None  # (tag, COMPLETE's meta)
 
     # --- reading -------------------------------------------------------------------------
     def is_complete(self, tag: str) -> bool:
@@ -342,12 +457,16 @@ class CheckpointManager:
         ds_config: dict[str, Any],
         batch_meta: dict[str, Any] | None = None,
     ) -> str:
-        """Collective: every rank calls it. ``latest`` moves only after all ranks wrote."""
+        """Collective: every rank calls it. ``latest`` moves only after all ranks wrote;
+        asynchronous: the checkpoint is left pending (see the module doc, ``finish``)."""
+        self.finish()  # one save in flight at most
         tag = tag_for(step)
         folder = self.root / tag
         if self.rank == 0 and folder.exists():
             shutil.rmtree(folder)  # a leftover from an interrupted save of the same step
         dist.barrier()
+        if self.asynchronous and self.writer is None:
+            self.writer = SnapshotWriter.install(engine)
         engine.save_checkpoint(
             str(self.root), tag=tag, client_state={"step": step}, save_latest=False
         )
@@ -358,14 +477,47 @@ class CheckpointManager:
             text = yaml.safe_dump(config, sort_keys=False)
             atomic_write_bytes(folder / "config.yaml", text.encode("utf-8"))
             atomic_write_bytes(folder / "ds_config.json", json.dumps(ds_config, indent=2).encode())
+        meta = {"step": step, "world_size": self.world_size, **(batch_meta or {})}
+        if self.writer is not None:  # the engine's files are being written
+            self.pending = (tag, meta)
+            return tag
         dist.barrier()  # every rank's files are on disk
         if self.rank == 0:
-            meta = {"step": step, "world_size": self.world_size, **(batch_meta or {})}
-            atomic_write_bytes(folder / COMPLETE, json.dumps(meta).encode("utf-8"))
-            atomic_write_bytes(self.root / LATEST, tag.encode("utf-8"))
-            self._prune(keep=tag)
+            self._complete(tag, meta)
         dist.barrier()
         return tag
+
+    def writes_busy(self) -> bool:
+        """This rank still writes the pending checkpoint's files (a write that failed
+        raises here)."""
+        if self.pending is None or self.writer is None:
+            return False
+        return self.writer.busy()
+
+    def finish(self, agreed: bool = False) -> str | None:
+        """Complete the pending checkpoint; returns its tag (None: nothing pending).
+        ``agreed``: every rank's writes are known to be done (the trainer's all-reduce),
+        so no rank waits; otherwise a collective: each rank waits for its writes."""
+        if self.pending is None:
+            return None
+        tag, meta = self.pending
+        self.writer.wait()  # raises if a write failed: the checkpoint stays incomplete
+        if not agreed:
+            dist.barrier()
+        if self.rank == 0:
+            self._complete(tag, meta)
+        if not agreed:
+            dist.barrier()
+        self.pending = None
+        return tag
+
+    def _complete(self, tag: str, meta: dict[str, Any]) -> None:
+        """Rank 0, every rank's files written: COMPLETE, then ``latest``, then pruning."""
+        atomic_write_bytes(self.root / tag / COMPLETE, json.dumps(meta).encode("utf-8"))
+        atomic_write_bytes(self.root / LATEST, tag.encode("utf-8"))
+        self._prune(keep=tag)
+        if self.bundles is not None:
+            self.prune_bundles(self.bundles)
 
     def prune_bundles(self, bundles: str | Path) -> list[str]:
         """Rank 0: delete the bundles under ``bundles`` whose checkpoint was pruned, unless

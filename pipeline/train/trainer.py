@@ -333,7 +333,10 @@ class Trainer:
         )
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt = CheckpointManager(self.run_dir, cfg.train.keep_last, self.rank, self.world)
+        self.ckpt = CheckpointManager(
+            self.run_dir, cfg.train.keep_last, self.rank, self.world, cfg.train.async_save,
+            bundles=self.run_dir / "bundles",
+        )  # fmt: skip
         # Resuming on another number of ranks: the global batch is kept (grad_accum
         # adjusted) and ZeRO 1-3 state is converted to a universal checkpoint, before
         # anything is built from the config.
@@ -375,6 +378,7 @@ class Trainer:
         self.stopper = GracefulStop(cfg.train.stop_grace_s, self._killed_by_timer)
         self.stop_agreed = False  # every rank saw a stop signal's flag in the same all-reduce
         self.membership: dict[str, Any] | None = None  # a change to log after the next step
+        self.writes_done = False  # every rank wrote the pending checkpoint (the all-reduce)
         self.reset_metrics()
 
     def reset_metrics(self) -> None:
@@ -560,13 +564,19 @@ class Trainer:
             last = micro == ga - 1
             if last:
                 # The step's one host read. A stop signal rides on it too: every rank
-                # learns of a signal any rank got, at the same step.
+                # learns of a signal any rank got, at the same step; and so does whether
+                # every rank has written its part of a pending checkpoint.
                 flags = torch.stack(
-                    [nonfinite, nonfinite.new_tensor(float(self.stopper.requested))]
+                    [
+                        nonfinite,
+                        nonfinite.new_tensor(float(self.stopper.requested)),
+                        nonfinite.new_tensor(float(self.ckpt.writes_busy())),
+                    ]
                 )
                 dist.all_reduce(flags)
-                bad, stop = (float(x) > 0 for x in flags.tolist())
+                bad, stop, writing = (float(x) > 0 for x in flags.tolist())
                 self.stop_agreed = self.stop_agreed or stop
+                self.writes_done = self.ckpt.pending is not None and not writing
                 if bad:
                     # the window's earlier backward passes may hold non-finite gradients
                     discard_gradients(self.engine)
@@ -711,9 +721,8 @@ class Trainer:
             batch_meta,
         )  # fmt: skip
         self.n_checkpoints += 1
-        self.log(f"checkpoint {self.ckpt.root / tag}")
-        if self.rank == 0:  # the bundles beside checkpoints keep_last just deleted go too
-            self.ckpt.prune_bundles(self.run_dir / "bundles")
+        writing = " (its files written in the background)" if self.ckpt.pending else ""
+        self.log(f"checkpoint {self.ckpt.root / tag}{writing}")
         return tag
 
     def bundle(self, name: str, kept: bool = False) -> Path | None:
@@ -786,6 +795,7 @@ class Trainer:
                     self.tracker.log_metrics({"skipped_steps": self.skipped}, self.step)
                     if bad_in_row >= t.max_nonfinite_in_row:
                         tag = self.save()
+                        self.ckpt.finish()
                         raise TrainingDiverged(
                             f"{bad_in_row} non-finite losses in a row at step {self.step} "
                             f"(train.max_nonfinite_in_row={t.max_nonfinite_in_row}); weights of "
@@ -800,6 +810,9 @@ class Trainer:
                     t0 = time.perf_counter()
                 if self.membership is not None:
                     self.log_membership_change()
+                if self.writes_done:  # every rank wrote its part: complete the checkpoint
+                    self.writes_done = False
+                    self.ckpt.finish(agreed=True)
                 if t.eval_every and self.step % t.eval_every == 0:
                     ev = self.evaluate()
                     self.tracker.log_metrics(ev, self.step)
@@ -814,8 +827,10 @@ class Trainer:
                         b = self.bundle(tag, kept=kept)
                         if b is not None and kept:  # MLflow gets the kept ones only
                             self.tracker.log_artifacts(b, f"bundles/{tag}")
+            self.ckpt.finish()
             if not self.ckpt.latest() == tag_for(self.step):
                 self.save()
+                self.ckpt.finish()
             if self.step < t.max_steps:  # stopped early on purpose
                 status = "KILLED"
                 return self._result(None, None)
@@ -925,9 +940,11 @@ class Trainer:
 
     def stop_on_signal(self) -> None:
         """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""
+        self.ckpt.finish()
         tag = self.ckpt.latest()
         if tag != tag_for(self.step):
             tag = self.save()
+            self.ckpt.finish()
         name = signal.Signals(self.stopper.signum or signal.SIGTERM).name
         where = self.ckpt.root / tag if tag else "none yet"
         raise TrainingStopped(

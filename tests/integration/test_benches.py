@@ -82,9 +82,11 @@ def test_bench_gpt_tiny(tiny_bpe_data, tmp_path, device):
 
 
 def test_bench_checkpoint_tiny(tiny_data, tmp_path):
-    """bench/bench_checkpoint.py (issue 30) on bert-tiny, one rank: every part of
-    ``Trainer.save`` it wraps is still called (a DeepSpeed or trainer change that renames
-    one shows as a missing part), and the checkpoint it measures is complete."""
+    """bench/bench_checkpoint.py (issue 30) on bert-tiny, one rank, a synchronous then an
+    asynchronous save side by side: every part of ``Trainer.save`` it wraps is still
+    called (a DeepSpeed or trainer change that renames one shows as a missing part), and
+    the checkpoint it measures is complete; the asynchronous one completes only after the
+    writes (COMPLETE and `latest` are not part of its save)."""
     out = tmp_path / "ckpt.json"
     cmd = [sys.executable, "bench/bench_checkpoint.py", "--data-dir", str(tiny_data),
            "--preset", "bert-tiny", "--ranks", "1", "--saves", "2", "--steps-between", "1",
@@ -92,15 +94,23 @@ def test_bench_checkpoint_tiny(tiny_data, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    (res,) = json.loads(out.read_text())["summary"]
-    assert res["world"] == 1 and res["bytes"] > 0 and res["step_s"] > 0
-    assert 0 < res["blocked_s"] and res["ratio"] > 0 and res["with_bundle_s"] > res["blocked_s"]
-    saves = res["raw"]["saves"]
-    assert [s["tag"] for s in saves] == ["step00000001", "step00000002"]
-    for s in saves:
-        assert {"DeepSpeed save_checkpoint", "our trainer state (loader, RNG; fsync'd)",
-                "config.yaml + ds_config.json", "COMPLETE", "latest pointer",
-                "barriers (3, CheckpointManager.save)", "prune (keep_last)"} <= set(s["parts"])  # fmt: skip
-        assert any("optim_states" in k or "ZeRO optimizer" in k for k in s["parts"])
-        assert sum(v for k, v in s["parts"].items() if not k.startswith(" ")) <= s["blocked_s"]
-    assert "COMPLETE" in res["raw"]["rank0_files"]
+    sync, background = json.loads(out.read_text())["summary"]
+    assert (sync["async"], background["async"]) == ("off", "on")
+    for res in (sync, background):
+        assert res["world"] == 1 and res["bytes"] > 0 and res["step_s"] > 0
+        assert 0 < res["blocked_s"] and res["ratio"] > 0 and res["with_bundle_s"] > res["blocked_s"]
+        assert "COMPLETE" in res["raw"]["rank0_files"]
+        for s in res["raw"]["saves"]:
+            assert {"DeepSpeed save_checkpoint", "our trainer state (loader, RNG; fsync'd)",
+                    "config.yaml + ds_config.json"} <= set(s["parts"])  # fmt: skip
+            assert any("optim_states" in k or "ZeRO optimizer" in k for k in s["parts"])
+            assert sum(v for k, v in s["parts"].items() if not k.startswith(" ")) <= s["blocked_s"]
+    assert [s["tag"] for s in sync["raw"]["saves"]] == ["step00000001", "step00000002"]
+    for s in sync["raw"]["saves"]:
+        assert {"COMPLETE", "latest pointer", "barriers (3, CheckpointManager.save)",
+                "prune (keep_last)"} <= set(s["parts"])  # fmt: skip
+    # Asynchronous: a step is trained while the files are written, then the save completes.
+    assert [s["tag"] for s in background["raw"]["saves"]] == ["step00000001", "step00000003"]
+    for s in background["raw"]["saves"]:
+        assert "COMPLETE" not in s["parts"] and "latest pointer" not in s["parts"]
+        assert len(s["writing_steps_s"]) == 1 and s["finish_wait_s"] >= 0

@@ -212,3 +212,79 @@ def test_bundles_pruned_with_their_checkpoints_unless_kept(tmp_path):
     assert left == ["final", "notes", "step00000004", "step00000008", "step00000010",
                     "step00000020"]  # fmt: skip
     assert mgr.prune_bundles(tmp_path / "none") == []
+
+
+def test_an_asynchronous_save_is_complete_only_once_written(tmp_path, monkeypatch):
+    """train.async_save: save() returns after the snapshot; until the background writes
+    are done the checkpoint has no COMPLETE and `latest` names the previous one (what a
+    kill -9 then leaves); training on meanwhile does not change what is written; the files
+    are the bytes a synchronous save of the same state writes, and they load."""
+    import threading
+
+    from pipeline.train import checkpoint as ckpt_mod
+
+    engine, ds = tiny_engine(seed=3)
+    mgr = CheckpointManager(tmp_path / "async", keep_last=3, rank=0, world_size=1,
+                            asynchronous=True)  # fmt: skip
+    step(engine, 2)
+    first = mgr.save(engine, 2, {"loader": {"cursor": 8}}, {"name": "x"}, ds)
+    assert mgr.pending is not None and mgr.latest() is None
+    assert mgr.finish() == first and mgr.latest() == first
+    step(engine, 1)
+    sync = CheckpointManager(tmp_path / "sync", keep_last=3, rank=0, world_size=1)
+    sync.save(engine, 3, {"loader": {"cursor": 12}}, {"name": "x"}, ds)
+    saved_w = weights(engine)
+
+    release = threading.Event()
+    real_save = torch.save
+
+    def slow_save(*args, **kwargs):  # the disk is slow: the background write waits
+        if threading.current_thread().name == "checkpoint-writer":
+            assert release.wait(60)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", slow_save)
+    tag = mgr.save(engine, 3, {"loader": {"cursor": 12}}, {"name": "x"}, ds)
+    folder = tmp_path / "async" / "checkpoints" / tag
+    assert mgr.writes_busy() and not (folder / COMPLETE).exists()
+    assert mgr.latest() == first  # a kill now resumes from the previous checkpoint
+    step(engine, 2)  # training goes on while the files are written
+    release.set()
+    assert mgr.finish() == tag and mgr.latest() == tag and (folder / COMPLETE).is_file()
+    monkeypatch.setattr(ckpt_mod.torch, "save", real_save)
+    # The snapshot was taken at save(): the bytes of the synchronous save of step 3.
+    sync_folder = tmp_path / "sync" / "checkpoints" / tag
+    written = sorted(p.name for p in sync_folder.glob("*.pt") if not p.name.startswith("trainer_"))
+    assert written, list(sync_folder.iterdir())
+    for name in written:
+        assert (folder / name).read_bytes() == (sync_folder / name).read_bytes(), name
+    fresh, _ = tiny_engine(seed=7)
+    mgr.load(fresh, tag)
+    for k, v in weights(fresh).items():
+        assert torch.equal(v, saved_w[k]), k
+
+
+def test_a_failed_background_write_raises_and_leaves_latest(tmp_path, monkeypatch):
+    import threading
+
+    from pipeline.train import checkpoint as ckpt_mod
+
+    engine, ds = tiny_engine(seed=4)
+    mgr = CheckpointManager(tmp_path, keep_last=2, rank=0, world_size=1, asynchronous=True)
+    step(engine, 1)
+    first = mgr.save(engine, 1, {"loader": {"cursor": 4}}, {"name": "x"}, ds)
+    mgr.finish()
+
+    def full_disk(*args, **kwargs):
+        if threading.current_thread().name == "checkpoint-writer":
+            raise OSError(28, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    real_save = torch.save
+
+    monkeypatch.setattr(ckpt_mod.torch, "save", full_disk)
+    step(engine, 1)
+    mgr.save(engine, 2, {"loader": {"cursor": 8}}, {"name": "x"}, ds)
+    with pytest.raises(OSError, match="No space left"):
+        mgr.finish()
+    assert mgr.latest() == first
