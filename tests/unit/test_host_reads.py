@@ -28,6 +28,7 @@ from pipeline.data.stream import MixSource
 from pipeline.objectives import build_objective
 from pipeline.train import engine as ds_engine
 from pipeline.train import trainer as trainer_module
+from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop
 from pipeline.train.trainer import Trainer, forward_keys
@@ -120,6 +121,8 @@ def make_trainer(arch: str, kind: str, objective_extra: dict | None = None) -> T
     trainer.step, trainer.tokens_seen, trainer.tokens_by_source = 0, 0, [0]
     trainer.reset_metrics()
     trainer.stopper, trainer.stop_agreed = GracefulStop(10.0), False
+    # no checkpoint pending: the step's all-reduce still carries its "writing" flag
+    trainer.ckpt = CheckpointManager("unused", 1, 0, 1, asynchronous=True)  # writes nothing
     trainer.sources = [MixSource("unused")]
     # dropout on, as in training; RoBERTa pads with the tokenizer's id (0 here)
     model = tiny_model(arch, **({"pad_token_id": 0} if arch == "roberta" else {}))
