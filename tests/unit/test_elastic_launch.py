@@ -142,3 +142,58 @@ def test_ranks_with_other_software_or_a_skewed_clock_are_refused(fake, expected)
     want = expected.format(host=socket.gethostname())
     # Every rank sees the same verdict (rank 0 prints it under `plm train`).
     assert result[0] == result[1] and want in result[0], dict(result)
+
+
+def _silent_peer_rank(rank: int, port: int, result) -> None:
+    import time
+
+    import torch
+
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=30))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=2))  # fmt: skip
+    if rank == 1:  # a host gone silent: it never joins the collective
+        time.sleep(8)
+        result[1] = "slept"
+        return
+    try:
+        dist.all_reduce(torch.ones(4))
+        result[0] = "no error"
+    except Exception as err:  # what gloo raises, turned into the one line
+        fault = faults.peer_fault(err, 0, 7, 2)
+        result[0] = str(fault) if fault is not None else f"not recognised: {err}"
+
+
+@pytest.mark.slow
+def test_a_collective_timeout_from_gloo_is_one_line():
+    """A real gloo all-reduce whose peer never comes: the error gloo raises after the
+    group's timeout becomes the one line naming the rank, its host and the setting."""
+    result = mp.get_context("spawn").Manager().dict()
+    mp.start_processes(_silent_peer_rank, args=(_free_port(), result), nprocs=2,
+                       start_method="spawn")  # fmt: skip
+    text = result[0]
+    assert text.startswith(f"rank 0 on {socket.gethostname()} at step 7: a collective waited "
+                           "train.collective_timeout_s=2 s"), text  # fmt: skip
+    assert "\n" not in text and ".cc:" not in text
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_reach_the_rendezvous_is_one_line(tmp_path):
+    """`plm train` as rank 1 of 2 with nobody at MASTER_ADDR:MASTER_PORT: one `plm:` line
+    naming the rank, the host and the address, exit 4, no traceback."""
+    import subprocess
+    import sys
+
+    port = _free_port()
+    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "train", BERT, "train.collective_timeout_s=3",
+         f"train.out_dir={tmp_path / 'run'}", "data.path=unused"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("plm:")]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"rank 1 on {socket.gethostname()} cannot reach the rendezvous store" in lines[0]
+    assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" in lines[0]
