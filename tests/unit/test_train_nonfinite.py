@@ -6,6 +6,7 @@ import torch
 from pipeline.config import validate_dict
 from pipeline.data.stream import MixSource
 from pipeline.train import engine as ds_engine
+from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop
 from pipeline.train.trainer import Trainer, forward_keys
@@ -57,6 +58,7 @@ def make_trainer(grad_accum: int, stage: int = 2):
     trainer.step = 0
     trainer.reset_metrics()
     trainer.stopper, trainer.stop_agreed = GracefulStop(10.0), False  # no signal
+    trainer.ckpt = CheckpointManager("unused", 1, 0, 1, asynchronous=True)  # nothing pending
     trainer.sources = [MixSource("unused")]  # one source: no per-source token counts
     trainer.objective = PoisonableObjective()
     model = TinyLM()
