@@ -143,6 +143,38 @@ def our_removals(corpus: Path) -> tuple[set[int], set[int]]:
     return exact, set(nd.unpack(removed[:, 0])[1].tolist())
 
 
+def reasons(folder: Path) -> dict[str, int]:
+    """Documents datatrove's exclusion writer wrote, by its ``filter_reason``."""
+    from collections import Counter
+
+    found: Counter = Counter()
+    for path in sorted(folder.glob("*.jsonl.gz")):
+        with gzip.open(path, "rt", encoding="utf-8") as stream:
+            for line in stream:
+                found[json.loads(line).get("metadata", {}).get("filter_reason", "?")] += 1
+    return dict(found.most_common())
+
+
+def filter_report(on: dict, dt_out: Path, results: dict, dt_cpu: float, stages) -> dict:
+    """--filters: documents removed per filter and rule on each side, and the CPU."""
+    rules = on.get("filter_rules", {})
+    return {
+        "documents": on["totals"]["documents_read"],
+        "ours_cpu_filters_and_near_dedup": round(results["on"]["cpu"], 1),
+        "ours_cpu_filters_only": round(results["off"]["cpu"], 1),
+        "datatrove_cpu_filters_and_minhash": round(dt_cpu, 1),
+        "cpu_ratio": round(results["on"]["cpu"] / dt_cpu, 3),
+        "datatrove_stage_wall": stages,
+        "ours_rejected": on["rejected"],
+        "ours_rules": dict(sorted(rules.items(), key=lambda kv: -kv[1])),
+        "ours_lines_removed": on.get("lines_removed", {}),
+        "ours_kept": on["totals"]["documents_kept"],
+        "datatrove_removed": {
+            name: reasons(dt_out / "removed" / name) for name in ("gopher", "c4", "minhash")
+        },  # fmt: skip
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=float, default=100.0)
@@ -198,6 +230,9 @@ def main() -> None:
     print(f"datatrove: {cpu:.1f} CPU s, {wall:.1f} s wall, stages {stages}", flush=True)
 
     on = results["on"]["manifest"]
+    if args.filters:  # the filters' side by side (the replay below knows no filters)
+        print(json.dumps(filter_report(on, dt_out, results, cpu, stages), indent=1))
+        return
     exact, near = our_removals(corpus)
     assert len(near) == on["rejected"].get("near_duplicate", 0), "replay != prepare"
     assert len(exact) == on["rejected"].get("duplicate", 0), "replay != prepare"
