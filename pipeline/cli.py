@@ -95,7 +95,6 @@ def _train(args: argparse.Namespace) -> int:
         return print_plan(cfg)
     from pipeline.train.checkpoint import CheckpointError
     from pipeline.train.faults import EXIT_PEER_LOST, PeerLost
-    from pipeline.train.rendezvous import RendezvousUnreachable
     from pipeline.train.stop import TrainingStopped
     from pipeline.train.trainer import TrainingDiverged, train
 
@@ -111,7 +110,7 @@ def _train(args: argparse.Namespace) -> int:
     except CheckpointError as err:  # names the checkpoint and what is wrong with it
         print(f"plm: {err}", file=sys.stderr)
         return 2
-    except (PeerLost, RendezvousUnreachable) as err:  # this rank, its host, what to do
+    except PeerLost as err:  # a lost peer or rendezvous: this rank, its host, what to do
         print(f"plm: {err}", file=sys.stderr)
         return EXIT_PEER_LOST
     if result.tracking_left_behind:  # trained, but MLflow lacks part of it (rank 0)

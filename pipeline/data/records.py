@@ -75,6 +75,13 @@ def _open(fs, path: str):
         return np.load(io.BytesIO(f.read()), allow_pickle=False)
 
 
+def _result_in(fs, path: str) -> UnitResult:
+    """A record's UnitResult alone: the zip's directory and one member, by range reads
+    (the arrays, most of the bytes, stay where they are)."""
+    with fs.open_input_file(path) as f, np.load(f, allow_pickle=False) as data:
+        return _result_of(data["result"].tobytes().decode())
+
+
 def load(fs, root: str, unit: int) -> tuple | None:
     """The unit's record as the write task returned it, or None when there is none."""
     data = _open(fs, record_path(root, unit))
@@ -99,22 +106,22 @@ def start(fs, root: str, job: dict[str, Any]) -> dict[int, list[str]]:
             same = json.loads(f.read()) == job
     except (OSError, ValueError):
         same = False
+    entries = listing(fs, folder)
     if same:
         present = {
             f"{split}/{e.base_name}" for split in SPLITS for e in listing(fs, f"{root}/{split}")
         }
-        for entry in listing(fs, folder):
+        for entry in entries:
             m = _RECORD.fullmatch(entry.base_name)
             if not m:
                 continue
-            data = _open(fs, entry.path)
-            result = _result_of(data["result"].tobytes().decode())
+            result = _result_in(fs, entry.path)
             names = [
                 p[k] for parts in result.parts.values() for p in parts for k in ("name", "index")
             ]
             if all(n in present for n in names):
                 kept[int(m.group(1))] = names
-    for entry in listing(fs, folder):
+    for entry in entries:
         m = _RECORD.fullmatch(entry.base_name)
         if entry.type == pafs.FileType.File and not (m and int(m.group(1)) in kept):
             fs.delete_file(entry.path)

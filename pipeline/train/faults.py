@@ -41,7 +41,12 @@ class PeerLost(Exception):
     exit_code = EXIT_PEER_LOST
 
 
-def _summary(err: BaseException) -> str:
+class RendezvousUnreachable(PeerLost):
+    """A rank that cannot reach the rendezvous store (rendezvous.init_process_group); the
+    message names the rank, its host, the address and what to check."""
+
+
+def summary(err: BaseException) -> str:
     """The error's first line, without gloo's C++ source location and sign-off."""
     line = (str(err).strip().splitlines() or [type(err).__name__])[0]
     line = _SOURCE_LOCATION.sub("", line)
@@ -53,10 +58,10 @@ def peer_fault(err: BaseException, rank: int, step: int, timeout_s: float) -> Pe
     is_dist = isinstance(err, dist.DistError)
     if not is_dist and not (isinstance(err, RuntimeError) and _TRANSPORT.search(str(err))):
         return None
-    summary = _summary(err)
+    first = summary(err)
     peer = _ADDRESS.search(str(err))
     who = f" (peer {peer.group(1)})" if peer else ""
-    if re.search(r"timed out|timeout", summary, re.I):
+    if re.search(r"timed out|timeout", first, re.I):
         what = (
             f"a collective waited train.collective_timeout_s={timeout_s:g} s for its peers{who}: "
             "a host stopped answering or its link is down"
@@ -64,7 +69,7 @@ def peer_fault(err: BaseException, rank: int, step: int, timeout_s: float) -> Pe
     else:
         what = f"a peer's connection broke{who}: a rank or host stopped"
     return PeerLost(
-        f"rank {rank} on {socket.gethostname()} at step {step}: {what} ({summary}). Under "
+        f"rank {rank} on {socket.gethostname()} at step {step}: {what} ({first}). Under "
         "launch/elastic_train.py the hosts still up start again from the last checkpoint; "
         "otherwise rerun the same command once every host is up"
     )

@@ -34,17 +34,7 @@ from typing import Any
 import torch.distributed as dist
 
 from pipeline.config import ConfigError
-
-
-class RendezvousUnreachable(Exception):
-    """A rank that cannot reach the rendezvous store; the message names the rank, the
-    host, the address and what to check."""
-
-
-def _first_line(err: BaseException) -> str:
-    """The first line of a torch/gloo error, without its C++ source location."""
-    line = (str(err).strip().splitlines() or [type(err).__name__])[0]
-    return line.split("] ", 1)[-1] if line.startswith("[") else line
+from pipeline.train.faults import RendezvousUnreachable, summary
 
 
 def master_addr_port() -> tuple[str, int]:
@@ -211,7 +201,7 @@ def init_process_group(backend: str, timeout: timedelta) -> None:
             raise RendezvousUnreachable(
                 f"rank {rank} on {socket.gethostname()} cannot reach the rendezvous store at "
                 f"MASTER_ADDR={addr} MASTER_PORT={port} within {wait_s:.0f} s "
-                f"(train.collective_timeout_s): {_first_line(err)}. Check that rank 0's host "
+                f"(train.collective_timeout_s): {summary(err)}. Check that rank 0's host "
                 "is up and that this host reaches it (`nc -zv ADDR PORT`)"
             ) from None
         host = addr

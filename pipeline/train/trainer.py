@@ -725,6 +725,16 @@ class Trainer:
         self.log(f"checkpoint {self.ckpt.root / tag}{writing}")
         return tag
 
+    def save_complete(self) -> str:
+        """Collective: a complete checkpoint of this step (what the end of a run, a stop
+        and a divergence leave), a pending save's writes waited for first."""
+        self.ckpt.finish()
+        tag = self.ckpt.latest()
+        if tag != tag_for(self.step):
+            tag = self.save()
+            self.ckpt.finish()
+        return tag
+
     def bundle(self, name: str, kept: bool = False) -> Path | None:
         """Consolidate the weights (collective) and write a model bundle on rank 0; ``kept``:
         marked so that pruning leaves it (CheckpointManager.prune_bundles)."""
@@ -794,8 +804,7 @@ class Trainer:
                     # logging window that would report these skips.
                     self.tracker.log_metrics({"skipped_steps": self.skipped}, self.step)
                     if bad_in_row >= t.max_nonfinite_in_row:
-                        tag = self.save()
-                        self.ckpt.finish()
+                        tag = self.save_complete()
                         raise TrainingDiverged(
                             f"{bad_in_row} non-finite losses in a row at step {self.step} "
                             f"(train.max_nonfinite_in_row={t.max_nonfinite_in_row}); weights of "
@@ -827,10 +836,7 @@ class Trainer:
                         b = self.bundle(tag, kept=kept)
                         if b is not None and kept:  # MLflow gets the kept ones only
                             self.tracker.log_artifacts(b, f"bundles/{tag}")
-            self.ckpt.finish()
-            if not self.ckpt.latest() == tag_for(self.step):
-                self.save()
-                self.ckpt.finish()
+            self.save_complete()
             if self.step < t.max_steps:  # stopped early on purpose
                 status = "KILLED"
                 return self._result(None, None)
@@ -940,11 +946,7 @@ class Trainer:
 
     def stop_on_signal(self) -> None:
         """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""
-        self.ckpt.finish()
-        tag = self.ckpt.latest()
-        if tag != tag_for(self.step):
-            tag = self.save()
-            self.ckpt.finish()
+        tag = self.save_complete()
         name = signal.Signals(self.stopper.signum or signal.SIGTERM).name
         where = self.ckpt.root / tag if tag else "none yet"
         raise TrainingStopped(
