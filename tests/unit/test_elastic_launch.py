@@ -197,3 +197,26 @@ def test_a_rank_that_cannot_reach_the_rendezvous_is_one_line(tmp_path):
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
     assert f"rank 1 on {socket.gethostname()} cannot reach the rendezvous store" in lines[0]
     assert f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" in lines[0]
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_with_the_agents_shared_store_are_refused(tmp_path):
+    """`torchrun --max-restarts N` without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the ranks
+    would read a failed round's addresses from the store the agents share; one `plm:`
+    line says what to set, exit 2, before any rank waits for another."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+           "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3",
+           "OMP_NUM_THREADS": "1"}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline.cli", "train", BERT, f"train.out_dir={tmp_path / 'r'}",
+         "data.path=unused"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [x for x in proc.stderr.splitlines() if x.startswith("plm:")]
+    assert len(lines) == 1 and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in lines[0]
+    assert "Traceback" not in proc.stderr
