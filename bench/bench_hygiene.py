@@ -16,7 +16,7 @@ tree (``bench_prepare.tree_cpu``: every process's own user + system time):
 - ours, ``plm data prepare --num-cpus W`` with ``--near-dedup off`` (today's prepare) and
   ``on``; the added cost of near-dedup is their ratio (goal <= 1.5x), and the manifest's
   ``worker_cpu_seconds_near_dedup`` is near-dedup's own part (signatures, reducers,
-  components; the fix wave is counted with the exact dedup's);
+  cluster rounds; the fix wave is counted with the exact dedup's);
 - datatrove, its MinHash pipeline's 4 stages (``MinhashDedupSignature``, ``...Buckets``,
   ``...Cluster``, ``...Filter``; 5-gram shingles, 14 bands x 8 rows, as ours), its
   ``LocalPipelineExecutor`` with W tasks and W workers (14 bucket tasks, 1 cluster task).
@@ -139,7 +139,7 @@ def our_removals(corpus: Path) -> tuple[set[int], set[int]]:
         keys.append(nd.band_keys(sigs[ok], spec))
         positions.append(np.asarray(at[lo : lo + 256])[ok])
     parts = nd.partition(np.concatenate(keys), np.concatenate(positions), 4)
-    removed = nd.components([nd.candidates([0], [p]) for p in parts])
+    removed, _ = nd.components([nd.candidates([0], [p]) for p in parts])
     return exact, set(nd.unpack(removed[:, 0])[1].tolist())
 
 

@@ -5,8 +5,10 @@
                        keys (and with near-dedup the MinHash band keys), hash-partitioned,
                        and a trace of the documents                   (worker.write_unit)
     dedup  (1 / part.) the duplicates of one key partition              (dedup.duplicates)
-    near   (1 / band partition) candidate edges of one band-key partition, then one
-                       task joins them into clusters  (near_dedup.candidates, .components)
+    near   (1 / band partition) candidate edges of one band-key partition
+                       (near_dedup.candidates); then rounds of R large-star and R
+                       small-star tasks over partitions of whole units join them into
+                       clusters, until the edges stop changing     (near_dedup.large_star)
     fix    (1 / unit with a duplicate or near-duplicate)  drop them from the unit's parts
                        and counts (worker.fix_unit: its blocks are filtered, nothing is
                        re-tokenized)
@@ -88,15 +90,77 @@ def _candidates_task(units: list[int], *parts):
     from pipeline.data.near_dedup import candidates
 
     started = time.process_time()
-    return candidates(units, list(parts)), time.process_time() - started
+    edges = candidates(units, list(parts))
+    return edges, edges.shape[0], time.process_time() - started
 
 
-def _components_task(*reduced):
-    from pipeline.data.near_dedup import components, units_of
+def _scatter_task(edges, n: int):
+    from pipeline.data.near_dedup import scatter
 
     started = time.process_time()
-    removed = components(list(reduced))
-    return removed, units_of(removed), time.process_time() - started
+    arcs = scatter(edges, n)
+    return (time.process_time() - started, *arcs)
+
+
+def _large_star_task(n: int, *pieces):
+    from pipeline.data.near_dedup import large_star, units_of
+
+    started = time.process_time()
+    out, digest, removed = large_star(list(pieces), n)
+    info = (digest, units_of(removed), time.process_time() - started)
+    return (*out, info, removed)
+
+
+def _small_star_task(n: int, *pieces):
+    from pipeline.data.near_dedup import small_star
+
+    started = time.process_time()
+    arcs = small_star(list(pieces), n)
+    return (time.process_time() - started, *arcs)
+
+
+def _clusters(candidates: list, n_units: int, n: int | None) -> dict[str, Any]:
+    """Drive the cluster rounds (near_dedup section 4) on Ray. ``candidates``: each band
+    reducer's (edges, count) refs; ``n``: the partitions, else sized by the edges. The
+    driver fetches a digest, units and CPU per partition and round, never an edge."""
+    import ray
+
+    from pipeline.data.near_dedup import label_partitions
+
+    n = n or label_partitions(sum(_get([count for _, count in candidates])), n_units)
+    scatter = ray.remote(num_cpus=1)(_scatter_task)
+    large_star = ray.remote(num_cpus=1)(_large_star_task)
+    small_star = ray.remote(num_cpus=1)(_small_star_task)
+    cpu_refs, arcs = [], []  # arcs[k][p]: from producer k to partition p
+    for edges, _ in candidates:
+        refs = scatter.options(num_returns=n + 1).remote(edges, n)
+        cpu_refs.append(refs[0])
+        arcs.append(refs[1:])
+    cpu, seen, rounds = 0.0, None, 0
+    while True:
+        rounds += 1
+        large = [
+            large_star.options(num_returns=n + 2).remote(n, *[a[p] for a in arcs]) for p in range(n)
+        ]
+        info = _get([refs[n] for refs in large])
+        cpu += sum(c for _, _, c in info)
+        digests = [digest for digest, _, _ in info]
+        if digests == seen:
+            break
+        seen = digests
+        small = [
+            small_star.options(num_returns=n + 1).remote(n, *[refs[p] for refs in large])
+            for p in range(n)
+        ]
+        cpu_refs += [refs[0] for refs in small]
+        arcs = [refs[1:] for refs in small]
+    return {
+        "rows": [refs[n + 1] for refs in large],  # by partition: a unit's is unit % n
+        "units": sorted({int(u) for _, units, _ in info for u in units}),
+        "cpu_seconds": cpu + sum(_get(cpu_refs)),
+        "partitions": n,
+        "rounds": rounds,
+    }
 
 
 def _fix_task(
@@ -105,12 +169,13 @@ def _fix_task(
     unit: list[Slice],
     result: UnitResult,
     trace,
-    near_removed,
+    near_rows,
     all_units,
     traces,
     *reduced,
 ):
-    """``near_removed``: the components' output (or None); ``all_units``: every unit's
+    """``near_rows``: the near-duplicates of the cluster partition that holds this unit
+    (or None: near-dedup off); ``all_units``: every unit's
     slices, ``traces``: every unit's trace ref (both None without near-dedup), a trace
     fetched only for a unit whose document a near-duplicate example names as kept."""
     import ray
@@ -120,7 +185,7 @@ def _fix_task(
     from pipeline.data.worker import fix_unit, trace_example
 
     started = time.process_time()
-    near = near_dedup.of_unit(index, near_removed) if near_removed is not None else {}
+    near = near_dedup.of_unit(index, near_rows) if near_rows is not None else {}
     found: dict[int, tuple[list[Slice], Any]] = {index: (unit, trace)}
 
     def kept_example(kept_unit: int, position: int) -> dict[str, Any]:
@@ -176,10 +241,15 @@ def _unwrap(err: Exception) -> Exception:
 
 
 def run_job(
-    spec: JobSpec, units: list[list[Slice]], n_partitions: int, n_near_partitions: int = 0
+    spec: JobSpec,
+    units: list[list[Slice]],
+    n_partitions: int,
+    n_near_partitions: int = 0,
+    n_cluster_partitions: int | None = None,
 ) -> dict[str, Any]:
     """Run the waves on the connected Ray cluster; results in unit order + CPU. With
-    ``spec.near_dedup``, ``n_near_partitions`` band-key partitions (at least one)."""
+    ``spec.near_dedup``, ``n_near_partitions`` band-key partitions (at least one), and
+    ``n_cluster_partitions`` for the clusters (None: sized by the candidate edges)."""
     import ray
 
     near_on = spec.near_dedup is not None
@@ -203,21 +273,15 @@ def run_job(
         for p in range(n_partitions)
     ]
     reduced = [dups for dups, _, _ in reducers]
-    near_removed = near_units = None
-    near_cpu_refs = []
+    candidates = []
     if near_on:
         near = ray.remote(num_cpus=1)(_candidates_task)
-        joined = ray.remote(num_cpus=1)(_components_task)
-        edges = [
-            near.options(num_returns=2).remote(
+        candidates = [
+            near.options(num_returns=3).remote(
                 index, *[refs[2 + n_partitions + q] for refs in written]
             )
             for q in range(n_near)
         ]
-        near_removed, near_units, components_cpu = joined.options(num_returns=3).remote(
-            *[found for found, _ in edges]
-        )
-        near_cpu_refs = [cpu for _, cpu in edges] + [components_cpu]
     units_ref = ray.put(units) if near_on else None
     traces_ref = ray.put([refs[1] for refs in written]) if near_on else None
     progress = _Progress(sum(p.size for unit in units for p in unit), len(units))
@@ -232,8 +296,14 @@ def run_job(
                 progress.update(result)
         # Units with a duplicate (per-unit lists, not the duplicates) get their parts fixed.
         with_dups = _get([units_of for _, units_of, _ in reducers])
+        clusters = None
         if near_on:
-            with_dups.append(_get(near_units))
+            clusters = _clusters(
+                [(edges, count) for edges, count, _ in candidates],
+                len(units),
+                n_cluster_partitions,
+            )
+            with_dups.append(clusters["units"])
         affected = sorted({int(u) for units_of in with_dups for u in units_of})
         fixes = [
             fix.options(num_returns=2).remote(
@@ -242,7 +312,7 @@ def run_job(
                 units[i],
                 written[i][0],
                 written[i][1],
-                near_removed,
+                clusters["rows"][i % clusters["partitions"]] if clusters else None,
                 units_ref,
                 traces_ref,
                 *reduced,
@@ -262,13 +332,18 @@ def run_job(
         for ref in pending:
             ray.cancel(ref, force=True)
     dedup_cpu = sum(_get([cpu for _, _, cpu in reducers])) + fix_cpu
-    near_cpu = sum(_get(near_cpu_refs)) + sum(r.near_dedup_cpu_seconds for r in results if r)
+    near_reducer_cpu = (
+        sum(_get([cpu for _, _, cpu in candidates])) + clusters["cpu_seconds"] if clusters else 0.0
+    )
+    near_cpu = near_reducer_cpu + sum(r.near_dedup_cpu_seconds for r in results if r)
     return {
         "results": results,
         "dedup_cpu_seconds": dedup_cpu,
-        # Near-dedup's own: signatures (in the write tasks), candidates, components.
+        # Near-dedup's own: signatures (in the write tasks), candidates, clusters.
         "near_dedup_cpu_seconds": near_cpu,
-        "near_dedup_reducer_cpu_seconds": sum(_get(near_cpu_refs)),
+        "near_dedup_reducer_cpu_seconds": near_reducer_cpu,
+        "near_dedup_cluster_partitions": clusters["partitions"] if clusters else 0,
+        "near_dedup_cluster_rounds": clusters["rounds"] if clusters else 0,
         "write_cpu_seconds": sum(r.cpu_seconds for r in results if r and not r.reused),
         "units_fixed": len(affected),
         "units_reused": sum(1 for r in results if r is not None and r.reused),

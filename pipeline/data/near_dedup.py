@@ -29,6 +29,7 @@ or the number of CPUs, workers or nodes.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from dataclasses import dataclass
 
@@ -267,28 +268,91 @@ def _unique_edges(edges: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
-# 4. Components (one task over all edges)
+# 4. Clusters: connected components over R partitions of whole units, in rounds
+#
+# Kiveris et al., "Connected Components in MapReduce and Beyond" (SoCC 2014): two
+# operations that map an edge set to one with the same components and no more edges,
+# each one shuffle keyed by a node, alternated until the edges stop changing; then every
+# component is a star around its least node (O(log^2 n) rounds; a chain of 100,000
+# documents in random order takes 14). An edge (a, b) always has a > b: packed ids, so
+# "least" is "first in source order".
+
+# Arcs (two per edge) one partition holds on average (16 bytes each: 128 MiB).
+ARCS_PER_PARTITION = 8 << 20
 
 
-def components(reduced: list[np.ndarray]) -> np.ndarray:
-    """All reducers' edges -> int64 (k, 2) rows (near-duplicate, the first document of
-    its connected component), packed ids, sorted by the near-duplicate."""
-    edges = _unique_edges(np.concatenate(reduced)) if reduced else np.zeros((0, 2), np.int64)
-    if not edges.shape[0]:
-        return np.zeros((0, 2), dtype=np.int64)
-    nodes = np.unique(edges)  # sorted: a node's index orders it in source order
-    a, b = np.searchsorted(nodes, edges[:, 0]), np.searchsorted(nodes, edges[:, 1])
-    label = np.arange(nodes.shape[0])
-    while True:  # each node takes the smallest label among its neighbours, then jumps
-        low = np.minimum(label[a], label[b])
-        before = label.copy()
-        np.minimum.at(label, a, low)
-        np.minimum.at(label, b, low)
-        label = label[label]
-        if np.array_equal(label, before):
-            break
-    removed = label != np.arange(nodes.shape[0])
-    return np.stack([nodes[removed], nodes[label[removed]]], axis=1)
+def label_partitions(n_edges: int, n_units: int) -> int:
+    """R: enough partitions for ``2 * n_edges`` arcs, at most one per unit."""
+    return max(1, min(n_units, -(-2 * n_edges // ARCS_PER_PARTITION)))
+
+
+def _split(rows: np.ndarray, n: int) -> list[np.ndarray]:
+    """(k, 2) rows -> n arrays by the partition of column 0's node: its unit's, so one
+    partition holds whole units (a fix task reads one partition's result)."""
+    which = (rows[:, 0] >> _UNIT_SHIFT) % n
+    return [rows[which == p] for p in range(n)]
+
+
+def _arcs(edges: np.ndarray, n: int) -> list[np.ndarray]:
+    """Edges -> arcs (node, neighbour) both ways, split by the node's partition."""
+    return _split(np.concatenate([edges, edges[:, ::-1]]).reshape(-1, 2), n)
+
+
+def _joined(pieces: list[np.ndarray]) -> np.ndarray:
+    return _unique_edges(np.concatenate(pieces)) if pieces else np.zeros((0, 2), np.int64)
+
+
+def _least_per_node(rows: np.ndarray) -> np.ndarray:
+    """Sorted (node, neighbour) rows -> each row's node's least neighbour."""
+    starts = np.ones(rows.shape[0], dtype=bool)
+    starts[1:] = rows[1:, 0] != rows[:-1, 0]
+    return rows[np.maximum.accumulate(np.where(starts, np.arange(rows.shape[0]), 0)), 1]
+
+
+def scatter(edges: np.ndarray, n: int) -> list[np.ndarray]:
+    """A band reducer's edges -> the first large-star's input, by partition."""
+    return _arcs(edges, n)
+
+
+def large_star(pieces: list[np.ndarray], n: int) -> tuple[list[np.ndarray], bytes, np.ndarray]:
+    """One partition: every node links each larger neighbour to the least of itself and
+    its neighbours. Returns the new edges by the partition of their larger node, a
+    digest of the arcs taken in (the same in every partition as the round before: the
+    edges stopped changing), and the arcs from a larger to a smaller node: once stopped,
+    the partition's near-duplicates (near-duplicate, first of its cluster), sorted."""
+    arcs = _joined(pieces)  # sorted by node
+    digest = hashlib.blake2b(arcs.tobytes(), digest_size=16).digest()
+    least = np.minimum(arcs[:, 0], _least_per_node(arcs))
+    up = arcs[:, 1] > arcs[:, 0]
+    out = np.stack([arcs[up, 1], least[up]], axis=1)
+    return _split(out, n), digest, arcs[arcs[:, 0] > arcs[:, 1]]
+
+
+def small_star(pieces: list[np.ndarray], n: int) -> list[np.ndarray]:
+    """One partition: every node links itself and each smaller neighbour to the least of
+    these. Returns the new edges as arcs both ways, by partition."""
+    edges = _joined(pieces)  # (node of this partition, a smaller neighbour), sorted
+    least = _least_per_node(edges)
+    out = np.concatenate([np.stack([edges[:, 1], least], axis=1),
+                          np.stack([edges[:, 0], least], axis=1)])  # fmt: skip
+    return _arcs(_unique_edges(out[out[:, 0] != out[:, 1]]), n)
+
+
+def components(reduced: list[np.ndarray], n: int = 1) -> tuple[np.ndarray, int]:
+    """All reducers' edges through ``n`` partitions in one process, the same calls the
+    Ray job runs as tasks: int64 (k, 2) rows (near-duplicate, the first document of its
+    component), sorted, and the rounds taken."""
+    arcs = [scatter(edges, n) for edges in reduced]
+    seen, rounds = None, 0
+    while True:
+        rounds += 1
+        large = [large_star([a[p] for a in arcs], n) for p in range(n)]
+        digests = [digest for _, digest, _ in large]
+        if digests == seen:
+            rows = np.concatenate([removed for _, _, removed in large])
+            return rows[np.argsort(rows[:, 0], kind="stable")], rounds
+        seen = digests
+        arcs = [small_star([out[p] for out, _, _ in large], n) for p in range(n)]
 
 
 def of_unit(unit: int, removed: np.ndarray) -> dict[int, tuple[int, int]]:

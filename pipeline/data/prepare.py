@@ -486,9 +486,11 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         "dedup_partitions": partitions,
     }
     if cfg.near_dedup.enabled:
-        # Signatures (inside the write tasks' CPU), candidate reducers and components.
+        # Signatures (inside the write tasks' CPU), candidate reducers and cluster rounds.
         stats["worker_cpu_seconds_near_dedup"] = round(job["near_dedup_cpu_seconds"], 3)
         stats["near_dedup_partitions"] = near_partitions
+        stats["near_dedup_cluster_partitions"] = job["near_dedup_cluster_partitions"]
+        stats["near_dedup_cluster_rounds"] = job["near_dedup_cluster_rounds"]
     manifest = {
         "format_version": FORMAT_VERSION,
         "prepare_version": PREPARE_VERSION,

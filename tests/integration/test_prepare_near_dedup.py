@@ -23,7 +23,7 @@ def files(root: Path) -> dict[str, bytes]:
             if p.is_file() and p.name != "manifest.json"}  # fmt: skip
 
 
-def test_near_dedup_gives_the_same_bytes_on_1_and_2_cpus(tmp_path):
+def test_near_dedup_gives_the_same_bytes_on_1_and_2_cpus(tmp_path, monkeypatch):
     docs, pairs = planted_corpus.generate(600_000, seed=3)
     planted_corpus.write(tmp_path / "in", docs, pairs, n_files=2)
     (tmp_path / "in/pairs.jsonl").rename(tmp_path / "pairs.jsonl")
@@ -32,14 +32,22 @@ def test_near_dedup_gives_the_same_bytes_on_1_and_2_cpus(tmp_path):
     common = ["data", "prepare", "--input", str(tmp_path / "in"), "--tokenizer", str(tok),
               "--shard-docs", "50", "--split-bytes", "60000"]  # fmt: skip
     runs = {}
+    from pipeline.data import near_dedup
+
     for name, extra in {"one": ["--near-dedup", "on", "--num-cpus", "1"],
                         "two": ["--near-dedup", "on", "--num-cpus", "2"],
                         "off": ["--near-dedup", "off", "--num-cpus", "2"],
                         "default": ["--num-cpus", "2"]}.items():  # fmt: skip
-        assert main([*common, "--output", str(tmp_path / name), *extra]) == 0
+        with monkeypatch.context() as patch:
+            if name == "two":  # and the clusters over several partitions (the driver's)
+                patch.setattr(near_dedup, "ARCS_PER_PARTITION", 8)
+            assert main([*common, "--output", str(tmp_path / name), *extra]) == 0
         runs[name] = load_manifest(tmp_path / name)
     one, two, off, default = (runs[k] for k in ("one", "two", "off", "default"))
     assert one["stats"]["units"] >= 8
+    assert one["stats"]["near_dedup_cluster_partitions"] == 1
+    assert two["stats"]["near_dedup_cluster_partitions"] == one["stats"]["units"]
+    assert two["stats"]["near_dedup_cluster_rounds"] >= 2
     assert files(tmp_path / "one") == files(tmp_path / "two")
     for key in ("splits", "totals", "rejected", "reject_examples", "sources", "data_config"):
         assert one[key] == two[key], key

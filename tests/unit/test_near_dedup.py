@@ -88,7 +88,8 @@ def _brute_components(edges: list[tuple[int, int]]) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_components_keep_the_first_document_in_source_order(seed):
+@pytest.mark.parametrize("n", [1, 2, 3, 5])
+def test_components_keep_the_first_document_in_source_order(seed, n):
     rng = np.random.default_rng(seed)
     ids = nd.pack(rng.integers(0, 6, 400), rng.integers(0, 1 << 31, 400))
     ids = np.unique(ids)
@@ -99,11 +100,47 @@ def test_components_keep_the_first_document_in_source_order(seed):
         i = rng.integers(1, ids.shape[0], 150)
         j = (i * rng.random(150)).astype(np.int64)
         edges.append(np.stack([ids[i], ids[j]], axis=1))
-    removed = nd.components(edges)
+    removed, _ = nd.components(edges, n)
     want = _brute_components([tuple(e) for part in edges for e in part.tolist()])
     assert {a: b for a, b in removed.tolist()} == want
     assert removed[:, 0].tolist() == sorted(want)
-    assert nd.components([]).shape == (0, 2)
+    assert nd.components([], n)[0].shape == (0, 2)
+    assert nd.components([np.zeros((0, 2), np.int64)], n)[0].shape == (0, 2)
+
+
+@pytest.mark.parametrize("length", [1_000, 30_000])
+def test_a_long_chain_in_random_order_takes_logarithmic_rounds(length):
+    """The worst shape for label propagation: one path through the documents in random
+    order (diameter = length). Large-star / small-star shrink it in O(log^2 n) rounds."""
+    ids = nd.pack(np.arange(length) % 7, np.arange(length))
+    path = ids[np.random.default_rng(1).permutation(length)]
+    edges = np.sort(np.stack([path[1:], path[:-1]], axis=1), axis=1)[:, ::-1].copy()
+    removed, rounds = nd.components([edges[: length // 2], edges[length // 2 :]], 3)
+    assert removed[:, 0].tolist() == sorted(ids[1:].tolist())
+    assert (removed[:, 1] == ids.min()).all()
+    assert rounds <= 2 * int(np.log2(length)), rounds
+
+
+def test_each_cluster_partition_holds_whole_units_and_no_more_edges_than_it_began_with():
+    """What bounds a cluster task's memory: a partition holds only the arcs of its own
+    units' documents, and no round holds more arcs in all than the reducers' edges make."""
+    rng = np.random.default_rng(3)
+    ids = np.unique(nd.pack(rng.integers(0, 9, 3000), rng.integers(0, 1 << 20, 3000)))
+    i = rng.integers(1, ids.shape[0], 2500)
+    edges = np.stack([ids[i], ids[(i * rng.random(2500)).astype(np.int64)]], axis=1)
+    edges = edges[edges[:, 0] != edges[:, 1]]
+    n = 4
+    arcs = [nd.scatter(edges, n)]
+    start = sum(a.shape[0] for a in arcs[0])
+    for _ in range(6):
+        large = [nd.large_star([a[p] for a in arcs], n) for p in range(n)]
+        for p, (out, _, removed) in enumerate(large):
+            for q, rows in enumerate(out):
+                assert ((rows[:, 0] >> 32) % n == q).all()
+            assert ((removed[:, 0] >> 32) % n == p).all()
+        arcs = [nd.small_star([out[p] for out, _, _ in large], n) for p in range(n)]
+        held = sum(a.shape[0] for produced in arcs for a in produced)
+        assert held <= start
 
 
 def test_candidates_link_each_bucket_member_to_its_first():
@@ -132,7 +169,7 @@ def near_duplicates(docs: list[str], unit_docs: int, n_partitions: int) -> set[i
         units.append(nd.partition(np.concatenate(keys), np.concatenate(positions), n_partitions))
     index = list(range(len(units)))
     edges = [nd.candidates(index, [u[p] for u in units]) for p in range(n_partitions)]
-    removed = nd.components(edges)
+    removed, _ = nd.components(edges, 2)
     unit, position = nd.unpack(removed[:, 0])
     return set((unit * unit_docs + position).tolist())
 

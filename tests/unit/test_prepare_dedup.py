@@ -209,7 +209,7 @@ def test_fix_unit_drops_near_duplicates_as_a_write_that_never_saw_them(tmp_path,
     reduced = [dedup.duplicates(index, [w[2][p] for w in written]) for p in range(n_exact)]
     edges = [near_dedup.candidates(index, [w[2][n_exact + q] for w in written])
              for q in range(n_near)]  # fmt: skip
-    removed = near_dedup.components(edges)
+    removed, _ = near_dedup.components(edges, 2)
 
     def kept_example(unit: int, position: int):
         return trace_example(fused, units[unit], written[unit][1], position)
