@@ -14,17 +14,22 @@ Along the data's path, with a document's place in source order (unit, position):
 3. ``candidates`` (one reducer per partition): the rows with an equal key form a
    bucket; every member but the first in source order gives an edge (member -> first).
    Memory: its partition's rows, 16 bytes per document and band, bounded by Q.
-4. ``components`` (one task): connected components of all edges (minimum-label
-   propagation with numpy); in each, every document but the first in source order is a
-   near-duplicate of that first one. It holds the edges only, never a row per document:
-   about 40 bytes per distinct edge (two packed ids, their node indices and labels), so
-   its memory grows with the number of near-duplicate candidates, not with the corpus.
-5. The fix wave (``worker.fix_unit``) drops them with the exact duplicates.
+4. Clusters (``scatter``, then rounds of ``large_star`` and ``small_star``): the
+   connected components of the edges, over R partitions that each hold whole units (a
+   document's partition is its unit's, modulo R). Each round is two shuffles keyed by a
+   document; the edges never grow in number, so a task holds its partition's arcs
+   (R sized for at most ``ARCS_PER_PARTITION`` each on average) and no more.
+   Once a round starts from the same edges as the round before, every component is a
+   star around its first document in source order: the others are its near-duplicates.
+   The one exception to "bounded": the first document of a cluster holds an arc per
+   member, so a single cluster of millions of copies lands in one partition.
+5. The fix wave (``worker.fix_unit``) drops them with the exact duplicates; a fix task
+   reads its own unit's partition of step 4's result, never the whole list.
 
 A component joined through transitive edges can hold documents further apart than any
 single band match implies (as in datatrove's and FineWeb's MinHash). Every step is a
 function of the documents and their places alone: the result does not depend on P, Q,
-or the number of CPUs, workers or nodes.
+R, or the number of CPUs, workers or nodes.
 """
 
 from __future__ import annotations
@@ -277,8 +282,9 @@ def _unique_edges(edges: np.ndarray) -> np.ndarray:
 # documents in random order takes 14). An edge (a, b) always has a > b: packed ids, so
 # "least" is "first in source order".
 
-# Arcs (two per edge) one partition holds on average (16 bytes each: 128 MiB).
-ARCS_PER_PARTITION = 8 << 20
+# Arcs (two per edge, 16 bytes each) one partition holds on average: 4M arcs, a task's
+# peak of about 300 MiB (bench/bench_clusters.py measures about 150 bytes per edge).
+ARCS_PER_PARTITION = 4 << 20
 
 
 def label_partitions(n_edges: int, n_units: int) -> int:

@@ -217,3 +217,20 @@ def test_the_near_dedup_config_section_and_flag(tmp_path):
     yaml.write_text("inputs: [x]\ntokenizer: t\noutput: o\nnear_dedup:\n  rows: 0\n")
     with pytest.raises(ConfigError, match="near_dedup.rows"):
         load_prepare_config(yaml, {})
+
+
+def test_a_cluster_task_holds_about_a_partitions_share_of_the_memory():
+    """bench/bench_clusters.py's measure, small: each call's traced peak at R = 4 is about
+    a quarter of R = 1's (the arcs spread over the units), and the result is the same."""
+    import tracemalloc
+
+    import bench_clusters
+
+    reduced = np.array_split(bench_clusters.edges(60_000, n_units=32), 3)
+    tracemalloc.start()
+    try:
+        one, four = bench_clusters.run(reduced, 1), bench_clusters.run(reduced, 4)
+    finally:
+        tracemalloc.stop()
+    assert np.array_equal(one["rows"], four["rows"]) and one["rows"].shape[0] > 50_000
+    assert four["peak"] < 0.4 * one["peak"], (four["peak"], one["peak"])
