@@ -125,9 +125,9 @@ def _clusters(candidates: list, n_units: int, n: int | None) -> dict[str, Any]:
     driver fetches a digest, units and CPU per partition and round, never an edge."""
     import ray
 
-    from pipeline.data.near_dedup import label_partitions
+    from pipeline.data.near_dedup import cluster_partitions
 
-    n = n or label_partitions(sum(_get([count for _, count in candidates])), n_units)
+    n = n or cluster_partitions(sum(_get([count for _, count in candidates])), n_units)
     scatter = ray.remote(num_cpus=1)(_scatter_task)
     large_star = ray.remote(num_cpus=1)(_large_star_task)
     small_star = ray.remote(num_cpus=1)(_small_star_task)

@@ -287,7 +287,7 @@ def _unique_edges(edges: np.ndarray) -> np.ndarray:
 ARCS_PER_PARTITION = 4 << 20
 
 
-def label_partitions(n_edges: int, n_units: int) -> int:
+def cluster_partitions(n_edges: int, n_units: int) -> int:
     """R: enough partitions for ``2 * n_edges`` arcs, at most one per unit."""
     return max(1, min(n_units, -(-2 * n_edges // ARCS_PER_PARTITION)))
 
