@@ -5,7 +5,9 @@ blake2b of the cleaned text) are hash-partitioned into P partitions (``partition
 reducer per partition (``duplicates``) sorts its keys with their places and marks every
 occurrence after the first. Its memory is 1/P of the corpus's keys (32 bytes a
 document), so P grows with the corpus (``n_partitions``) and no process ever holds all
-keys. The result does not depend on P: a key lives in exactly one partition.
+keys. The result does not depend on P: a key lives in exactly one partition. A reducer
+returns its duplicates in min(P, units) groups by unit (``by_unit_group``), and a fix
+task takes its unit's group of each: 1/P of the duplicates at most, not all of them.
 """
 
 from __future__ import annotations
@@ -48,6 +50,13 @@ def duplicates(units: list[int], parts: list[np.ndarray]) -> np.ndarray:
     repeat[1:] = (hi[1:] == hi[:-1]) & (lo[1:] == lo[:-1])
     dups = np.stack([unit[order][repeat], rows[order, 2][repeat]], axis=1)
     return dups[np.lexsort((dups[:, 1], dups[:, 0]))] if dups.size else dups.reshape(0, 2)
+
+
+def by_unit_group(dups: np.ndarray, n: int) -> list[np.ndarray]:
+    """A reducer's duplicates -> n arrays by ``unit % n`` (each still sorted): a fix task
+    fetches its unit's group from every reducer, about 1/n of the duplicates, never all."""
+    which = dups[:, 0] % n
+    return [dups[which == g] for g in range(n)]
 
 
 def of_unit(unit: int, reduced: list[np.ndarray]) -> set[int]:

@@ -4,7 +4,8 @@
     write  (1 / unit)  read, clean, filter, tokenize, write the unit's parts; the dedup
                        keys (and with near-dedup the MinHash band keys), hash-partitioned,
                        and a trace of the documents                   (worker.write_unit)
-    dedup  (1 / part.) the duplicates of one key partition              (dedup.duplicates)
+    dedup  (1 / part.) the duplicates of one key partition, in groups by unit
+                                                                      (dedup.duplicates)
     near   (1 / band partition) candidate edges of one band-key partition
                        (near_dedup.candidates); then rounds of R large-star and R
                        small-star tasks over partitions of whole units join them into
@@ -78,12 +79,12 @@ def _write_task(
     return out
 
 
-def _dedup_task(units: list[int], *parts):
-    from pipeline.data.dedup import duplicates
+def _dedup_task(units: list[int], n_groups: int, *parts):
+    from pipeline.data.dedup import by_unit_group, duplicates
 
     started = time.process_time()
     dups = duplicates(units, list(parts))
-    return dups, np.unique(dups[:, 0]), time.process_time() - started
+    return (*by_unit_group(dups, n_groups), np.unique(dups[:, 0]), time.process_time() - started)
 
 
 def _candidates_task(units: list[int], *parts):
@@ -175,9 +176,10 @@ def _fix_task(
     *reduced,
 ):
     """``near_rows``: the near-duplicates of the cluster partition that holds this unit
-    (or None: near-dedup off); ``all_units``: every unit's
-    slices, ``traces``: every unit's trace ref (both None without near-dedup), a trace
-    fetched only for a unit whose document a near-duplicate example names as kept."""
+    (or None: near-dedup off); ``all_units``: every unit's slices, ``traces``: every
+    unit's trace ref (both None without near-dedup), a trace fetched only for a unit
+    whose document a near-duplicate example names as kept; ``reduced``: the group of
+    this unit's from every exact-dedup reducer."""
     import ray
 
     from pipeline.data import near_dedup
@@ -268,11 +270,13 @@ def run_job(
         )
         for i, unit in enumerate(units)
     ]
+    groups = max(1, min(n_partitions, len(units)))  # a fix task reads 1/groups of them
     reducers = [
-        dedup.options(num_returns=3).remote(index, *[refs[2 + p] for refs in written])
+        dedup.options(num_returns=groups + 2).remote(
+            index, groups, *[refs[2 + p] for refs in written]
+        )
         for p in range(n_partitions)
     ]
-    reduced = [dups for dups, _, _ in reducers]
     candidates = []
     if near_on:
         near = ray.remote(num_cpus=1)(_candidates_task)
@@ -295,7 +299,7 @@ def run_job(
                 results[result.unit] = result
                 progress.update(result)
         # Units with a duplicate (per-unit lists, not the duplicates) get their parts fixed.
-        with_dups = _get([units_of for _, units_of, _ in reducers])
+        with_dups = _get([refs[groups] for refs in reducers])
         clusters = None
         if near_on:
             clusters = _clusters(
@@ -315,7 +319,7 @@ def run_job(
                 clusters["rows"][i % clusters["partitions"]] if clusters else None,
                 units_ref,
                 traces_ref,
-                *reduced,
+                *[refs[i % groups] for refs in reducers],
             )  # fmt: skip
             for i in affected
         ]
@@ -331,7 +335,7 @@ def run_job(
         progress.close()
         for ref in pending:
             ray.cancel(ref, force=True)
-    dedup_cpu = sum(_get([cpu for _, _, cpu in reducers])) + fix_cpu
+    dedup_cpu = sum(_get([refs[groups + 1] for refs in reducers])) + fix_cpu
     near_reducer_cpu = (
         sum(_get([cpu for _, _, cpu in candidates])) + clusters["cpu_seconds"] if clusters else 0.0
     )

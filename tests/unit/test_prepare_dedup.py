@@ -131,6 +131,10 @@ def test_fix_unit_equals_a_write_that_never_saw_the_duplicates(tmp_path, tokeniz
     for i, (unit, (result, trace, _)) in enumerate(zip(units, written, strict=True)):
         n_inside += result.rejected["duplicate"]  # repeats inside the unit, never written
         dups = dedup.of_unit(i, reduced)  # repeats of earlier units' documents
+        # what the job's fix task gets: the unit's group of each reducer, the same set
+        groups = [dedup.by_unit_group(r, 3) for r in reduced]
+        assert dedup.of_unit(i, [g[i % 3] for g in groups]) == dups
+        assert all((g[k][:, 0] % 3 == k).all() for g in groups for k in range(3))
         again = fix_unit(fused, unit, copy.deepcopy(result), trace, dups)  # a retried task
         fixed = fix_unit(fused, unit, result, trace, dups)
         assert again == fixed
