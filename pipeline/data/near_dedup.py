@@ -279,7 +279,7 @@ def _unique_edges(edges: np.ndarray) -> np.ndarray:
 # operations that map an edge set to one with the same components and no more edges,
 # each one shuffle keyed by a node, alternated until the edges stop changing; then every
 # component is a star around its least node (O(log^2 n) rounds; a chain of 100,000
-# documents in random order takes 14). An edge (a, b) always has a > b: packed ids, so
+# documents in random order takes 15). An edge (a, b) always has a > b: packed ids, so
 # "least" is "first in source order".
 
 # Arcs (two per edge, 16 bytes each) one partition holds on average: 4M arcs, a task's
