@@ -46,48 +46,23 @@ def edges(n_edges: int, n_units: int, seed: int = 0) -> np.ndarray:
     return np.ascontiguousarray(pairs[pairs[:, 0] != pairs[:, 1]])
 
 
-def traced(call, *args):
-    tracemalloc.reset_peak()
-    before = tracemalloc.get_traced_memory()[0]
-    out = call(*args)
-    return out, tracemalloc.get_traced_memory()[1] - before
-
-
 def run(reduced: list[np.ndarray], n: int) -> dict:
+    """``near_dedup.components`` at ``n`` partitions, each step's peak of new memory traced
+    (tracemalloc must be started)."""
     peaks = {"scatter": 0, "large_star": 0, "small_star": 0}
-    rounds = 0
+
+    def traced(step, *args):
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        out = step(*args)
+        used = tracemalloc.get_traced_memory()[1] - before
+        peaks[step.__name__] = max(peaks[step.__name__], used)
+        return out
+
     started = time.process_time()
-    arcs = []
-    for part in reduced:
-        out, used = traced(nd.scatter, part, n)
-        arcs.append(out)
-        peaks["scatter"] = max(peaks["scatter"], used)
-    seen = None
-    while True:
-        rounds += 1
-        large = []
-        for p in range(n):
-            out, used = traced(nd.large_star, [a[p] for a in arcs], n)
-            large.append(out)
-            peaks["large_star"] = max(peaks["large_star"], used)
-        digests = [digest for _, digest, _ in large]
-        if digests == seen:
-            break
-        seen = digests
-        arcs = []
-        for p in range(n):
-            out, used = traced(nd.small_star, [o[p] for o, _, _ in large], n)
-            arcs.append(out)
-            peaks["small_star"] = max(peaks["small_star"], used)
-    rows = np.concatenate([removed for _, _, removed in large])
-    rows = rows[np.argsort(rows[:, 0], kind="stable")]
-    return {
-        "peak": max(peaks.values()),
-        "peaks": peaks,
-        "rounds": rounds,
-        "cpu": time.process_time() - started,
-        "rows": rows,
-    }
+    rows, rounds = nd.components(reduced, n, call=traced)
+    return {"peak": max(peaks.values()), "peaks": peaks, "rounds": rounds,
+            "cpu": time.process_time() - started, "rows": rows}  # fmt: skip
 
 
 def main() -> None:

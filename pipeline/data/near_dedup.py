@@ -255,11 +255,17 @@ def candidates(units: list[int], parts: list[np.ndarray]) -> np.ndarray:
     ids = pack(unit, rows[:, 1])
     order = np.lexsort((ids, rows[:, 0]))
     key, ids = rows[order, 0], ids[order]
+    first = _first_of_group(key, ids)
+    member = ids != first  # the first of a bucket (and its repeats in other bands) aside
+    return _unique_edges(np.stack([ids[member], first[member]], axis=1))
+
+
+def _first_of_group(key: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """Rows sorted by ``key`` (and ``values`` within a key): each row's group's first
+    value (the least)."""
     starts = np.ones(key.shape[0], dtype=bool)
     starts[1:] = key[1:] != key[:-1]
-    first = ids[np.maximum.accumulate(np.where(starts, np.arange(key.shape[0]), 0))]
-    member = ~starts & (ids != first)
-    return _unique_edges(np.stack([ids[member], first[member]], axis=1))
+    return values[np.maximum.accumulate(np.where(starts, np.arange(key.shape[0]), 0))]
 
 
 def _unique_edges(edges: np.ndarray) -> np.ndarray:
@@ -299,25 +305,14 @@ def _split(rows: np.ndarray, n: int) -> list[np.ndarray]:
     return [rows[which == p] for p in range(n)]
 
 
-def _arcs(edges: np.ndarray, n: int) -> list[np.ndarray]:
-    """Edges -> arcs (node, neighbour) both ways, split by the node's partition."""
-    return _split(np.concatenate([edges, edges[:, ::-1]]).reshape(-1, 2), n)
-
-
 def _joined(pieces: list[np.ndarray]) -> np.ndarray:
     return _unique_edges(np.concatenate(pieces)) if pieces else np.zeros((0, 2), np.int64)
 
 
-def _least_per_node(rows: np.ndarray) -> np.ndarray:
-    """Sorted (node, neighbour) rows -> each row's node's least neighbour."""
-    starts = np.ones(rows.shape[0], dtype=bool)
-    starts[1:] = rows[1:, 0] != rows[:-1, 0]
-    return rows[np.maximum.accumulate(np.where(starts, np.arange(rows.shape[0]), 0)), 1]
-
-
 def scatter(edges: np.ndarray, n: int) -> list[np.ndarray]:
-    """A band reducer's edges -> the first large-star's input, by partition."""
-    return _arcs(edges, n)
+    """Edges -> arcs (node, neighbour) both ways, split by the node's partition: a band
+    reducer's edges as the first large-star's input, and each small-star's output."""
+    return _split(np.concatenate([edges, edges[:, ::-1]]).reshape(-1, 2), n)
 
 
 def large_star(pieces: list[np.ndarray], n: int) -> tuple[list[np.ndarray], bytes, np.ndarray]:
@@ -328,7 +323,7 @@ def large_star(pieces: list[np.ndarray], n: int) -> tuple[list[np.ndarray], byte
     the partition's near-duplicates (near-duplicate, first of its cluster), sorted."""
     arcs = _joined(pieces)  # sorted by node
     digest = hashlib.blake2b(arcs.tobytes(), digest_size=16).digest()
-    least = np.minimum(arcs[:, 0], _least_per_node(arcs))
+    least = np.minimum(arcs[:, 0], _first_of_group(arcs[:, 0], arcs[:, 1]))
     up = arcs[:, 1] > arcs[:, 0]
     out = np.stack([arcs[up, 1], least[up]], axis=1)
     return _split(out, n), digest, arcs[arcs[:, 0] > arcs[:, 1]]
@@ -338,27 +333,29 @@ def small_star(pieces: list[np.ndarray], n: int) -> list[np.ndarray]:
     """One partition: every node links itself and each smaller neighbour to the least of
     these. Returns the new edges as arcs both ways, by partition."""
     edges = _joined(pieces)  # (node of this partition, a smaller neighbour), sorted
-    least = _least_per_node(edges)
+    least = _first_of_group(edges[:, 0], edges[:, 1])
     out = np.concatenate([np.stack([edges[:, 1], least], axis=1),
                           np.stack([edges[:, 0], least], axis=1)])  # fmt: skip
-    return _arcs(_unique_edges(out[out[:, 0] != out[:, 1]]), n)
+    return scatter(_unique_edges(out[out[:, 0] != out[:, 1]]), n)
 
 
-def components(reduced: list[np.ndarray], n: int = 1) -> tuple[np.ndarray, int]:
+def components(reduced: list[np.ndarray], n: int = 1, call=None) -> tuple[np.ndarray, int]:
     """All reducers' edges through ``n`` partitions in one process, the same calls the
     Ray job runs as tasks: int64 (k, 2) rows (near-duplicate, the first document of its
-    component), sorted, and the rounds taken."""
-    arcs = [scatter(edges, n) for edges in reduced]
+    component), sorted, and the rounds taken. ``call(step, *args)`` runs each step
+    (default: directly; bench/bench_clusters.py traces each one's memory)."""
+    call = call or (lambda step, *args: step(*args))
+    arcs = [call(scatter, edges, n) for edges in reduced]
     seen, rounds = None, 0
     while True:
         rounds += 1
-        large = [large_star([a[p] for a in arcs], n) for p in range(n)]
+        large = [call(large_star, [a[p] for a in arcs], n) for p in range(n)]
         digests = [digest for _, digest, _ in large]
         if digests == seen:
             rows = np.concatenate([removed for _, _, removed in large])
             return rows[np.argsort(rows[:, 0], kind="stable")], rounds
         seen = digests
-        arcs = [small_star([out[p] for out, _, _ in large], n) for p in range(n)]
+        arcs = [call(small_star, [out[p] for out, _, _ in large], n) for p in range(n)]
 
 
 def of_unit(unit: int, removed: np.ndarray) -> dict[int, tuple[int, int]]:

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import io
 import json
 import os
@@ -76,8 +77,6 @@ def snapshot(obj: Any) -> Any:
     to host memory (compact: a view copies only its own elements, as DeepSpeed's
     ``clone_tensors_for_torch_save`` does), containers rebuilt, other objects deep-copied
     where they can be (a loss scaler changes as training goes on)."""
-    import copy
-
     if isinstance(obj, torch.Tensor):
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
