@@ -322,6 +322,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("up", "create the hosts, their links, sshd and the S3 server"),
         ("exec", "run a command on one host: plm rig exec node1 -- CMD"),
         ("env", "the laptop's shell lines for the rig's S3 server"),
+        ("mem", "each host's memory cgroup: limit, usage, peak, failcnt, OOM kills"),
+        ("kill", "stop a host's processes by PID (not its sshd): a lost host"),
         ("down", "stop what the rig started (by PID) and remove its namespaces"),
     ):
         cmd = rig.add_parser(name, help=text)
@@ -337,9 +339,23 @@ def build_parser() -> argparse.ArgumentParser:
             )
             cmd.add_argument("--no-s3", action="store_true", help="no S3 server on node0")
             cmd.add_argument("--no-ssh", action="store_true", help="no sshd on the hosts")
+            cmd.add_argument(
+                "--mem-per-host",
+                metavar="SIZE",
+                default=None,
+                help="each host's processes in a memory cgroup of SIZE (4.5G, 800M)",
+            )
         if name == "exec":
+            cmd.add_argument(
+                "--peak", action="store_true", help="print the host's peak memory after CMD"
+            )
             cmd.add_argument("host")
             cmd.add_argument("cmd", nargs=argparse.REMAINDER)
+        if name == "mem":
+            cmd.add_argument("host", nargs="?", default=None, help="one host (default: all)")
+        if name == "kill":
+            cmd.add_argument("host")
+            cmd.add_argument("--signal", default="KILL", help="KILL (a lost host) or TERM")
 
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
     demo.add_argument("--workdir", default="demo")

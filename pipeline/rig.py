@@ -28,7 +28,29 @@ The root namespace plays the user's laptop: it reaches every host through the br
 own address (the subnet's last one). ``down`` stops only what the rig started, by PID:
 the processes each namespace lists (``ip netns pids``), then the namespaces, the bridge
 and the rig's directory. Needs root, iproute2, util-linux (unshare, nsenter) and, for
-ssh, openssh-server.
+ssh, openssh-server, openssh-client and pdsh (`up` names every missing one and the one
+``apt-get install`` line).
+
+**Hosts with their own memory.** ``plm rig up --mem-per-host 4.5G`` puts every process of
+each host in a memory cgroup of its own with that limit (cgroup v1's memory controller at
+/sys/fs/cgroup/memory, else cgroup v2's ``memory.max``; swap capped too where the kernel
+accounts it): the namespace holder, sshd, the S3 server on node0, what ``exec`` and ssh/pdsh
+sessions start. A process the kernel kills for memory inside a host is reported:
+
+    plm rig exec node1 -- CMD            # a `plm:` line if a host OOM-killed, status passed on
+    plm rig exec --peak node1 -- CMD     # and the host's peak memory while CMD ran
+    plm rig mem [node1]                  # limit, usage, peak, failcnt, OOM kills per host
+    plm rig kill node2                   # SIGKILL the host's processes by PID: a lost host
+
+The Python API (benches, tests), for a rig made by ``up()`` or read back with ``load()``::
+
+    from pipeline import rig
+    r = rig.up(2, name="bench", mem_per_host="4.5G")   # or rig.load("bench")
+    r.reset_peak("node1")                  # the peak from now on
+    r.run("node1", ["python", "train.py"])  # subprocess.run on node1, in its cgroup
+    m = r.memory("node1")   # {"limit", "usage", "peak", "failcnt", "oom_kills"}: ints, bytes
+    r.kill("node1")         # its processes SIGKILLed by PID (not the holder, sshd, S3)
+    rig.down("bench")       # processes, namespaces, bridge, cgroups, folder
 """
 
 from __future__ import annotations
@@ -45,7 +67,7 @@ import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DEFAULT_ROOT = Path("/var/tmp/plm-rig")
@@ -55,6 +77,8 @@ S3_BUCKET = "plm"
 SSH_PORT = 22
 PRIVATE_HOME_DIRS = (".cache", ".ray", ".ssh", ".aws")  # per host, under the user's home
 LOCAL_DISK = "/mnt/local"
+CGROUP_V1_MEMORY = Path("/sys/fs/cgroup/memory")  # cgroup v1's memory controller
+MIN_MEM_PER_HOST = 32 << 20  # the holder, sshd and a shell fit; anything real needs more
 
 
 class RigError(Exception):
@@ -68,6 +92,183 @@ class Host:
     netns: str  # network namespace name (ip netns)
     veth: str  # the root-namespace end of its link
     holder: int  # PID of the process holding its mount/UTS namespaces
+    cgroup: str | None = None  # its memory cgroup's folder (with --mem-per-host)
+    services: list[int] = field(default_factory=list)  # the rig's own: sshd, the S3 server
+
+
+# ---------------------------------------------------------------------------------------
+# Memory cgroups (cgroup v1's memory controller, or cgroup v2)
+
+_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str | int) -> int:
+    """``4.5G``, ``800M``, ``512k``, ``1073741824`` -> bytes (K/M/G/T are powers of 1024,
+    as cgroups, docker and Kubernetes' Gi read them)."""
+    if isinstance(text, int):
+        return text
+    t = str(text).strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _SUFFIX else ""
+    try:
+        value = float(t[: len(t) - len(unit)])
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise RigError(f"--mem-per-host {text!r}: give a size such as 4.5G, 800M or 512K")
+    return int(value * _SUFFIX[unit])
+
+
+def format_size(n: int | None) -> str:
+    if n is None:
+        return "none"
+    for unit in ("T", "G", "M", "K"):
+        if n >= _SUFFIX[unit]:
+            return f"{n / _SUFFIX[unit]:.1f}{unit}".replace(".0" + unit, unit)
+    return str(n)
+
+
+def memory_controller() -> tuple[int, Path] | None:
+    """(1, /sys/fs/cgroup/memory) where cgroup v1's memory controller is mounted, else
+    (2, the cgroup2 mount) where v2 offers the memory controller, else None."""
+    if (CGROUP_V1_MEMORY / "memory.limit_in_bytes").is_file():
+        return 1, CGROUP_V1_MEMORY
+    try:
+        mounts = Path("/proc/self/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    for line in mounts:
+        fields = line.split()
+        if len(fields) > 2 and fields[2] == "cgroup2":
+            root = Path(fields[1])
+            try:
+                if "memory" in (root / "cgroup.controllers").read_text().split():
+                    return 2, root
+            except OSError:
+                continue
+    return None
+
+
+_PEAK_FDS: dict[str, int] = {}  # cgroup v2: memory.peak reset per open file (Linux >= 6.12)
+
+
+class MemoryCgroup:
+    """One host's memory cgroup: the same questions asked of v1's or v2's files."""
+
+    def __init__(self, path: str | Path, version: int):
+        self.path, self.version = Path(path), version
+
+    def _read(self, name: str) -> str:
+        return (self.path / name).read_text()
+
+    def _write(self, name: str, value: str) -> None:
+        (self.path / name).write_text(value)
+
+    @staticmethod
+    def make(path: Path, version: int, limit: int) -> MemoryCgroup:
+        """Create it with ``limit`` on memory and on memory plus swap (where accounted);
+        on v2 its parent must hand the memory controller down (``enable_memory``)."""
+        path.mkdir(exist_ok=True)
+        cg = MemoryCgroup(path, version)
+        if version == 1:
+            cg._write("memory.limit_in_bytes", str(limit))
+            if (path / "memory.memsw.limit_in_bytes").is_file():
+                cg._write("memory.memsw.limit_in_bytes", str(limit))
+        else:
+            cg._write("memory.max", str(limit))
+            if (path / "memory.swap.max").is_file():
+                cg._write("memory.swap.max", "0")
+        return cg
+
+    def swap_capped(self) -> bool:
+        """Whether swap cannot hide the cap: swap accounted and capped, or no swap at all."""
+        name = "memory.memsw.limit_in_bytes" if self.version == 1 else "memory.swap.max"
+        if (self.path / name).is_file():
+            return True
+        try:
+            return len(Path("/proc/swaps").read_text().splitlines()) <= 1
+        except OSError:
+            return False
+
+    @staticmethod
+    def enable_memory(folder: Path) -> None:
+        """cgroup v2: the memory controller handed down to ``folder``'s children."""
+        ctl = folder / "cgroup.subtree_control"
+        if "memory" not in ctl.read_text().split():
+            ctl.write_text("+memory")
+
+    @property
+    def procs(self) -> Path:
+        return self.path / "cgroup.procs"
+
+    def pids(self) -> list[int]:
+        try:
+            return [int(p) for p in self._read("cgroup.procs").split()]
+        except OSError:
+            return []
+
+    def stats(self) -> dict[str, int | None]:
+        """limit, usage, peak (bytes), failcnt (times the limit was hit), oom_kills."""
+        if self.version == 1:
+            oom = dict(x.split() for x in self._read("memory.oom_control").splitlines() if x)
+            limit = int(self._read("memory.limit_in_bytes"))
+            return {
+                "limit": None if limit >= 1 << 62 else limit,
+                "usage": int(self._read("memory.usage_in_bytes")),
+                "peak": int(self._read("memory.max_usage_in_bytes")),
+                "failcnt": int(self._read("memory.failcnt")),
+                "oom_kills": int(oom.get("oom_kill", 0)),
+            }
+        events = dict(x.split() for x in self._read("memory.events").splitlines() if x)
+        limit = self._read("memory.max").strip()
+        fd = _PEAK_FDS.get(str(self.path))
+        try:
+            peak = int(os.pread(fd, 64, 0)) if fd is not None else int(self._read("memory.peak"))
+        except (OSError, ValueError):
+            peak = None
+        return {
+            "limit": None if limit == "max" else int(limit),
+            "usage": int(self._read("memory.current")),
+            "peak": peak,
+            "failcnt": int(events.get("max", 0)),
+            "oom_kills": int(events.get("oom_kill", 0)),
+        }
+
+    def reset_peak(self) -> bool:
+        """The peak from now on: v1 takes 0 in max_usage_in_bytes; v2's memory.peak (Linux
+        >= 6.12) resets for the open file it was written through, which this process keeps
+        and reads. False where the kernel cannot."""
+        if self.version == 1:
+            self._write("memory.max_usage_in_bytes", "0")
+            return True
+        old = _PEAK_FDS.pop(str(self.path), None)
+        if old is not None:
+            os.close(old)
+        try:
+            fd = os.open(self.path / "memory.peak", os.O_RDWR)
+        except OSError:
+            return False
+        try:
+            os.write(fd, b"reset\n")
+        except OSError:
+            os.close(fd)
+            return False
+        _PEAK_FDS[str(self.path)] = fd
+        return True
+
+    def remove(self, timeout: float = 10) -> None:
+        """rmdir once its last process is gone (the kernel lets go of exited ones shortly)."""
+        fd = _PEAK_FDS.pop(str(self.path), None)
+        if fd is not None:
+            os.close(fd)
+        deadline = time.monotonic() + timeout
+        while self.path.exists():
+            try:
+                self.path.rmdir()
+            except OSError as err:
+                if time.monotonic() > deadline:
+                    raise RigError(f"cannot remove the cgroup {self.path}: {err} "
+                                   f"(processes still in it: {self.pids()})") from None  # fmt: skip
+                time.sleep(0.1)
 
 
 @dataclass
@@ -81,6 +282,9 @@ class Rig:
     s3_endpoint: str | None = None
     aws_key: str | None = None
     aws_secret: str | None = None
+    mem_per_host: int | None = None  # bytes, each host's memory cgroup limit
+    cgroup_version: int | None = None  # 1 or 2, with mem_per_host
+    cgroup_root: str | None = None  # the rig's folder of host cgroups
 
     # -- where things are ---------------------------------------------------------------
     @property
@@ -108,15 +312,18 @@ class Rig:
 
     # -- running things on a host -------------------------------------------------------
     def argv(self, host: str, command: list[str], cwd: str | None = None) -> list[str]:
-        """``command`` as it runs on ``host``: inside its network, mount and UTS namespaces."""
+        """``command`` as it runs on ``host``: inside its network, mount and UTS namespaces,
+        and its memory cgroup (joined first, in this mount namespace, which has /sys/fs/cgroup)."""
         h = self.host(host)
         wd = cwd or os.getcwd()
-        return ["nsenter", "-t", str(h.holder), "-m", "-u", "-n", f"--wd={wd}", "--", *command]
+        inside = ["nsenter", "-t", str(h.holder), "-m", "-u", "-n", f"--wd={wd}", "--", *command]
+        return _in_cgroup(h.cgroup, inside)
 
     def host_env(self, host: str, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
         env.update(self.env())
         env["HOSTNAME"] = host
+        env["PDSH_RCMD_TYPE"] = "ssh"  # pdsh between hosts as on a cluster (not rsh)
         env.pop("TMPDIR", None)  # the host's own /tmp
         return env
 
@@ -132,9 +339,56 @@ class Rig:
                               **kwargs)  # fmt: skip
 
     def pids(self, host: str) -> list[int]:
-        """Every process in the host's network namespace (the holder, sshd, what ran)."""
-        out = _ip("netns", "pids", self.host(host).netns, check=False).stdout
-        return [int(p) for p in out.split()]
+        """Every process in the host's network namespace or its memory cgroup (the holder,
+        sshd, what ran)."""
+        h = self.host(host)
+        out = _ip("netns", "pids", h.netns, check=False).stdout
+        found = [int(p) for p in out.split()]
+        if h.cgroup:
+            found += self._cgroup(host).pids()
+        return list(dict.fromkeys(found))
+
+    def kill(self, host: str, sig: int = signal.SIGKILL, timeout: float = 10) -> list[int]:
+        """Every process of ``host`` but the rig's own (the namespace holder, sshd, the S3
+        server) sent ``sig``, by PID: a lost host (SIGKILL) or a stopped one (SIGTERM). Waits
+        up to ``timeout`` for them to go; the PIDs signalled."""
+        h = self.host(host)
+        keep = {h.holder, *h.services}
+        signalled: list[int] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:  # anew: a dying parent may start another child
+            alive = [p for p in self.pids(host) if p not in keep and _alive(p)]
+            if not alive:
+                break
+            for pid in alive:
+                if pid not in signalled or sig == signal.SIGKILL:
+                    try:
+                        os.kill(pid, sig)
+                    except ProcessLookupError:
+                        continue
+                    if pid not in signalled:
+                        signalled.append(pid)
+            time.sleep(0.1)
+        return signalled
+
+    # -- memory (with --mem-per-host) ---------------------------------------------------
+    def _cgroup(self, host: str) -> MemoryCgroup:
+        h = self.host(host)
+        if not h.cgroup:
+            raise RigError(f"rig {self.name} has no memory cap: take it down and bring it up "
+                           "with `plm rig up --mem-per-host SIZE`")  # fmt: skip
+        return MemoryCgroup(h.cgroup, self.cgroup_version or 1)
+
+    def memory(self, host: str) -> dict[str, int | None]:
+        """The host's memory cgroup: ``limit``, ``usage``, ``peak`` (bytes; peak since up or
+        the last ``reset_peak``), ``failcnt`` (times usage hit the limit) and ``oom_kills``
+        (processes the kernel killed for memory in it)."""
+        return self._cgroup(host).stats()
+
+    def reset_peak(self, host: str) -> bool:
+        """From now on ``memory(host)["peak"]`` is the peak since this call (False where the
+        kernel cannot reset it: cgroup v2 before Linux 6.12; then it is the peak since up)."""
+        return self._cgroup(host).reset_peak()
 
 
 # ---------------------------------------------------------------------------------------
@@ -150,6 +404,14 @@ def _run(*argv: str, check: bool = True, **kwargs) -> subprocess.CompletedProces
 
 def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return _run("ip", *args, check=check)
+
+
+def _in_cgroup(cgroup: str | None, argv: list[str]) -> list[str]:
+    """``argv`` started in the memory cgroup at ``cgroup`` (the shell writes its own PID to
+    cgroup.procs, then execs: the same PID, and every child inherits the cgroup)."""
+    if not cgroup:
+        return argv
+    return ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', f"{cgroup}/cgroup.procs", *argv]
 
 
 def state_file(root: Path, name: str) -> Path:
@@ -172,15 +434,31 @@ def _save(rig: Rig) -> None:
     tmp.replace(path)
 
 
-def check_prerequisites(ssh: bool = True) -> str | None:
-    """None when this machine can run a rig, else why not (the cluster tests skip with it)."""
+# The programs the rig runs and their Debian packages (`ssh` ones only with sshd per host).
+TOOLS = {"ip": "iproute2", "unshare": "util-linux", "nsenter": "util-linux", "mount": "mount"}
+SSH_TOOLS = {"sshd": "openssh-server", "ssh": "openssh-client", "ssh-keygen": "openssh-client",
+             "pdsh": "pdsh"}  # fmt: skip
+
+
+def missing_tools(ssh: bool = True, path: str | None = None) -> dict[str, str]:
+    """The programs the rig needs that ``path`` (default: PATH) lacks -> their packages."""
+    need = {**TOOLS, **(SSH_TOOLS if ssh else {})}
+    return {tool: pkg for tool, pkg in need.items() if shutil.which(tool, path=path) is None}
+
+
+def check_prerequisites(ssh: bool = True, path: str | None = None) -> str | None:
+    """None when this machine can run a rig, else everything it lacks, at once, with the one
+    line that installs it (the cluster tests skip with it)."""
+    lacks = []
     if os.geteuid() != 0:
-        return "the rig needs root (network and mount namespaces)"
-    for tool in ("ip", "unshare", "nsenter", "mount"):
-        if shutil.which(tool) is None:
-            return f"the rig needs `{tool}` (Debian: iproute2 / util-linux)"
-    if ssh and not Path("/usr/sbin/sshd").exists():
-        return "the rig's ssh needs /usr/sbin/sshd (Debian: openssh-server)"
+        lacks.append("root, for network and mount namespaces (run it as root, or with sudo)")
+    missing = missing_tools(ssh, path)
+    if missing:
+        lacks.append(", ".join(f"`{tool}` ({pkg})" for tool, pkg in missing.items()))
+        packages = " ".join(dict.fromkeys(missing.values()))
+        lacks.append(f"install them with: apt-get install -y {packages}")
+    if lacks:
+        return "the rig needs " + "; ".join(lacks)
     probe = _run("unshare", "--net", "--mount", "--uts", "true", check=False)
     if probe.returncode != 0:
         return f"this kernel or container refuses namespaces: {probe.stderr.strip()}"
@@ -226,8 +504,10 @@ def _hosts_file(rig_hosts: list[Host], laptop: str) -> str:
 
 
 def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
-       root: Path = DEFAULT_ROOT, s3: bool = True, ssh: bool = True) -> Rig:  # fmt: skip
-    """Create the hosts (see the module's text); on any failure, undo what was made."""
+       root: Path = DEFAULT_ROOT, s3: bool = True, ssh: bool = True,
+       mem_per_host: int | str | None = None) -> Rig:  # fmt: skip
+    """Create the hosts (see the module's text); on any failure, undo what was made.
+    ``mem_per_host`` (bytes or "4.5G"): each host's processes in a memory cgroup that size."""
     if not name.isalnum() or len(name) > 8:  # interface names: 15 bytes at most
         raise RigError(f"--name {name!r}: 1-8 letters or digits (it prefixes interface names)")
     if n_hosts < 1:
@@ -238,6 +518,7 @@ def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
     if state_file(root, name).exists():
         raise RigError(f"rig {name!r} is already up ({state_file(root, name)}): "
                        f"`plm rig down --name {name}` first")  # fmt: skip
+    limit, controller = _plan_memory(mem_per_host)
     net, addresses, laptop = _plan_addresses(subnet, n_hosts)
     base = Path(root) / name
     if base.exists():
@@ -247,6 +528,10 @@ def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
               laptop=laptop, hosts=[])  # fmt: skip
     _save(rig)  # from here on `down` can undo a half-made rig
     try:
+        if controller:
+            rig.mem_per_host, rig.cgroup_version = limit, controller[0]
+            rig.cgroup_root = str(_make_cgroup_root(controller, name))
+            _save(rig)
         _ip("link", "add", rig.bridge, "type", "bridge")
         _no_ipv6(rig.bridge)
         _ip("addr", "add", f"{laptop}/{net.prefixlen}", "dev", rig.bridge)
@@ -254,8 +539,12 @@ def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
         for i, address in enumerate(addresses):
             h = Host(name=f"node{i}", address=address, netns=f"plm-{name}-node{i}",
                      veth=f"plm{name}v{i}", holder=0)  # fmt: skip
+            if rig.cgroup_root:
+                h.cgroup = str(Path(rig.cgroup_root) / h.name)
             rig.hosts.append(h)
             _save(rig)
+            if h.cgroup:
+                MemoryCgroup.make(Path(h.cgroup), rig.cgroup_version, limit)
             _make_network(h, rig.bridge, net.prefixlen)
         (base / "hosts.txt").write_text(_hosts_file(rig.hosts, laptop))
         if ssh:
@@ -265,18 +554,58 @@ def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
         for h in rig.hosts:
             h.holder = _make_host(rig, h)
             _save(rig)
+        sshds = {}
         if ssh:
             for h in rig.hosts:
-                _start_sshd(rig, h)
+                sshds[h.name] = _start_sshd(rig, h)
+                h.services.append(sshds[h.name].pid)
+            _save(rig)
         if s3:
             rig.s3_endpoint = _start_s3(rig)
         _save(rig)
         for h in rig.hosts if ssh else []:
-            _wait_listening(rig, h.name, h.address, SSH_PORT)
+            _wait_listening(rig, h.name, h.address, SSH_PORT, proc=sshds[h.name])
     except BaseException:
         down(name, root)
         raise
     return rig
+
+
+def _plan_memory(mem_per_host: int | str | None) -> tuple[int | None, tuple[int, Path] | None]:
+    """The cap in bytes and the memory controller to enforce it (None, None: no cap)."""
+    if mem_per_host is None:
+        return None, None
+    limit = parse_size(mem_per_host)
+    if limit < MIN_MEM_PER_HOST:
+        raise RigError(f"--mem-per-host {mem_per_host}: at least {format_size(MIN_MEM_PER_HOST)} "
+                       "(a host's sshd and shells need some; a Python with torch ~0.5G)")  # fmt: skip
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if limit > total:
+        raise RigError(f"--mem-per-host {mem_per_host} is more than this machine's memory "
+                       f"({format_size(total)}): give at most that")  # fmt: skip
+    controller = memory_controller()
+    if controller is None:
+        raise RigError("--mem-per-host needs a memory cgroup controller: neither cgroup v1's "
+                       f"{CGROUP_V1_MEMORY} nor a cgroup2 mount offering `memory` is here "
+                       "(mount one, or leave --mem-per-host out)")  # fmt: skip
+    return limit, controller
+
+
+def _make_cgroup_root(controller: tuple[int, Path], name: str) -> Path:
+    """The rig's cgroup folder (its hosts' groups go in it); a stale empty one is reused."""
+    version, mount = controller
+    folder = mount / f"plm-rig-{name}"
+    if version == 2:
+        MemoryCgroup.enable_memory(mount)
+    for stale in [d for d in folder.iterdir() if d.is_dir()] if folder.is_dir() else []:
+        MemoryCgroup(stale, version).remove(timeout=1)  # refuses while processes are in it
+    try:
+        folder.mkdir(exist_ok=True)
+    except OSError as err:
+        raise RigError(f"--mem-per-host: cannot make the cgroup {folder}: {err}") from None
+    if version == 2:
+        MemoryCgroup.enable_memory(folder)
+    return folder
 
 
 def _make_network(h: Host, bridge: str, prefixlen: int) -> None:
@@ -336,27 +665,19 @@ def _make_host(rig: Rig, h: Host) -> int:
         "mount -t tmpfs -o size=1m,mode=755 plm-rig /mnt",
         f"mkdir {LOCAL_DISK}",
         f"mount --bind {own / 'local'} {LOCAL_DISK}",
+        # Its own /dev/shm: what its processes leave there goes with the host.
+        "mount -t tmpfs -o mode=1777,nosuid,nodev plm-rig-shm /dev/shm",
         *(f"mount --bind {own / sub} {home / sub}" for sub in PRIVATE_HOME_DIRS),
         # The other hosts' private dirs out of sight (this host's are mounted above).
         f"mount -t tmpfs -o size=1m,mode=700 plm-rig {base / 'hosts'}",
         "echo ready",
         "exec sleep infinity",
     ]
+    # Into the host's cgroup before `ip netns exec`, which mounts a /sys of its own.
+    inside = ["ip", "netns", "exec", h.netns, "unshare", "--mount", "--uts",
+              "--propagation", "private", "sh", "-ec", "; ".join(steps)]  # fmt: skip
     holder = subprocess.Popen(
-        [
-            "ip",
-            "netns",
-            "exec",
-            h.netns,
-            "unshare",
-            "--mount",
-            "--uts",
-            "--propagation",
-            "private",
-            "sh",
-            "-ec",
-            "; ".join(steps),
-        ],  # fmt: skip
+        _in_cgroup(h.cgroup, inside),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         stdin=subprocess.DEVNULL,
@@ -392,7 +713,9 @@ def _make_ssh_identity(base: Path) -> None:
     )
 
 
-def _start_sshd(rig: Rig, h: Host) -> None:
+def _start_sshd(rig: Rig, h: Host) -> subprocess.Popen:
+    """The host's sshd, in the foreground of a process of its own (its PID is the rig's
+    record of it); its log in the host's local disk."""
     d = Path(rig.root) / "ssh"
     host_pub = (d / "host_ed25519_key.pub").read_text().split()[:2]
     known = "".join(f"{x.name},{x.address} {' '.join(host_pub)}\n" for x in rig.hosts)
@@ -404,13 +727,16 @@ def _start_sshd(rig: Rig, h: Host) -> None:
             "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
             "StrictModes no\nAuthorizedKeysFile .ssh/authorized_keys\n"
             f"PidFile none\nAcceptEnv LANG LC_*\nSubsystem sftp internal-sftp\n"
+            "SetEnv PDSH_RCMD_TYPE=ssh\n"  # pdsh in an ssh session speaks ssh too
         )
     Path("/run/sshd").mkdir(mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
-    proc = rig.run(h.name, ["/usr/sbin/sshd", "-f", str(config), "-o",
-                            f"ListenAddress={h.address}:{SSH_PORT}"],  # fmt: skip
-                   capture_output=True, text=True, cwd="/")  # fmt: skip
-    if proc.returncode != 0:
-        raise RigError(f"host {h.name}: sshd did not start: {proc.stderr.strip()}")
+    log = open(Path(rig.root) / "hosts" / h.name / "local" / "sshd.log", "wb")  # noqa: SIM115
+    sshd = shutil.which("sshd") or "/usr/sbin/sshd"
+    with log:
+        return rig.popen(h.name, [sshd, "-D", "-e", "-f", str(config), "-o",
+                                  f"ListenAddress={h.address}:{SSH_PORT}"],  # fmt: skip
+                         cwd="/", stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                         start_new_session=True)  # fmt: skip
 
 
 # -- the object store --------------------------------------------------------------------------
@@ -420,11 +746,13 @@ def _start_s3(rig: Rig) -> str:
     h = rig.hosts[0]
     log = open(Path(rig.root) / "hosts" / h.name / "local" / "s3.log", "wb")  # noqa: SIM115
     exe = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
-    rig.popen(h.name, [exe, "-H", h.address, "-p", str(S3_PORT)], cwd="/",
-              stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-              start_new_session=True)  # fmt: skip
+    with log:
+        server = rig.popen(h.name, [exe, "-H", h.address, "-p", str(S3_PORT)], cwd="/",
+                           stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                           start_new_session=True)  # fmt: skip
+    h.services.append(server.pid)
     endpoint = f"http://{h.address}:{S3_PORT}"
-    _wait_listening(rig, h.name, h.address, S3_PORT)
+    _wait_listening(rig, h.name, h.address, S3_PORT, proc=server)
     import pyarrow.fs as pafs  # a bucket, made the way a client would (S3 API over HTTP)
 
     fs = pafs.S3FileSystem(endpoint_override=endpoint, access_key=rig.aws_key,
@@ -434,14 +762,20 @@ def _start_s3(rig: Rig) -> str:
     return endpoint
 
 
-def _wait_listening(rig: Rig, host: str, address: str, port: int, timeout: float = 60) -> None:
-    """Until a TCP connect from the laptop to ``address:port`` succeeds."""
+def _wait_listening(rig: Rig, host: str, address: str, port: int, timeout: float = 60,
+                    proc: subprocess.Popen | None = None) -> None:  # fmt: skip
+    """Until a TCP connect from the laptop to ``address:port`` succeeds (or ``proc``, the
+    server, exits: its log is in the host's /mnt/local)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
             with socket.create_connection((address, port), timeout=2):
                 return
         except OSError as err:
+            if proc is not None and proc.poll() is not None:
+                raise RigError(f"host {host}: the server for {address}:{port} exited "
+                               f"{proc.returncode} before listening (its log: "
+                               f"{rig.root}/hosts/{host}/local/)") from None  # fmt: skip
             if time.monotonic() > deadline:
                 raise RigError(
                     f"host {host}: nothing listens on {address}:{port} ({err})"
@@ -475,8 +809,24 @@ def down(name: str = "rig", root: Path = DEFAULT_ROOT) -> list[int]:
         _ip("link", "del", h.veth, check=False)
         _ip("netns", "del", h.netns, check=False)
     _ip("link", "del", rig.bridge, check=False)
+    if rig.cgroup_root:  # the rig.json stays if this fails, so `down` again retries
+        for h in rig.hosts:
+            if h.cgroup:
+                MemoryCgroup(h.cgroup, rig.cgroup_version or 1).remove()
+        MemoryCgroup(rig.cgroup_root, rig.cgroup_version or 1).remove()
     shutil.rmtree(rig.root, ignore_errors=True)
     return sorted(set(stopped))
+
+
+def oom_report(rig: Rig) -> dict[str, dict[str, int | None]]:
+    """Each capped host's memory stats where it had OOM kills (what `down` prints)."""
+    found = {}
+    for h in rig.hosts:
+        if h.cgroup and Path(h.cgroup).is_dir():
+            stats = rig.memory(h.name)
+            if stats["oom_kills"]:
+                found[h.name] = stats
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -497,7 +847,8 @@ def _alive(pid: int) -> bool:
 def main(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if args.rig_command == "up":
-        rig = up(args.hosts, args.name, args.subnet, root, s3=not args.no_s3, ssh=not args.no_ssh)
+        rig = up(args.hosts, args.name, args.subnet, root, s3=not args.no_s3, ssh=not args.no_ssh,
+                 mem_per_host=args.mem_per_host)  # fmt: skip
         for h in rig.hosts:
             print(f"{h.name}  {h.address}  (netns {h.netns})")
         print(f"laptop  {rig.laptop}  (this shell, on bridge {rig.bridge})")
@@ -506,19 +857,81 @@ def main(args: argparse.Namespace) -> int:
             print(
                 f"s3      {rig.s3_endpoint}  bucket s3://{S3_BUCKET}  (`plm rig env` for the keys)"
             )
+        if rig.cgroup_root:
+            cg = rig._cgroup(rig.hosts[0].name)
+            swap = "swap capped too"
+            if not cg.swap_capped():
+                swap = "NOT swap: this kernel does not account swap; a host may swap past it"
+            print(f"memory  {format_size(rig.mem_per_host)} per host (cgroup v{rig.cgroup_version}"
+                  f" {rig.cgroup_root}/NODE; {swap}; `plm rig mem`)")  # fmt: skip
         return 0
     rig = load(args.name, root)
     if args.rig_command == "exec":
         command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         if not command:
             raise RigError("plm rig exec HOST -- CMD: give a command")
-        return subprocess.call(rig.argv(args.host, command), env=rig.host_env(args.host))
+        return _exec(rig, args.host, command, peak=args.peak)
     if args.rig_command == "env":
         for key, value in rig.env().items():
             print(f"export {key}={shlex.quote(value)}")
         return 0
+    if args.rig_command == "mem":
+        hosts = [rig.host(args.host).name] if args.host else [h.name for h in rig.hosts]
+        print(f"{'host':6} {'limit':>8} {'usage':>8} {'peak':>8} {'failcnt':>8} {'oom_kills':>9}")
+        for name in hosts:
+            m = rig.memory(name)
+            print(f"{name:6} {format_size(m['limit']):>8} {format_size(m['usage']):>8} "
+                  f"{format_size(m['peak']):>8} {m['failcnt']:>8} {m['oom_kills']:>9}")  # fmt: skip
+        return 0
+    if args.rig_command == "kill":
+        sig = signal.Signals[f"SIG{args.signal.upper().removeprefix('SIG')}"]
+        killed = rig.kill(args.host, sig)
+        print(f"{args.host}: {sig.name} to {len(killed)} processes"
+              f"{': ' + ' '.join(map(str, killed)) if killed else ''} "
+              "(its namespace holder and sshd kept: the host can run again)")  # fmt: skip
+        return 0
     if args.rig_command == "down":
+        ooms = oom_report(rig)
         stopped = down(args.name, root)
-        print(f"rig {args.name} down: stopped {len(stopped)} processes, namespaces removed")
+        print(f"rig {args.name} down: stopped {len(stopped)} processes, namespaces removed"
+              f"{', cgroups removed' if rig.cgroup_root else ''}")  # fmt: skip
+        for host, m in ooms.items():
+            print(f"  {host} had {m['oom_kills']} OOM kills under its cap of "
+                  f"{format_size(m['limit'])} (peak {format_size(m['peak'])})")  # fmt: skip
         return 0
     raise RigError(f"unknown rig command {args.rig_command}")
+
+
+def _exec(rig: Rig, host: str, command: list[str], peak: bool = False) -> int:
+    """``command`` on ``host``, its exit status passed on (a signal's as 128+N, as shells
+    do); one `plm:` line if a host of the rig OOM-killed a process meanwhile."""
+    rig.host(host)
+    capped = [h.name for h in rig.hosts if h.cgroup]
+    if peak and host not in capped:
+        rig._cgroup(host)  # raises: no cap, nothing to measure
+    before = {name: rig.memory(name)["oom_kills"] for name in capped}
+    if peak:
+        rig.reset_peak(host)
+    code = subprocess.call(rig.argv(host, command), env=rig.host_env(host))
+    status = 128 - code if code < 0 else code
+    shown = shlex.join(command)
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    if peak:
+        m = rig.memory(host)
+        print(f"rig: {host} peak memory {format_size(m['peak'])} of its {format_size(m['limit'])}"
+              f" cap while `{shown}` ran (every process of the host)", file=sys.stderr)  # fmt: skip
+    killed = {}
+    for name in capped:
+        m = rig.memory(name)
+        if m["oom_kills"] > before[name]:
+            killed[name] = (m, m["oom_kills"] - before[name])
+    if killed:
+        where = ", ".join(f"{name} (cap {format_size(m['limit'])}, {n} OOM kill{'s' * (n > 1)})"
+                          for name, (m, n) in killed.items())  # fmt: skip
+        if code == -signal.SIGKILL and host in killed:
+            what = f"`{shown}` on {host} was killed for memory: {where}"
+        else:
+            what = f"killed for memory on {where} while `{shown}` ran on {host}"
+        print(f"plm: rig: {what}; exit {status} (`plm rig mem` for the counts; a larger "
+              "--mem-per-host or a smaller job)", file=sys.stderr)  # fmt: skip
+    return status
