@@ -40,10 +40,15 @@ def known_languages() -> tuple[str, ...]:
     return tuple(langid.IDENTIFIER.nb_classes)
 
 
+ALL = "*"  # ``--languages all`` (or ``*``): keep every language
+
+
 def parse_languages(value: object) -> object:
-    """``--languages en,zh`` (or a YAML list) as a list of lowercase codes."""
+    """``--languages en,zh`` (or a YAML list) as a list of lowercase codes; ``all`` or
+    ``*`` (alone or among codes) as ``["*"]``: every language is kept."""
     if isinstance(value, str):
         value = value.split(",")
     if isinstance(value, list):
-        return [str(code).strip().lower() for code in value if str(code).strip()]
+        codes = [str(code).strip().lower() for code in value if str(code).strip()]
+        return [ALL] if ALL in codes or "all" in codes else codes
     return value

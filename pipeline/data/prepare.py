@@ -41,7 +41,12 @@ from pydantic import (
 from pipeline.config import ConfigError, config_file
 from pipeline.data.clean import CleanConfig, clean
 from pipeline.data.langid import parse_languages
-from pipeline.data.quality import FilterConfig, expand_filters
+from pipeline.data.quality import (
+    ALL_LANGUAGES,
+    PRESET_LANGUAGES,
+    FilterConfig,
+    expand_filters,
+)
 from pipeline.data.readers import (
     DEFAULT_MAX_DOC_BYTES,
     Digest,
@@ -68,6 +73,8 @@ from pipeline.data.store import (
     foreign_files,
     name_shards,
     output_fs,
+    restore,
+    snapshot,
     write_file,
 )
 from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, load_tokenizer
@@ -118,9 +125,11 @@ class PrepareConfig(BaseModel):
     clean: CleanConfig = CleanConfig()
     # Language ID and quality filters (docs/data.md "Filters"): off by default. With
     # language_id each document's ISO 639-1 code (py3langid) goes into the shards and the
-    # manifest; `languages` keeps only those codes; `filters` is a preset name ("web") or
-    # a list of filters (a name, or a mapping with `name` and threshold overrides), run
-    # in order after cleaning. Either of the last two turns language_id on.
+    # manifest; `languages` keeps only those codes (`all` or `*`: every language);
+    # `filters` is a preset name ("web") or a list of filters (a name, or a mapping with
+    # `name` and threshold overrides), run in order after cleaning. A preset without
+    # `languages` keeps the preset's (web: [en], quality.PRESET_LANGUAGES). Either of the
+    # last two turns language_id on.
     language_id: bool = False
     languages: list[str] | None = Field(None, min_length=1)
     filters: list[FilterConfig] = []
@@ -135,6 +144,16 @@ class PrepareConfig(BaseModel):
     num_cpus: int | None = Field(None, gt=0)  # CPUs of the local Ray instance
     batch_docs: int = Field(256, gt=0)  # documents per encode_batch call
     force: bool = False  # rebuild even if up to date / over another data dir
+
+    @model_validator(mode="before")
+    @classmethod
+    def _preset_languages(cls, data: Any) -> Any:
+        """``filters: web`` with no ``languages``: the preset's languages (English)."""
+        if isinstance(data, dict) and data.get("languages") is None:
+            preset = data.get("filters")
+            if isinstance(preset, str) and preset in PRESET_LANGUAGES:
+                data = {**data, "languages": list(PRESET_LANGUAGES[preset])}
+        return data
 
     @model_validator(mode="after")
     def _one_shard_size(self) -> PrepareConfig:
@@ -156,13 +175,19 @@ class PrepareConfig(BaseModel):
     def _known_codes(cls, value: list[str] | None) -> list[str] | None:
         from pipeline.data.langid import known_languages
 
-        unknown = sorted(set(value or ()) - set(known_languages()))
+        unknown = sorted(set(value or ()) - set(known_languages()) - {ALL_LANGUAGES})
         if unknown:
             raise ValueError(
                 f"unknown language code(s) {', '.join(unknown)}: use ISO 639-1 codes such as "
-                "en, zh, de (the languages py3langid knows)"
+                "en, zh, de (the languages py3langid knows), or all"
             )
         return value
+
+    def kept_languages(self) -> tuple[str, ...] | None:
+        """The codes a document must have to be kept; None: every language."""
+        if self.languages is None or ALL_LANGUAGES in self.languages:
+            return None
+        return tuple(self.languages)
 
     def filter_settings(self) -> dict[str, Any]:
         """Language ID and filters as output_settings adds them (only when on, so a data
@@ -341,11 +366,6 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     Returns the data dir: a Path for a local output, else the URI."""
     import pyarrow.fs as pafs
 
-    from pipeline.data import near_dedup, records
-    from pipeline.data.dedup import n_partitions
-    from pipeline.data.job import init_ray, plan_units, run_job
-    from pipeline.data.worker import JobSpec
-
     cpu_started, started = _cpu_seconds(), time.perf_counter()
     # 1. Validate everything before Ray starts.
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
@@ -380,6 +400,28 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
             f"output {cfg.output} holds a data dir prepared from other inputs, tokenizer or "
             "config; pass --force to replace it or choose another --output"
         )
+    # A run refused from here on (input that gives no document, an unreadable input met by
+    # a task) leaves the output as it found it: no folder where there was none, nothing
+    # new in one that was there. A run that crashes or is killed keeps what it wrote: the
+    # next run of the same job reuses its finished units (records.py).
+    before = snapshot(fs, root)
+    try:
+        return _build(cfg, sources, meta, tok_dir, entities, fs, root, (config_hash, entries, fp),
+                      (started, cpu_started))  # fmt: skip
+    except ConfigError:
+        restore(fs, root, before)
+        raise
+
+
+def _build(cfg, sources, meta, tok_dir, entities, fs, root, fingerprints, clocks):
+    """``run_prepare`` once validated: the job, the shards' names and the manifest."""
+    from pipeline.data import near_dedup, records
+    from pipeline.data.dedup import n_partitions
+    from pipeline.data.job import init_ray, plan_units, run_job
+    from pipeline.data.worker import JobSpec
+
+    config_hash, entries, fp = fingerprints
+    started, cpu_started = clocks
 
     # 2. Start clean: no manifest until the end, no stale shards or temp files; but the
     # parts of units an earlier run of this same job finished (a rerun after the driver
@@ -424,7 +466,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         entities=entities,
         builtin_docs=python_docs() if any(s.format == "builtin" for s in sources) else None,
         language_id=cfg.language_id,
-        languages=tuple(cfg.languages) if cfg.languages is not None else None,
+        languages=cfg.kept_languages(),
         filters=tuple(cfg.filters),
         near_dedup=cfg.near_dedup.spec() if cfg.near_dedup.enabled else None,
     )
@@ -444,7 +486,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     # 4. Counts, stats and the manifest, last and atomically.
     tally_read, tally_kept = Counter(), Counter()
     rejected, languages = Counter(), Counter()
-    filter_rules, lines_removed = Counter(), Counter()
+    filter_rules, lines_removed, language_skips = Counter(), Counter(), Counter()
     examples: dict[str, list[dict[str, Any]]] = {}
     for r in results:
         tally_read.update(r.read)
@@ -453,6 +495,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         languages.update(r.languages)
         filter_rules.update(r.filter_rules)
         lines_removed.update(r.lines_removed)
+        language_skips.update(r.filter_language_skips)
         for reason, found in r.examples.items():
             kept = examples.setdefault(reason, [])
             kept.extend(found[: MAX_REJECT_EXAMPLES - len(kept)])
@@ -520,6 +563,8 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         # Quality filters: documents rejected per "filter.rule", lines removed per rule.
         "filter_rules": dict(sorted(filter_rules.items())),
         "lines_removed": dict(sorted(lines_removed.items())),
+        # Per filter, per language: documents it did not judge (outside its `languages`).
+        "filter_language_skips": _nested(language_skips),
         "stats": stats,
     }
     if manifest["totals"]["n_docs"] == 0:  # an unusable input: no data dir, exit 2
@@ -553,6 +598,15 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
             file=sys.stderr,
         )
     return _result(cfg, root)
+
+
+def _nested(counts: Counter) -> dict[str, dict[str, int]]:
+    """{"c4/la": 3} -> {"c4": {"la": 3}}, sorted."""
+    out: dict[str, dict[str, int]] = {}
+    for key, n in sorted(counts.items()):
+        name, language = key.split("/", 1)
+        out.setdefault(name, {})[language] = n
+    return out
 
 
 def _nothing_usable(

@@ -21,7 +21,8 @@ be overridden in the config):
 Each filter applies to the languages in its ``languages`` list (codes from
 ``langid``; ``"*"`` is every language). The papers built English corpora, so every
 default is ``[en]``: Chinese text, which has no spaces between words, is never judged
-by word counts made for English.
+by word counts made for English. A filter says which documents it skipped for their
+language (``FilterResult.skipped``; the manifest's ``filter_language_skips``).
 
 ``run_filters`` returns the final text (C4 may have dropped lines), or the name of the
 filter that rejected the document and the rule inside it, plus the lines removed per
@@ -120,6 +121,10 @@ FILTER_NAMES = ("gopher_repetition", "gopher_quality", "c4", "fineweb")
 
 # Presets: a name in the config's ``filters`` stands for this list at the defaults.
 PRESETS: dict[str, list[str]] = {"web": ["gopher_repetition", "gopher_quality", "c4", "fineweb"]}
+# ... and for these kept languages when the config names none (``languages``): the web
+# rules are English rules, and FineWeb keeps English before it filters. A page in another
+# language would pass every filter unjudged (lorem ipsum is Latin to language ID).
+PRESET_LANGUAGES: dict[str, list[str]] = {"web": ["en"]}
 
 
 def expand_filters(value: object) -> object:
@@ -145,21 +150,26 @@ class FilterResult:
     reason: str | None = None  # the filter that rejected it
     rule: str | None = None  # the rule of that filter
     lines_removed: Counter = field(default_factory=Counter)  # "filter.rule" -> lines
+    # The filters that did not judge the document: its language is not in their
+    # ``languages`` (those reached: a reject ends the list).
+    skipped: list[str] = field(default_factory=list)
 
 
 def run_filters(text: str, language: str, filters: list) -> FilterResult:
     """Apply ``filters`` in order to ``text`` (of ``language``); see the module doc."""
     removed: Counter = Counter()
+    skipped: list[str] = []
     for spec in filters:
         if not spec.applies_to(language):
+            skipped.append(spec.name)
             continue
         if isinstance(spec, C4):
             text, rule = _c4(text, spec, removed)
         else:
             rule = _CHECKS[type(spec)](text, spec)
         if rule is not None:
-            return FilterResult(None, spec.name, rule, removed)
-    return FilterResult(text, lines_removed=removed)
+            return FilterResult(None, spec.name, rule, removed, skipped)
+    return FilterResult(text, lines_removed=removed, skipped=skipped)
 
 
 # ---------------------------------------------------------------------------

@@ -5,8 +5,9 @@ What the driver (prepare.py) does to the folder, and nothing else: open it
 (``output_fs``), list it, tell its own files from foreign ones (``foreign_files``: a run
 refuses a folder that holds files it did not write, and ``--force`` leaves them in place),
 clear its own files before a rebuild (the manifest first), write a file atomically (temp
-file, then a move) and name the workers' parts ``SPLIT/shard-NNNNNN`` (renames side by
-side: on an object store each is a server-side copy).
+file, then a move), name the workers' parts ``SPLIT/shard-NNNNNN`` (renames side by
+side: on an object store each is a server-side copy), and after a refused run put the
+folder back as it was found (``snapshot`` / ``restore``).
 """
 
 from __future__ import annotations
@@ -102,6 +103,46 @@ def clear_own_files(fs, root: str, keep: frozenset[str] = frozenset()) -> None:
                 _OWN_SHARD.fullmatch(f.base_name) or f.base_name in _OWN_TOKENIZER
             ):
                 fs.delete_file(f.path)
+
+
+def snapshot(fs, root: str) -> frozenset[str] | None:
+    """Every path under ``root`` (relative), or None when there is no folder: what
+    ``restore`` brings the output back to after a refused run."""
+    import pyarrow.fs as pafs
+
+    if fs.get_file_info(root).type != pafs.FileType.Directory:
+        return None
+    found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    return frozenset(_relative(root, f.path) for f in found)
+
+
+def restore(fs, root: str, before: frozenset[str] | None) -> None:
+    """Remove what a run added under ``root`` since ``snapshot``: the whole folder when
+    there was none, else every path that was not there (a refused run leaves nothing:
+    no empty split folders, no records). What it removed or replaced before the refusal
+    (an older data dir under --force) stays gone."""
+    import pyarrow.fs as pafs
+
+    if fs.get_file_info(root).type != pafs.FileType.Directory:
+        return
+    if before is None:
+        fs.delete_dir(root)
+        return
+    found = fs.get_file_info(pafs.FileSelector(root, recursive=True))
+    gone: list[str] = []  # new folders removed whole, with all they hold
+    for f in sorted(found, key=lambda f: f.path):
+        rel = _relative(root, f.path)
+        if rel in before or any(rel.startswith(g + "/") for g in gone):
+            continue
+        if f.type == pafs.FileType.Directory:
+            fs.delete_dir(f.path)
+            gone.append(rel)
+        else:
+            fs.delete_file(f.path)
+
+
+def _relative(root: str, path: str) -> str:
+    return path[len(root.rstrip("/")) + 1 :]
 
 
 def write_file(fs, path: str, data: bytes) -> None:

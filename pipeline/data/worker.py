@@ -97,6 +97,9 @@ class UnitResult:
     # documents (quality.run_filters).
     filter_rules: Counter = field(default_factory=Counter)
     lines_removed: Counter = field(default_factory=Counter)
+    # "filter/language" -> documents that filter did not judge: their language is not in
+    # its ``languages`` (quality.FilterResult.skipped).
+    filter_language_skips: Counter = field(default_factory=Counter)
     n_tokens: int = 0
     input_bytes: int = 0
     cpu_seconds: float = 0.0  # the task's, set by job._write_task
@@ -374,6 +377,7 @@ def write_unit(
             if spec.filters:
                 judged = run_filters(text, stored, list(spec.filters))
                 result.lines_removed.update(judged.lines_removed)
+                result.filter_language_skips.update(f"{n}/{stored}" for n in judged.skipped)
                 if judged.text is None:
                     result.filter_rules[f"{judged.reason}.{judged.rule}"] += 1
                     reject(judged.reason, part, doc, detail=judged.rule, text=text)
