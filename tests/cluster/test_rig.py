@@ -1,12 +1,14 @@
-"""The rehearsal cluster itself: hosts that share no network stack, /tmp or local disk,
-one shared directory, ssh between them, an S3 server on node0, and a `down` that stops
-only what the rig started."""
+"""The rehearsal cluster itself: hosts that share no network stack, /tmp, /dev/shm or local
+disk, one shared directory, ssh and pdsh between them, an S3 server on node0, a `down` that
+stops only what the rig started; hosts with their own memory (a cgroup each: an OOM kill
+reported, the peak read) and `plm rig kill HOST`."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from cluster_util import on
+from conftest import one_plm_line
 
 from pipeline import rig as rigmod
 
@@ -53,8 +56,11 @@ def test_hosts_have_their_own_network_names_and_disks(rig):
 def test_ssh_between_hosts_and_pdsh(rig):
     out = on(rig, "node0", ["ssh", "node2", "hostname; cat /tmp/mine 2>/dev/null || true"])
     assert out.stdout.strip() == "node2"
-    out = on(rig, "node0", ["pdsh", "-R", "ssh", "-w", "node1,node2", "hostname"])
+    # Plain pdsh speaks ssh (PDSH_RCMD_TYPE=ssh on the hosts), in an ssh session too.
+    out = on(rig, "node0", ["pdsh", "-w", "node1,node2", "hostname"])
     assert sorted(out.stdout.splitlines()) == ["node1: node1", "node2: node2"]
+    out = on(rig, "node0", ["ssh", "node1", "pdsh -w node2 hostname"])
+    assert out.stdout.splitlines() == ["node2: node2"]
 
 
 def test_s3_server_on_node0_reached_with_the_standard_variables(rig):
@@ -77,20 +83,27 @@ def test_s3_server_on_node0_reached_with_the_standard_variables(rig):
     assert out.stdout.strip() == "from the laptop"
 
 
-def test_down_stops_only_what_the_rig_started(tmp_path):
-    why = rigmod.check_prerequisites(ssh=False)
+SMALL_SUBNETS = ("198.18.0.240/29", "198.18.0.232/29", "198.18.0.224/29", "198.18.0.248/29",
+                 "198.18.0.120/29", "198.18.0.56/29")  # fmt: skip
+
+
+def small_rig(name: str, n_hosts: int, **kwargs) -> rigmod.Rig:
+    """A rig of the test's own beside the session's, on the first small subnet free."""
+    why = rigmod.check_prerequisites(ssh=kwargs.get("ssh", True))
     if why:
         pytest.skip(why)
-    name = f"d{os.getpid()}"
-    small = None
-    for subnet in ("198.18.0.240/29", "198.18.0.232/29", "198.18.0.224/29"):
+    for subnet in SMALL_SUBNETS:
         try:
-            small = rigmod.up(1, name=name, subnet=subnet, s3=False, ssh=False)
-            break
+            return rigmod.up(n_hosts, name=name, subnet=subnet, **kwargs)
         except rigmod.RigError as err:
             if "overlaps" not in str(err):
                 raise
-    assert small is not None
+    raise AssertionError("every small test subnet is in use: `plm rig down` the other rigs")
+
+
+def test_down_stops_only_what_the_rig_started():
+    name = f"d{os.getpid()}"
+    small = small_rig(name, 1, s3=False, ssh=False, mem_per_host="64M")
     outside = subprocess.Popen(["sleep", "300"])  # the same program, not the rig's
     try:
         inside = small.popen("node0", ["sleep", "300"], cwd="/")
@@ -100,6 +113,8 @@ def test_down_stops_only_what_the_rig_started(tmp_path):
             time.sleep(0.05)
         assert inside.pid in small.pids("node0")
         assert outside.pid not in small.pids("node0")
+        cgroup = Path(small.host("node0").cgroup)
+        assert inside.pid in rigmod.MemoryCgroup(cgroup, small.cgroup_version).pids()
         stopped = rigmod.down(name)
         assert inside.pid in stopped and outside.pid not in stopped
         assert inside.wait(timeout=10) == -15  # SIGTERM
@@ -108,6 +123,7 @@ def test_down_stops_only_what_the_rig_started(tmp_path):
         assert f"plm-{name}-" not in netns
         links = subprocess.run(["ip", "link", "show"], capture_output=True, text=True).stdout
         assert f"plm{name}br" not in links and not os.path.exists(small.root)
+        assert not cgroup.exists() and not cgroup.parent.exists()  # the rig's cgroups too
     finally:
         outside.kill()
         rigmod.down(name)
@@ -142,3 +158,107 @@ def test_the_cli_runs_a_command_on_a_host_and_passes_its_status_on(rig):
 def test_a_rig_name_that_cannot_prefix_interface_names_is_refused(name):
     with pytest.raises(rigmod.RigError, match="letters or digits"):
         rigmod.up(1, name=name)
+
+
+# --- hosts with their own memory, and a lost host ------------------------------------------
+
+CAP = 256 << 20
+ALLOC = "import sys; b = bytearray(int(sys.argv[1]) << 20); b[::4096] = b'x' * len(b[::4096])"
+
+
+@pytest.fixture(scope="module")
+def capped():
+    """2 hosts of 256M each, with sshd, no S3 server: one rig for the module's memory tests."""
+    name = f"m{os.getpid()}"
+    made = small_rig(name, 2, s3=False, mem_per_host="256M")
+    try:
+        yield made
+    finally:
+        rigmod.down(name)
+
+
+def cli(rig: rigmod.Rig, *args: str) -> subprocess.CompletedProcess:
+    """`plm rig CMD --name NAME --root ROOT ARGS...` as a user types it."""
+    cmd, *rest = args
+    return subprocess.run([sys.executable, "-m", "pipeline.cli", "rig", cmd, "--name", rig.name,
+                           "--root", str(Path(rig.root).parent), *rest],
+                          capture_output=True, text=True, cwd="/", timeout=120)  # fmt: skip
+
+
+def test_every_process_of_a_capped_host_is_in_its_cgroup(capped):
+    for h in capped.hosts:
+        cg = rigmod.MemoryCgroup(h.cgroup, capped.cgroup_version)
+        assert capped.memory(h.name)["limit"] == CAP
+        netns = subprocess.run(["ip", "netns", "pids", h.netns], capture_output=True,
+                               text=True, check=True).stdout.split()  # fmt: skip
+        # The holder and sshd, and nothing of the host outside the cgroup.
+        assert {h.holder, *h.services} <= set(cg.pids())
+        assert {int(p) for p in netns} <= set(cg.pids())
+    # What exec and an ssh session start (sshd's children) are in the host's cgroup.
+    want = f"{Path(capped.cgroup_root).name}/node1"
+    mine = on(capped, "node1", ["cat", "/proc/self/cgroup"]).stdout
+    remote = on(capped, "node0", ["ssh", "node1", "cat /proc/self/cgroup"]).stdout
+    assert want in mine and want in remote
+
+
+def test_over_the_cap_is_killed_and_reported_under_it_passes_with_its_peak(capped):
+    before = capped.memory("node1")["oom_kills"]
+    over = cli(capped, "exec", "node1", "--", sys.executable, "-c", ALLOC, "400")
+    assert over.returncode == 137  # SIGKILL, passed on as a shell does
+    line = one_plm_line(over, 137)
+    assert "node1" in line and "256M" in line and "killed for memory" in line
+    assert "bytearray" in line and "exit 137" in line
+    assert capped.memory("node1")["oom_kills"] == before + 1
+    # A kill on another host, from an ssh session of a command on node0: named too.
+    remote = cli(capped, "exec", "node0", "--", "ssh", "node1", sys.executable, "-c",
+                 shlex.quote(ALLOC), "400")  # fmt: skip
+    assert remote.returncode != 0
+    line = one_plm_line(remote, remote.returncode)
+    assert "on node1" in line and "ran on node0" in line
+    # Under the cap: it passes, no plm: line, and the peak is the host's while it ran.
+    under = cli(capped, "exec", "--peak", "node1", "--", sys.executable, "-c", ALLOC, "100")
+    assert under.returncode == 0 and "plm:" not in under.stderr, under.stderr
+    peak = [x for x in under.stderr.splitlines() if x.startswith("rig: node1 peak memory")]
+    assert len(peak) == 1 and "of its 256M cap" in peak[0], under.stderr
+    # The API: the peak since reset_peak, within the cap and above what was touched.
+    assert capped.reset_peak("node1")
+    reset = capped.memory("node1")["peak"]
+    assert reset < CAP  # it was the cap, from the kills above
+    on(capped, "node1", [sys.executable, "-c", ALLOC, "120"])
+    m = capped.memory("node1")
+    assert max(reset, 120 << 20) <= m["peak"] <= CAP and m["usage"] < m["peak"]
+
+
+def test_kill_stops_a_hosts_processes_by_pid_and_keeps_the_host(capped):
+    outside = subprocess.Popen(["sleep", "300"])  # the same program, not the host's
+    try:
+        inside = capped.popen("node1", ["sleep", "300"], cwd="/")
+        on(capped, "node0", ["ssh", "-f", "node1", "sleep 301 >/dev/null 2>&1 &"])
+        for _ in range(200):
+            if inside.pid in capped.pids("node1"):
+                break
+            time.sleep(0.05)
+        h = capped.host("node1")
+        theirs = set(capped.pids("node1")) - {h.holder, *h.services}
+        assert inside.pid in theirs and len(theirs) >= 2  # and the ssh session's sleep
+        done = cli(capped, "kill", "node1")
+        assert done.returncode == 0, done.stderr
+        assert inside.wait(timeout=10) == -9
+        assert set(capped.pids("node1")) == {h.holder, *h.services}
+        assert outside.poll() is None and capped.pids("node0")
+        # The host runs again: ssh to it, a command on it.
+        assert on(capped, "node0", ["ssh", "node1", "hostname"]).stdout.strip() == "node1"
+    finally:
+        outside.kill()
+
+
+def test_each_host_has_its_own_dev_shm(rig):
+    """What a host's processes leave in /dev/shm stays on the host and goes with it."""
+    leftover = f"plm-rig-test-{os.getpid()}"
+    try:
+        on(rig, "node1", ["sh", "-c", f"echo x > /dev/shm/{leftover}"])
+        assert on(rig, "node1", ["cat", f"/dev/shm/{leftover}"]).stdout == "x\n"
+        assert not os.path.exists(f"/dev/shm/{leftover}")  # not the laptop's
+        assert on(rig, "node0", ["test", "-e", f"/dev/shm/{leftover}"], check=False).returncode == 1
+    finally:
+        Path(f"/dev/shm/{leftover}").unlink(missing_ok=True)  # before the fix: the machine's
