@@ -273,6 +273,10 @@ class TrainSection(Strict):
     keep_last: int = Field(3, gt=0)
     bundle_every: int = Field(1, ge=0)
     keep_bundle_every: int = Field(0, ge=0)
+    # A bundle's weights files hold at most this much each (model-0000K-of-0000N.safetensors
+    # with an index above it, as transformers shards); the bundle is written one tensor at a
+    # time whatever the size.
+    bundle_shard_mb: int = Field(2048, gt=0)
     max_nonfinite_in_row: int = Field(5, gt=0)
     resume: Literal["auto", "never"] = "auto"
     # SIGTERM / SIGINT: checkpoint at the next step boundary within this many seconds, else

@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from pipeline.export.hf_albert import albert_to_hf_state, hf_albert_model
@@ -38,7 +37,7 @@ from pipeline.export.hf_ernie import ernie_to_hf_state, hf_ernie_model
 from pipeline.export.hf_gpt import gpt_state, hf_gpt_model
 from pipeline.export.hf_roberta import hf_roberta_model, roberta_template, roberta_to_hf_state
 from pipeline.export.hf_xlnet import hf_xlnet_model, xlnet_template, xlnet_to_hf_state
-from pipeline.models.bundle import WEIGHTS_FILE, read_bundle_config, replace_dir
+from pipeline.models.bundle import read_bundle_config, read_tensors, replace_dir
 from pipeline.models.registry import ARCHITECTURES
 
 # ----------------------------------------------------------------------------- gpt2
@@ -164,7 +163,7 @@ def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
     cfg = ARCHITECTURES[arch][0].model_validate(config["model"])
     roles = config["vocab"].get("roles", {})
 
-    state = load_file(str(bundle_dir / WEIGHTS_FILE))
+    state = dict(read_tensors(bundle_dir))  # the whole model: see docs/training.md
     try:
         hf_state = to_state(state, cfg)
         model = make_model(cfg, roles)

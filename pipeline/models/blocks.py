@@ -8,6 +8,7 @@ fastest kernel it has for the device (flash / memory-efficient / fused CPU kerne
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -488,10 +489,18 @@ def make_blocks(cfg: TransformerConfig, pre_ln: bool) -> nn.ModuleList:
 # ----------------------------------------------------------------------------- init
 
 
+# Initialisation goes through ``Module.apply``, one module at a time. Under DeepSpeed's
+# ``zero.Init`` (ZeRO-3 builds a model partitioned as it is created) each function ``apply``
+# calls sees that module's own parameters whole: DeepSpeed gathers them around the call and
+# partitions them again after it. So no init ever needs the whole model in one place, and
+# a model built partitioned gets exactly the weights of one built whole (same seed).
+
+
 @torch.no_grad()
 def init_normal(module: nn.Module, std: float) -> None:
     """BERT / GPT-2 initialisation: N(0, std) weights, zero biases, identity LayerNorm."""
-    for m in module.modules():
+
+    def one(m: nn.Module) -> None:
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, mean=0.0, std=std)
             if m.bias is not None:
@@ -502,7 +511,31 @@ def init_normal(module: nn.Module, std: float) -> None:
             nn.init.ones_(m.weight)
             nn.init.zeros_(m.bias)
 
+    module.apply(one)
+
+
+@torch.no_grad()
+def on_module(module: nn.Module, fn: Callable[[nn.Module], object]) -> None:
+    """``fn(module)`` for an init that writes ``module``'s own parameters (padded rows,
+    scaled projections, biases held by a container module), called through
+    ``module.apply`` so that it sees them whole when the model is built partitioned
+    (above). The children are visited and left alone."""
+    module.apply(lambda m: fn(m) if m is module else None)
+
+
+@torch.no_grad()
+def zero_rows(table: nn.Module, start: int) -> None:
+    """Zero rows ``start:`` of ``table.weight``: the padded vocabulary rows, never looked
+    up nor predicted."""
+    on_module(table, lambda m: m.weight[start:].zero_())
+
+
+def numel(p: Tensor) -> int:
+    """A parameter's whole size, also when ZeRO-3 holds only a partition of it here
+    (DeepSpeed keeps the whole size in ``ds_numel``)."""
+    return int(getattr(p, "ds_numel", p.numel()))
+
 
 def non_embedding_params(model: nn.Module, embeddings: list[nn.Embedding]) -> int:
     skip = {id(e.weight) for e in embeddings}
-    return sum(p.numel() for p in model.parameters() if id(p) not in skip)
+    return sum(numel(p) for p in model.parameters() if id(p) not in skip)

@@ -5,9 +5,16 @@
     BUNDLE/tokenizer.json        copied byte for byte from the tokenizer dir
     BUNDLE/tokenizer_meta.json
     BUNDLE/model.safetensors     the state dict; tied weights stored once
+    (or, above ``max_shard_bytes``: model-0000K-of-0000N.safetensors and
+    model.safetensors.index.json, the layout ``transformers`` writes)
 
-Written into a temp folder beside the target and renamed into place, so a reader never
-sees a half-written bundle. Same inputs give the same bytes.
+Written tensor by tensor (``BundleWriter``): the file headers are planned from the
+model's shapes before any weight arrives, then each tensor's bytes are appended as it
+comes, so writing a bundle holds one tensor at a time, never the model (ZeRO-3 gathers
+one parameter at a time to rank 0 for it). Read back tensor by tensor as well
+(``read_tensors``, ``load_bundle``). Written into a temp folder beside the target and
+renamed into place, so a reader never sees a half-written bundle. Same inputs give the
+same bytes.
 """
 
 from __future__ import annotations
@@ -15,14 +22,16 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import yaml
 from pydantic import BaseModel
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
 from torch import Tensor, nn
 
 from pipeline.models.registry import ARCHITECTURES, build_model
@@ -30,26 +39,16 @@ from pipeline.models.registry import ARCHITECTURES, build_model
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.yaml"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_SHARD_BYTES = 2 * 1024**3  # per weights file; a larger tensor gets a file of its own
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_meta.json")
 
 
-def _dedupe_shared(state_dict: dict[str, Tensor], expected: set[str]) -> dict[str, Tensor]:
-    """safetensors refuses tensors that share memory (tied weights held under two names):
-    keep the name the model expects, drop the aliases. Our models reference the tied
-    matrix under one name only, so for them this is a no-op; it protects against state
-    dicts from wrappers that register the tied parameter twice."""
-    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
-    out: dict[str, Tensor] = {}
-    for name in sorted(state_dict, key=lambda n: (n not in expected, n)):
-        t = state_dict[name]
-        if t.device.type != "meta" and t.numel():
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-            if key in seen:
-                continue
-            seen[key] = name
-        # detach + cpu + contiguous + clone: a standalone tensor safetensors can write
-        out[name] = t.detach().to("cpu").contiguous().clone()
-    return out
+def _without_aliases(state_dict: dict[str, Tensor], expected: set[str]) -> dict[str, Tensor]:
+    """Drop the extra names of a tied weight (a wrapper may register it twice): a name the
+    model does not expect whose tensor is one it does expect under another name."""
+    held = {id(state_dict[n]) for n in expected if n in state_dict}
+    return {n: t for n, t in state_dict.items() if n in expected or id(t) not in held}
 
 
 def _expected_state(arch: str, config: BaseModel) -> dict[str, Tensor]:
@@ -91,6 +90,179 @@ def _vocab_info(tokenizer_dir: Path, config: BaseModel) -> dict[str, Any]:
     }
 
 
+# safetensors' names for torch dtypes (its file format: an 8-byte little-endian header
+# length, a JSON header of name -> dtype, shape, data_offsets, then the raw bytes).
+_ST_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+    torch.uint8: "U8", torch.bool: "BOOL",
+}  # fmt: skip
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def plan_shards(expected: dict[str, Tensor], max_shard_bytes: int) -> list[list[str]]:
+    """The names in model order, cut into files of at most ``max_shard_bytes`` (a tensor
+    larger than that alone in its file)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in expected.items():
+        if shards[-1] and size + _nbytes(t) > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += _nbytes(t)
+    return shards
+
+
+def _shard_names(n: int) -> list[str]:
+    if n == 1:
+        return [WEIGHTS_FILE]
+    return [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+
+def _header(names: list[str], expected: dict[str, Tensor]) -> bytes:
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name in names:
+        t = expected[name]
+        entries[name] = {
+            "dtype": _ST_DTYPES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + _nbytes(t)],
+        }
+        offset += _nbytes(t)
+    text = json.dumps(entries, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+class BundleWriter:
+    """A bundle written one tensor at a time, in the order of ``names`` (the model's
+    state-dict order); ``close()`` adds config.yaml and the tokenizer and renames the folder
+    into place (an existing bundle is replaced); leaving the ``with`` block on an error
+    removes the temp folder. Every tensor is checked against the config's shape before a
+    byte of it is written; a missing one fails ``close()``.
+
+        with BundleWriter(out, "bert", cfg, tokenizer_dir, meta) as w:
+            for name in w.names:
+                w.add(name, tensor_of(name))
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        arch: str,
+        model_config: BaseModel,
+        tokenizer_dir: str | Path,
+        extra_meta: dict[str, Any] | None = None,
+        max_shard_bytes: int = MAX_SHARD_BYTES,
+    ):
+        self.out_dir, tokenizer_dir = Path(out_dir), Path(tokenizer_dir)
+        if arch not in ARCHITECTURES:
+            raise ValueError(
+                f"unknown arch {arch!r}; available: {', '.join(sorted(ARCHITECTURES))}"
+            )
+        for name in TOKENIZER_FILES:
+            if not (tokenizer_dir / name).is_file():
+                raise FileNotFoundError(f"tokenizer dir {tokenizer_dir} has no {name}")
+        self.tokenizer_dir = tokenizer_dir
+        self.config = {
+            "format_version": FORMAT_VERSION,
+            "arch": arch,
+            "model": model_config.model_dump(mode="json"),
+            "vocab": _vocab_info(tokenizer_dir, model_config),
+            "meta": extra_meta or {},
+        }
+        self.arch = arch
+        self.expected = _expected_state(arch, model_config)
+        self.names = list(self.expected)
+        self.shards = plan_shards(self.expected, max_shard_bytes)
+        self.files = _shard_names(len(self.shards))
+        self.out_dir.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = Path(
+            tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent)
+        )
+        self._next = 0  # index into names
+        self._shard = -1
+        self._file: BinaryIO | None = None
+        self._left_in_shard = 0
+
+    def __enter__(self) -> BundleWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        if self._next >= len(self.names) or name != self.names[self._next]:
+            want = self.names[self._next] if self._next < len(self.names) else "nothing more"
+            raise ValueError(f"bundle tensors out of order: got {name}, expected {want}")
+        want = self.expected[name]
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise ValueError(
+                f"state dict tensor {name} has shape {tuple(tensor.shape)}, "
+                f"the config needs {tuple(want.shape)}"
+            )
+        if self._left_in_shard == 0:
+            self._open_shard()
+        data = tensor.detach().to("cpu", want.dtype).contiguous()
+        assert self._file is not None
+        self._file.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+        self._next += 1
+        self._left_in_shard -= 1
+
+    def _open_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._shard += 1
+        names = self.shards[self._shard]
+        self._file = open(self.tmp / self.files[self._shard], "wb")  # noqa: SIM115
+        self._file.write(_header(names, self.expected))
+        self._left_in_shard = len(names)
+
+    def close(self) -> Path:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._next != len(self.names):
+            missing = self.names[self._next :]
+            self.abort()
+            raise ValueError(
+                f"state dict does not match a {self.arch} with this config: "
+                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
+            )
+        try:
+            if len(self.files) > 1:
+                index = {
+                    "metadata": {"total_size": sum(_nbytes(t) for t in self.expected.values())},
+                    "weight_map": {n: self.files[i] for i, s in enumerate(self.shards) for n in s},
+                }
+                (self.tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+            (self.tmp / CONFIG_FILE).write_text(
+                yaml.safe_dump(self.config, sort_keys=True, allow_unicode=True), encoding="utf-8"
+            )
+            for name in TOKENIZER_FILES:
+                shutil.copyfile(self.tokenizer_dir / name, self.tmp / name)
+            os.chmod(self.tmp, 0o755)  # mkdtemp makes it 0700
+            replace_dir(self.tmp, self.out_dir)
+        except BaseException:
+            self.abort()
+            raise
+        return self.out_dir
+
+    def abort(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
 def save_bundle(
     out_dir: str | Path,
     arch: str,
@@ -98,43 +270,17 @@ def save_bundle(
     state_dict: dict[str, Tensor],
     tokenizer_dir: str | Path,
     extra_meta: dict[str, Any] | None = None,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> Path:
-    """Write a bundle atomically (temp folder + rename; an existing bundle is replaced)."""
-    out_dir = Path(out_dir)
-    tokenizer_dir = Path(tokenizer_dir)
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"unknown arch {arch!r}; available: {', '.join(sorted(ARCHITECTURES))}")
-    for name in TOKENIZER_FILES:
-        if not (tokenizer_dir / name).is_file():
-            raise FileNotFoundError(f"tokenizer dir {tokenizer_dir} has no {name}")
-    expected = _expected_state(arch, model_config)
-    state = _dedupe_shared(state_dict, set(expected))
-    _check_against_model(arch, expected, state)
-
-    config = {
-        "format_version": FORMAT_VERSION,
-        "arch": arch,
-        "model": model_config.model_dump(mode="json"),
-        "vocab": _vocab_info(tokenizer_dir, model_config),
-        "meta": extra_meta or {},
-    }
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
-        (tmp / CONFIG_FILE).write_text(
-            yaml.safe_dump(config, sort_keys=True, allow_unicode=True), encoding="utf-8"
-        )
-        for name in TOKENIZER_FILES:
-            shutil.copyfile(tokenizer_dir / name, tmp / name)
-        save_file(
-            state, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"}
-        )  # one key: the map order is random
-        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
-        replace_dir(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    """Write a bundle from a whole state dict (one that fits in memory anyway: fine-tuned
+    or small models). Checked against the config before anything is written."""
+    writer = BundleWriter(out_dir, arch, model_config, tokenizer_dir, extra_meta, max_shard_bytes)
+    with writer:
+        state_dict = _without_aliases(state_dict, set(writer.expected))
+        _check_against_model(arch, writer.expected, state_dict)
+        for name in writer.names:
+            writer.add(name, state_dict[name])
+    return Path(out_dir)
 
 
 def replace_dir(new: Path, target: Path) -> None:
@@ -166,16 +312,62 @@ def read_bundle_config(bundle_dir: str | Path) -> dict[str, Any]:
     return config
 
 
+def weight_files(bundle_dir: str | Path) -> list[Path]:
+    """The bundle's weights files: model.safetensors, or the shards its index names."""
+    bundle_dir = Path(bundle_dir)
+    index = bundle_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        return [bundle_dir / f for f in sorted(set(weight_map.values()))]
+    return [bundle_dir / WEIGHTS_FILE]
+
+
+def tensor_names(bundle_dir: str | Path) -> list[str]:
+    """Every tensor name in the bundle, read from the file headers only."""
+    names: list[str] = []
+    for path in weight_files(bundle_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def read_tensors(bundle_dir: str | Path) -> Iterator[tuple[str, Tensor]]:
+    """(name, tensor), one at a time, file by file: memory for one tensor, never the
+    whole state."""
+    for path in weight_files(bundle_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                yield name, f.get_tensor(name)
+
+
+def check_names(bundle_dir: str | Path, model: nn.Module) -> None:
+    """A missing or extra tensor is an error, never silently re-initialised."""
+    want, have = set(model.state_dict()), set(tensor_names(bundle_dir))
+    missing, unexpected = sorted(want - have), sorted(have - want)
+    if missing or unexpected:
+        raise ValueError(
+            f"{bundle_dir}: weights do not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+
+
+@torch.no_grad()
+def copy_tensors(targets: dict[str, Tensor], tensors: Iterable[tuple[str, Tensor]]) -> None:
+    """Each (name, tensor) copied into ``targets[name]`` (a model's parameters and buffers)."""
+    for name, t in tensors:
+        targets[name].copy_(t)
+
+
 def load_bundle(bundle_dir: str | Path) -> tuple[nn.Module, dict[str, Any]]:
-    """Rebuild the model from config.yaml, load the weights strictly; model in eval mode."""
+    """Rebuild the model from config.yaml and copy the weights in tensor by tensor (the
+    model plus one tensor in memory; tied weights are one parameter in our models, so
+    loading it once ties both uses); the model in eval mode."""
     bundle_dir = Path(bundle_dir)
     config = read_bundle_config(bundle_dir)
     config_cls, _ = ARCHITECTURES[config["arch"]]
     model = build_model(config["arch"], config_cls.model_validate(config["model"]))
-    state = load_file(str(bundle_dir / WEIGHTS_FILE))
-    # strict: a missing or extra tensor is an error, never silently re-initialised. Tied
-    # weights are one parameter in our models, so loading it once ties both uses.
-    model.load_state_dict(state, strict=True)
+    check_names(bundle_dir, model)
+    copy_tensors(model.state_dict(keep_vars=True), read_tensors(bundle_dir))
     model.eval()
     return model, config
 

@@ -24,6 +24,7 @@ from pipeline.models.blocks import (
     make_blocks,
     non_embedding_params,
     vocab_pad_bias,
+    zero_rows,
 )
 
 
@@ -66,7 +67,7 @@ class DistilBert(PretrainModel):
     @torch.no_grad()
     def init_weights(self) -> None:
         init_normal(self, self.config.init_std)
-        self.embeddings.word.weight[self.config.vocab_size :].zero_()
+        zero_rows(self.embeddings.word, self.config.vocab_size)
 
     def repeated_layers(self) -> list[nn.Module]:
         return list(self.blocks)

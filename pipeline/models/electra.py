@@ -39,6 +39,7 @@ from pipeline.models.blocks import (
     make_blocks,
     non_embedding_params,
     vocab_pad_bias,
+    zero_rows,
 )
 
 
@@ -144,7 +145,7 @@ class Electra(PretrainModel):
     @torch.no_grad()
     def init_weights(self) -> None:
         init_normal(self, self.config.init_std)
-        self.embeddings.word.weight[self.config.vocab_size :].zero_()
+        zero_rows(self.embeddings.word, self.config.vocab_size)
 
     def repeated_layers(self) -> list[nn.Module]:
         return [*self.discriminator.blocks, *self.generator.blocks]

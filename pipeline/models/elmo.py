@@ -52,7 +52,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor, nn
 
 from pipeline.models.base import PretrainModel
-from pipeline.models.blocks import padded_vocab_size, vocab_pad_bias
+from pipeline.models.blocks import on_module, padded_vocab_size, vocab_pad_bias, zero_rows
 
 # --------------------------------------------------------------------------- characters
 
@@ -288,10 +288,14 @@ class Elmo(PretrainModel):
         softmax starts at zero bias and padded rows at zero weight."""
         n = self.config.n_filters
         for highway in self.encoder.highways:
-            highway.bias[n:].fill_(1.0)
-        nn.init.normal_(self.softmax.weight, std=self.config.projection_dim**-0.5)
-        nn.init.zeros_(self.softmax.bias)
-        self.softmax.weight[self.config.vocab_size :].zero_()
+            on_module(highway, lambda m: m.bias[n:].fill_(1.0))
+
+        def softmax(m: nn.Linear) -> None:
+            nn.init.normal_(m.weight, std=self.config.projection_dim**-0.5)
+            nn.init.zeros_(m.bias)
+
+        on_module(self.softmax, softmax)
+        zero_rows(self.softmax, self.config.vocab_size)
 
     @torch.no_grad()
     def set_char_table(self, table: Tensor) -> None:

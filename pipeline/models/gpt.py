@@ -17,7 +17,7 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from pipeline.models.blocks import TransformerConfig, init_normal
+from pipeline.models.blocks import TransformerConfig, init_normal, zero_rows
 from pipeline.models.gpt2 import GPT2
 
 
@@ -41,4 +41,4 @@ class GPT(GPT2):
         """N(0, 0.02) weights (the paper's init, without GPT-2's scaled residual
         projections), zero biases, LayerNorm = identity; padded vocabulary rows zeroed."""
         init_normal(self, self.config.init_std)
-        self.wte.weight[self.config.vocab_size :].zero_()
+        zero_rows(self.wte, self.config.vocab_size)

@@ -25,7 +25,9 @@ from pipeline.models.blocks import (
     init_normal,
     make_blocks,
     non_embedding_params,
+    on_module,
     vocab_pad_bias,
+    zero_rows,
 )
 
 
@@ -67,12 +69,11 @@ class GPT2(PretrainModel):
         not grow with depth (GPT-2 paper, section 2.3). Padded vocabulary rows are zeroed."""
         std = self.config.init_std
         init_normal(self, std)
+        scaled = std / math.sqrt(2 * self.config.num_layers)
         for block in self.blocks:
             for proj in (block.attn.proj, block.mlp.proj):
-                nn.init.normal_(
-                    proj.weight, mean=0.0, std=std / math.sqrt(2 * self.config.num_layers)
-                )
-        self.wte.weight[self.config.vocab_size :].zero_()
+                on_module(proj, lambda m: nn.init.normal_(m.weight, mean=0.0, std=scaled))
+        zero_rows(self.wte, self.config.vocab_size)
 
     def repeated_layers(self) -> list[nn.Module]:
         return list(self.blocks)

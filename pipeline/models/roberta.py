@@ -31,7 +31,9 @@ from pipeline.models.blocks import (
     init_normal,
     make_blocks,
     non_embedding_params,
+    on_module,
     vocab_pad_bias,
+    zero_rows,
 )
 
 
@@ -78,8 +80,9 @@ class Roberta(PretrainModel):
         """BERT's init; the padded vocabulary rows and the padding's position row are zero
         (``nn.Embedding(padding_idx=...)`` in fairseq/transformers)."""
         init_normal(self, self.config.init_std)
-        self.embeddings.word.weight[self.config.vocab_size :].zero_()
-        self.embeddings.position.weight[self.config.pad_token_id].zero_()
+        zero_rows(self.embeddings.word, self.config.vocab_size)
+        pad = self.config.pad_token_id
+        on_module(self.embeddings.position, lambda m: m.weight[pad].zero_())
 
     def repeated_layers(self) -> list[nn.Module]:
         return list(self.blocks)

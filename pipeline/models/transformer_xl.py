@@ -45,7 +45,9 @@ from pipeline.models.blocks import (
     TransformerConfig,
     init_normal,
     non_embedding_params,
+    on_module,
     vocab_pad_bias,
+    zero_rows,
 )
 
 
@@ -197,9 +199,13 @@ class TransformerXL(PretrainModel):
         """N(0, 0.02) weights and u, v (the paper's init), zero biases, LayerNorm = identity."""
         std = self.config.init_std
         init_normal(self, std)
-        nn.init.normal_(self.u, mean=0.0, std=std)
-        nn.init.normal_(self.v, mean=0.0, std=std)
-        self.wte.weight[self.config.vocab_size :].zero_()
+
+        def biases(m: TransformerXL) -> None:
+            nn.init.normal_(m.u, mean=0.0, std=std)
+            nn.init.normal_(m.v, mean=0.0, std=std)
+
+        on_module(self, biases)
+        zero_rows(self.wte, self.config.vocab_size)
 
     def repeated_layers(self) -> list[nn.Module]:
         return list(self.layers)

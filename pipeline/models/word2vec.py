@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from pipeline.models.base import PretrainModel
-from pipeline.models.blocks import padded_vocab_size
+from pipeline.models.blocks import on_module, padded_vocab_size, zero_rows
 
 
 class Word2VecConfig(BaseModel):
@@ -67,9 +67,9 @@ class Word2Vec(PretrainModel):
     def init_weights(self) -> None:
         """As the word2vec tool: word vectors U(-0.5/D, 0.5/D), context vectors zero."""
         D = self.config.embedding_dim
-        nn.init.uniform_(self.input_embeddings.weight, -0.5 / D, 0.5 / D)
-        nn.init.zeros_(self.output_embeddings.weight)
-        self.input_embeddings.weight[self.config.vocab_size :].zero_()
+        on_module(self.input_embeddings, lambda m: nn.init.uniform_(m.weight, -0.5 / D, 0.5 / D))
+        on_module(self.output_embeddings, lambda m: nn.init.zeros_(m.weight))
+        zero_rows(self.input_embeddings, self.config.vocab_size)
 
     @torch.no_grad()
     def set_counts(self, counts: Tensor) -> None:

@@ -31,7 +31,13 @@ from pydantic import Field, model_validator
 from torch import Tensor, nn
 
 from pipeline.models.base import PretrainModel
-from pipeline.models.blocks import TransformerConfig, init_normal, vocab_pad_bias
+from pipeline.models.blocks import (
+    TransformerConfig,
+    init_normal,
+    on_module,
+    vocab_pad_bias,
+    zero_rows,
+)
 
 
 class XLNetConfig(TransformerConfig):
@@ -213,12 +219,15 @@ class XLNet(PretrainModel):
         mask_emb; zero Linear biases and LM bias; LayerNorm = identity; padded rows zero."""
         std = self.config.init_std
         init_normal(self, std)
-        for layer in self.layers:
-            a = layer.attn
+
+        def attention_biases(a: nn.Module) -> None:
             for p in (a.r_w_bias, a.r_r_bias, a.r_s_bias, a.seg_embed):
                 nn.init.normal_(p, mean=0.0, std=std)
-        nn.init.normal_(self.mask_emb, mean=0.0, std=std)
-        self.word.weight[self.config.vocab_size :].zero_()
+
+        for layer in self.layers:
+            on_module(layer.attn, attention_biases)
+        on_module(self, lambda m: nn.init.normal_(m.mask_emb, mean=0.0, std=std))
+        zero_rows(self.word, self.config.vocab_size)
 
     def repeated_layers(self) -> list[nn.Module]:
         return list(self.layers)

@@ -8,6 +8,7 @@ releases, e.g. ``gradient_clipping`` in 0.19.3).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -177,10 +178,7 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         # 0.07 vs 0.29-0.46 CPU s a step for bert-base's parameters on one thread).
         params["fused"] = True
     ds["optimizer"] = {"type": "AdamW", "params": params}
-    zero = ds.setdefault("zero_optimization", {"stage": 0})
-    if zero.get("stage", 0) == 3:
-        # Lets the engine gather full (unpartitioned) weights for the model bundle.
-        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    ds.setdefault("zero_optimization", {"stage": 0})
     validate_ds_config(ds, source)
     return ds
 
@@ -303,6 +301,19 @@ def prepare_ops(ds_config: dict[str, Any]) -> None:
             )
     if offloads_optimizer(ds_config):
         ds_ops.prepare_cpu_adam(announce=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+
+
+def partitioned_build(ds_config: dict[str, Any]) -> contextlib.AbstractContextManager:
+    """Where the model is built. Under ZeRO-3, ``deepspeed.zero.Init``: each parameter is
+    partitioned over the ranks as soon as its module is created (the init of
+    pipeline/models/blocks.py sees each module's own parameters whole, one module at a
+    time), so no rank ever holds the whole model. Below ZeRO-3 every rank holds it anyway:
+    nothing to do."""
+    if zero_stage(ds_config) != 3:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.Init(config_dict_or_path=ds_config)
 
 
 def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_factory):

@@ -137,3 +137,52 @@ def test_mismatched_state_or_tokenizer_fails_before_writing(tmp_path, tokenizer_
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     with pytest.raises(FileNotFoundError, match="not a model bundle"):
         load_bundle(tmp_path)
+
+
+def test_a_large_bundle_is_sharded_with_an_index_and_reads_back_exactly(tokenizer_dir, tmp_path):
+    """Above max_shard_bytes the weights go to model-0000K-of-0000N.safetensors files and an
+    index (transformers' layout); each file is a valid safetensors file (read by the
+    library itself), and the bundle loads back to the same weights."""
+    from safetensors.torch import load_file
+
+    from pipeline.models.bundle import INDEX_FILE, read_tensors, weight_files
+
+    vocab = json.loads((tokenizer_dir / "tokenizer_meta.json").read_text())["vocab_size"]
+    model = tiny_bert(vocab)
+    state = model.state_dict()
+    out = save_bundle(
+        tmp_path / "b", "bert", model.config, state, tokenizer_dir, max_shard_bytes=64 * 1024
+    )
+    files = weight_files(out)
+    assert len(files) > 2 and not (out / "model.safetensors").exists()
+    index = json.loads((out / INDEX_FILE).read_text())
+    assert set(index["weight_map"]) == set(state)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in state.values())
+    read = {}
+    for f in files:
+        part = load_file(str(f))
+        assert all(index["weight_map"][n] == f.name for n in part)
+        read.update(part)
+    assert set(read) == set(state)
+    assert all(torch.equal(read[n], state[n]) for n in state)
+    assert [n for n, _ in read_tensors(out)] != []
+    loaded, _ = load_bundle(out)
+    assert all(torch.equal(loaded.state_dict()[n], state[n]) for n in state)
+    # one file per tensor at most; a tensor larger than the limit has a file of its own
+    tiny = save_bundle(tmp_path / "c", "bert", model.config, state, tokenizer_dir, max_shard_bytes=1)
+    assert len(weight_files(tiny)) == len(state)
+
+
+def test_a_bundle_writer_left_on_an_error_leaves_nothing(tokenizer_dir, tmp_path):
+    from pipeline.models.bundle import BundleWriter
+
+    vocab = json.loads((tokenizer_dir / "tokenizer_meta.json").read_text())["vocab_size"]
+    model = tiny_bert(vocab)
+    state = model.state_dict()
+    with pytest.raises(ValueError, match="out of order"):
+        with BundleWriter(tmp_path / "b", "bert", model.config, tokenizer_dir) as w:
+            w.add(w.names[1], state[w.names[1]])
+    with pytest.raises(ValueError, match="missing"):
+        with BundleWriter(tmp_path / "b", "bert", model.config, tokenizer_dir) as w:
+            w.add(w.names[0], state[w.names[0]])
+    assert list(tmp_path.iterdir()) == []

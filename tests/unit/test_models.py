@@ -40,8 +40,8 @@ def test_tied_embeddings_are_one_parameter(arch):
     key = "mlm_logits" if arch == "bert" else "logits"
     model.eval()
     before = model(x)[key]
-    with torch.no_grad():
-        emb[5] += 1.0
+    with torch.no_grad():  # not a constant: a LayerNorm's output sums to zero (BERT's head)
+        emb[5] += torch.linspace(-1.0, 1.0, emb.shape[1])
     after = model(x)[key]
     assert not torch.allclose(before[..., 5], after[..., 5])
     # and gradients from the head reach the embedding rows of tokens never in the input
