@@ -211,11 +211,14 @@ class MemoryCgroup:
         if self.version == 1:
             oom = dict(x.split() for x in self._read("memory.oom_control").splitlines() if x)
             limit = int(self._read("memory.limit_in_bytes"))
+            failcnt = int(self._read("memory.failcnt"))  # + memory and swap's limit, hit first
+            if (self.path / "memory.memsw.failcnt").is_file():
+                failcnt += int(self._read("memory.memsw.failcnt"))
             return {
                 "limit": None if limit >= 1 << 62 else limit,
                 "usage": int(self._read("memory.usage_in_bytes")),
                 "peak": int(self._read("memory.max_usage_in_bytes")),
-                "failcnt": int(self._read("memory.failcnt")),
+                "failcnt": failcnt,
                 "oom_kills": int(oom.get("oom_kill", 0)),
             }
         events = dict(x.split() for x in self._read("memory.events").splitlines() if x)
