@@ -1,5 +1,5 @@
-"""Time to the first step of a 1-step `plm train` (bert-tiny, a new sqlite MLflow store),
-two code trees side by side, taking turns.
+"""Time to the first step and to exit of a 1-step `plm train` (bert-tiny, a new sqlite
+MLflow store), code trees side by side, taking turns, against `import torch`.
 
     python bench/bench_startup.py --data DATA_DIR [--rounds 5] TREE [TREE ...]
 
@@ -7,7 +7,9 @@ Each run is a fresh `python -m pipeline.cli train configs/test/bert-tiny.yaml
 train.max_steps=1` with ``PYTHONPATH=TREE`` (a checkout or worktree: before and after a
 change), a new out_dir and a new sqlite store (its migrations included), one torch thread.
 Printed per tree: the median (min, max) of the seconds until the `step 1:` line and until
-exit. DATA_DIR: any prepared data dir of a WordPiece tokenizer (`plm demo` writes
+exit, and of exit / `import torch` (a fresh `python -c "import torch"` timed in the same
+round: the goal is <= 4x). The command returns once the run, its params, tags, metrics and
+model are in the store. DATA_DIR: any prepared data dir of a WordPiece tokenizer (`plm demo` writes
 demo/data).
 """
 
@@ -47,24 +49,40 @@ def one_run(tree: str, data: str) -> tuple[float, float]:
         shutil.rmtree(work, ignore_errors=True)
 
 
+def import_torch() -> float:
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True,
+                   env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    return time.monotonic() - start
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("trees", nargs="+")
     ap.add_argument("--data", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    times: dict[str, list[tuple[float, float]]] = {t: [] for t in args.trees}
+    times: dict[str, list[tuple[float, float, float]]] = {t: [] for t in args.trees}
+    torch_s = []
     for r in range(args.rounds):
+        torch_s.append(import_torch())
         for tree in args.trees:
             first, total = one_run(tree, args.data)
-            times[tree].append((first, total))
-            print(f"round {r + 1} {tree}: first step {first:.2f} s, exit {total:.2f} s",
+            times[tree].append((first, total, total / torch_s[-1]))
+            print(f"round {r + 1} {tree}: first step {first:.2f} s, exit {total:.2f} s "
+                  f"({total / torch_s[-1]:.2f}x import torch {torch_s[-1]:.2f} s)",
                   flush=True)  # fmt: skip
+
+    def spread(xs: list[float], unit: str) -> str:
+        return f"{statistics.median(xs):.2f}{unit} [{min(xs):.2f}, {max(xs):.2f}]"
+
+    print(f"import torch: {spread(torch_s, ' s')}")
     for tree, runs in times.items():
-        firsts, totals = [f for f, _ in runs], [t for _, t in runs]
-        print(f"{tree}: first step {statistics.median(firsts):.2f} s "
-              f"[{min(firsts):.2f}, {max(firsts):.2f}], exit {statistics.median(totals):.2f} s "
-              f"[{min(totals):.2f}, {max(totals):.2f}]")  # fmt: skip
+        firsts, totals, ratios = ([x[i] for x in runs] for i in range(3))
+        print(
+            f"{tree}: first step {spread(firsts, ' s')}, exit {spread(totals, ' s')}, "
+            f"exit / import torch {spread(ratios, 'x')}"
+        )
     return 0
 
 
