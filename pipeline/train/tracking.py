@@ -15,16 +15,21 @@ metrics.jsonl that MLflow has, so a resumed job sends what an earlier one could 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
 import subprocess
 import time
+import urllib.error
+import urllib.parse
+import urllib.request
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import REPO_ROOT
+from pipeline.config import REPO_ROOT, ConfigError
 from pipeline.tracking_uri import resolve_tracking_uri
 from pipeline.train.mlflow_store import create_new_store
 
@@ -76,6 +81,90 @@ def _short_http_timeouts() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+
+
+# Answers a later try may change: a timeout, too many requests, a server error.
+_TRANSIENT = {408, 425, 429}
+_INVALID_HOST = "Invalid Host header"  # MLflow 3.17's server, mlflow/server/security_utils.py
+
+
+def _auth_headers() -> dict[str, str]:
+    """The credentials MLflow's own client sends from the environment."""
+    token = os.environ.get("MLFLOW_TRACKING_TOKEN")
+    if token:
+        return {"Authorization": f"Bearer {token}"}
+    user, password = (os.environ.get(f"MLFLOW_TRACKING_{k}") for k in ("USERNAME", "PASSWORD"))
+    if user and password:
+        pair = base64.b64encode(f"{user}:{password}".encode()).decode()
+        return {"Authorization": f"Basic {pair}"}
+    return {}
+
+
+def _server_words(body: str) -> str:
+    """What the server said: an MLflow error's message, else the body's first line."""
+    try:
+        words = str(json.loads(body).get("message", body))
+    except (ValueError, AttributeError):
+        words = body
+    return " ".join(words.split())[:300] or "(no text)"
+
+
+def refusal(uri: str, status: int, words: str, experiment: str) -> str:
+    """The `plm:` line for an answer retrying cannot change: the URL, the status, the
+    server's words and the fix."""
+    host = urllib.parse.urlsplit(uri).netloc.rpartition("@")[2]  # the Host header sent
+    head = (f"MLflow at {uri} refused plm's request with HTTP {status} \"{words}\"; no "
+            "retry can change that answer, so training does not start")  # fmt: skip
+    if _INVALID_HOST in words:
+        fix = (f"the server does not accept the Host header {host}: restart it with "
+               f"--allowed-hosts {host} (comma-separated, every name and port it is reached "
+               "by), or set mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to an address it "
+               "accepts")  # fmt: skip
+    elif status in (401, 403):
+        fix = ("give plm credentials the server accepts: MLFLOW_TRACKING_USERNAME and "
+               "MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN) of a user allowed to "
+               f"write to experiment {experiment!r}")  # fmt: skip
+    else:
+        fix = ("check mlflow.tracking_uri (or MLFLOW_TRACKING_URI): it must be the base URL "
+               "of an MLflow tracking server")  # fmt: skip
+    return f"{head}: {fix}"
+
+
+def check_server(uri: str, experiment: str) -> None:
+    """Before the first step: ask an http(s) tracking server what logging asks first (the
+    experiment, by name). An answer no retry can change (401, 403, another 4xx) is a
+    ConfigError: `refusal`. No answer, or a server error, is an outage: training goes on
+    and the tracker asks again later. The question is a plain HTTP request (MLflow's
+    import comes after the first step); a refusal is confirmed through MLflow's client,
+    so credentials only MLflow knows how to send (a plugin's) are not refused."""
+    if not uri.startswith(("http://", "https://")):
+        return
+    query = urllib.parse.urlencode({"experiment_name": experiment})
+    url = f"{uri.rstrip('/')}/api/2.0/mlflow/experiments/get-by-name?{query}"
+    timeout = min(5.0, float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")))
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=_auth_headers()),
+                                    timeout=timeout):  # fmt: skip
+            return
+    except urllib.error.HTTPError as err:
+        status, body = err.code, err.read(4000).decode("utf-8", "replace")
+    except (OSError, ValueError):  # refused, timed out, unresolvable: an outage
+        return
+    if status >= 500 or status < 400 or status in _TRANSIENT:
+        return
+    if status == 404 and "RESOURCE_DOES_NOT_EXIST" in body:  # MLflow answered: no such
+        return  # experiment yet
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    try:
+        MlflowClient(uri).get_experiment_by_name(experiment)
+    except MlflowException as err:
+        code = re.search(r"error code (\d{3})", str(err))
+        if code and int(code.group(1)) == status:
+            raise ConfigError(refusal(uri, status, _server_words(body), experiment)) from None
+    except Exception:  # anything else: the tracker's own start deals with it
+        return
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -223,6 +312,9 @@ class Tracker:
         """The MLflow run: started now, or (``defer``) by the first metrics row or the
         first call that needs the run, so that MLflow's import (about 1.5 s) and a new
         sqlite store's migrations (about 4 s) come after the first step, not before it."""
+        _short_http_timeouts()
+        # Every rank asks (each exits 2 alike; rank 0 prints the line), before any step.
+        check_server(resolve_tracking_uri(tracking_uri), experiment)
         if not self.enabled:
             return
         self._start_args = dict(tracking_uri=tracking_uri, experiment=experiment,
