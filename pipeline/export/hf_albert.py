@@ -1,4 +1,5 @@
-"""ALBERT -> transformers ``AlbertForPreTraining`` (prediction_logits, sop_logits).
+"""ALBERT -> transformers ``AlbertForPreTraining`` (prediction_logits, sop_logits), or
+``AlbertForMaskedLM`` for a model without the pooler and SOP head (``pair_head: false``).
 
 transformers' ALBERT shares *whole layers* in groups: ``share: all`` exports as one
 group used by every layer, ``share: none`` as one group per layer. Sharing only the
@@ -37,16 +38,17 @@ def albert_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
         **embeddings_state(sd, "albert.", V),
         "albert.encoder.embedding_hidden_mapping_in.weight": sd["project.weight"],
         "albert.encoder.embedding_hidden_mapping_in.bias": sd["project.bias"],
-        "albert.pooler.weight": sd["pooler.weight"],
-        "albert.pooler.bias": sd["pooler.bias"],
         "predictions.dense.weight": sd["mlm_head.dense.weight"],
         "predictions.dense.bias": sd["mlm_head.dense.bias"],
         "predictions.LayerNorm.weight": sd["mlm_head.ln.weight"],
         "predictions.LayerNorm.bias": sd["mlm_head.ln.bias"],
         "predictions.bias": sd["mlm_head.bias"][:V],
-        "sop_classifier.classifier.weight": sd["sop_head.weight"],
-        "sop_classifier.classifier.bias": sd["sop_head.bias"],
     }
+    if cfg.pair_head:
+        out["albert.pooler.weight"] = sd["pooler.weight"]
+        out["albert.pooler.bias"] = sd["pooler.bias"]
+        out["sop_classifier.classifier.weight"] = sd["sop_head.weight"]
+        out["sop_classifier.classifier.bias"] = sd["sop_head.bias"]
     for g in range(_groups(cfg)):
         hf = f"albert.encoder.albert_layer_groups.{g}.albert_layers.0."
         attn, ffn = f"attention.{g}.", f"ffn.{g}."
@@ -67,7 +69,8 @@ def albert_to_hf_state(sd: dict[str, Tensor], cfg: Any) -> dict[str, Tensor]:
 
 
 def hf_albert_model(cfg: Any, roles: dict[str, int]):
-    """A freshly initialised ``AlbertForPreTraining`` with the shape of our AlbertConfig."""
+    """A freshly initialised ``AlbertForPreTraining`` (``AlbertForMaskedLM`` without the
+    pair head) with the shape of our AlbertConfig."""
     import transformers
 
     hf_cfg = transformers.AlbertConfig(
@@ -78,4 +81,6 @@ def hf_albert_model(cfg: Any, roles: dict[str, int]):
         bos_token_id=roles.get("cls"),
         eos_token_id=roles.get("sep"),
     )
+    if not cfg.pair_head:
+        return transformers.AlbertForMaskedLM(hf_cfg)
     return transformers.AlbertForPreTraining(hf_cfg)

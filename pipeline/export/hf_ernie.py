@@ -1,4 +1,5 @@
-"""ERNIE -> transformers ``ErnieForPreTraining``: BERT's weights under the ``ernie.`` prefix
+"""ERNIE -> transformers ``ErnieForPreTraining`` (``ErnieForMaskedLM`` without the pair
+head: ``objective.ernie.nsp: false``): BERT's weights under the ``ernie.`` prefix
 (ERNIE 1.0 has no task-type embedding, so ``use_task_id`` stays False)."""
 
 from __future__ import annotations
@@ -23,4 +24,6 @@ def hf_ernie_model(cfg: Any, roles: dict[str, int]):
     import transformers
 
     hf_cfg = transformers.ErnieConfig(**encoder_config_fields(cfg, roles), use_task_id=False)
+    if not cfg.pair_head:
+        return transformers.ErnieForMaskedLM(hf_cfg)
     return transformers.ErnieForPreTraining(hf_cfg)

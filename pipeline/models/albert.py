@@ -8,14 +8,15 @@
    sublayers, or ``none``. A shared layer still runs ``num_layers`` times: compute is
    unchanged, parameters shrink by ~L.
 3. Sentence-order prediction instead of NSP (``objective.kind: mlm+sop``), on a
-   pooled [CLS] (dense + tanh) like BERT's.
+   pooled [CLS] (dense + tanh) like BERT's; the pooler and SOP head are built only with
+   ``pair_head`` (the objective decides: pipeline/models/base.py).
 
 A layer is post-LN like BERT's: x = LN(x + attn(x)); x = LN(x + ffn(x)). Each sublayer
 owns its LayerNorm (as in transformers' AlbertAttention / AlbertLayer), so sharing a
 sublayer shares its LayerNorm too.
 
-Outputs: {"mlm_logits": [B,T,Vpad], "sop_logits": [B,2], "hidden_states": [B,T,H]};
-sop_logits index 0 = segments in order, 1 = swapped (transformers' convention). Given
+Outputs: {"mlm_logits": [B,T,Vpad], "sop_logits": [B,2], "hidden_states": [B,T,H]}
+("sop_logits" only with the pair head); sop_logits index 0 = segments in order, 1 = swapped (transformers' convention). Given
 ``mlm_labels``, "mlm_logits" is [N,Vpad]: the labelled positions only, as for BERT.
 """
 
@@ -36,7 +37,9 @@ from pipeline.models.blocks import (
     TransformerConfig,
     encoder_attention,
     init_normal,
+    numel,
     vocab_pad_bias,
+    zero_rows,
 )
 
 
@@ -50,6 +53,8 @@ class AlbertConfig(TransformerConfig):
     activation: Literal["gelu", "gelu_tanh"] = "gelu_tanh"
     dropout: float = Field(0.0, ge=0, lt=1)
     attention_dropout: float = Field(0.0, ge=0, lt=1)
+    # The pooler + SOP head (mlm+sop); false: MLM only (AlbertForMaskedLM), as for BERT.
+    pair_head: bool = True
 
 
 class AttentionSublayer(nn.Module):
@@ -80,6 +85,7 @@ class FfnSublayer(nn.Module):
 
 class Albert(PretrainModel):
     layout_kind = "encoder"
+    pair_modules = ("pooler", "sop_head")
 
     def __init__(self, config: AlbertConfig):
         super().__init__()
@@ -95,8 +101,9 @@ class Albert(PretrainModel):
         self.attention = nn.ModuleList(AttentionSublayer(cfg) for _ in range(n_attn))
         self.ffn = nn.ModuleList(FfnSublayer(cfg) for _ in range(n_ffn))
         self.mlm_head = BertMLMHead(cfg, width=cfg.embedding_size)  # H -> E, tied to E-dim words
-        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.sop_head = nn.Linear(cfg.hidden_size, 2)
+        if cfg.pair_head:
+            self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+            self.sop_head = nn.Linear(cfg.hidden_size, 2)
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
         )
@@ -105,7 +112,7 @@ class Albert(PretrainModel):
     @torch.no_grad()
     def init_weights(self) -> None:
         init_normal(self, self.config.init_std)
-        self.embeddings.word.weight[self.config.vocab_size :].zero_()
+        zero_rows(self.embeddings.word, self.config.vocab_size)
 
     def repeated_layers(self) -> list[nn.Module]:
         """The sublayers (a shared one once): each is called through run_layer."""
@@ -132,12 +139,11 @@ class Albert(PretrainModel):
             x = self.run_layer(self.ffn[i % len(self.ffn)], x)
         word = self.embeddings.word.weight
         mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, mlm_labels)
-        pooled = torch.tanh(self.pooler(attn.firsts(x)))
-        return {
-            "mlm_logits": mlm_logits,
-            "sop_logits": self.sop_head(pooled),
-            "hidden_states": attn.unpack(x),
-        }
+        out = {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}
+        if self.config.pair_head:
+            pooled = torch.tanh(self.pooler(attn.firsts(x)))
+            out["sop_logits"] = self.sop_head(pooled)
+        return out
 
     def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """6 * (N_used + f * E * Vpad) + 12 * L * H * T (f, T: see Bert.flops_per_token).
@@ -145,16 +151,17 @@ class Albert(PretrainModel):
         N_used counts the weights each token passes through: a shared layer's weights
         once per layer that runs them (compute does not shrink with sharing, only the
         parameter count), plus the E->H projection, the MLM head's dense H->E and the
-        pooler/SOP head; E * Vpad is the tied decoder matmul. Attention as for BERT.
+        pooler/SOP head when built; E * Vpad is the tied decoder matmul. Attention as for BERT.
         """
         cfg = self.config
         L = cfg.num_layers
 
         def count(module: nn.Module) -> int:
-            return sum(p.numel() for p in module.parameters())
+            return sum(numel(p) for p in module.parameters())
 
         per_layer = count(self.attention[0]) + count(self.ffn[0])
         n = L * per_layer + count(self.project) + count(self.mlm_head)
-        n += count(self.pooler) + count(self.sop_head)
+        if cfg.pair_head:
+            n += count(self.pooler) + count(self.sop_head)
         n += decoder_fraction * cfg.embedding_size * cfg.padded_vocab_size
         return 6.0 * n + 12.0 * L * cfg.hidden_size * seq_len

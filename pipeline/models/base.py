@@ -4,6 +4,14 @@
 
 Model files hold the math only; a model subclasses ``PretrainModel``, names its repeated
 layers in ``repeated_layers()`` and calls each of them through ``run_layer``.
+
+The sentence-pair head (BERT's and ERNIE's pooler + NSP head, ALBERT's pooler + SOP head)
+is built only when the model config's ``pair_head`` is true: the trainer sets it from the
+objective (``pipeline.train.plan.model_config_for``), so an MLM-only model carries no
+parameter without a gradient. Fine-tuning never uses it (its heads pool the hidden
+states themselves, pipeline/finetune/heads.py). A state dict saved with the head (every
+bundle and checkpoint from before, or an NSP run's) still loads into a model without
+it: ``PretrainModel`` drops those tensors on load (``pair_modules``).
 """
 
 from __future__ import annotations
@@ -26,6 +34,14 @@ class PretrainModel(nn.Module):
     # The attention layout the forward takes as ``layout`` (pipeline/models/blocks.py):
     # a bidirectional encoder's, a causal decoder's, or none (the model attends its own way)
     layout_kind: Literal["encoder", "decoder"] | None = None
+    # The submodules only sentence-pair objectives train, built when config.pair_head is
+    # true; a state dict's tensors under them load into a model built without them as
+    # nothing (dropped), everything else loads as strictly as ever.
+    pair_modules: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_load_state_dict_pre_hook(_drop_unbuilt_pair_head)
 
     def set_activation_checkpointing(self, enabled: bool) -> None:
         self.checkpointing = enabled
@@ -72,3 +88,14 @@ class PretrainModel(nn.Module):
     def check_length(self, seq_len: int, limit: int) -> None:
         if seq_len > limit:
             raise ValueError(f"sequence length {seq_len} > model.max_positions {limit}")
+
+
+def _drop_unbuilt_pair_head(module, state_dict, prefix, *_args) -> None:
+    """Load-state-dict pre-hook: remove the tensors of the pair modules ``module`` was
+    built without (an MLM-only model loading a bundle or checkpoint that has them)."""
+    for name in module.pair_modules:
+        if name in module._modules:
+            continue
+        head = f"{prefix}{name}."
+        for key in [k for k in state_dict if k.startswith(head)]:
+            del state_dict[key]

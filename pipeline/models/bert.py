@@ -1,7 +1,10 @@
 """BERT (Devlin et al., 2018): a post-LN transformer encoder with the two pretraining heads,
 masked-LM (tied to the input embeddings) and next-sentence prediction on the pooled [CLS].
+The pooler and the NSP head are built only with ``pair_head`` (the trainer sets it from
+the objective: mlm+nsp, mlm+sop, ernie with NSP; see pipeline/models/base.py).
 
-Outputs: {"mlm_logits": [B,T,Vpad], "nsp_logits": [B,2], "hidden_states": [B,T,H]}; given
+Outputs: {"mlm_logits": [B,T,Vpad], "nsp_logits": [B,2], "hidden_states": [B,T,H]}
+("nsp_logits" only with the pair head); given
 ``mlm_labels`` (the trainer passes them), "mlm_logits" is [N,Vpad]: the N labelled positions.
 Vpad is vocab_size rounded up to a multiple of 64; the padded rows get a logit of
 PAD_LOGIT so they never win. nsp_logits index 0 = "B follows A", 1 = "B is random"
@@ -24,6 +27,7 @@ from pipeline.models.blocks import (
     make_blocks,
     non_embedding_params,
     vocab_pad_bias,
+    zero_rows,
 )
 
 
@@ -32,6 +36,9 @@ class BertConfig(TransformerConfig):
 
     # segments A / B; 1: one type for both (segment B gets type 0, as in RoBERTa)
     type_vocab_size: int = Field(2, gt=0)
+    # The pooler + NSP head (sentence-pair objectives); false: MLM only, as transformers'
+    # BertForMaskedLM. True by default: what every bundle saved before the key had.
+    pair_head: bool = True
 
 
 class BertEmbeddings(nn.Module):
@@ -100,6 +107,7 @@ class BertMLMHead(nn.Module):
 
 class Bert(PretrainModel):
     layout_kind = "encoder"
+    pair_modules = ("pooler", "nsp_head")
 
     def __init__(self, config: BertConfig):
         super().__init__()
@@ -108,8 +116,9 @@ class Bert(PretrainModel):
         self.embeddings = BertEmbeddings(cfg)
         self.blocks = make_blocks(cfg, pre_ln=False)
         self.mlm_head = BertMLMHead(cfg)
-        self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
-        self.nsp_head = nn.Linear(cfg.hidden_size, 2)
+        if cfg.pair_head:
+            self.pooler = nn.Linear(cfg.hidden_size, cfg.hidden_size)
+            self.nsp_head = nn.Linear(cfg.hidden_size, 2)
         # not persistent: derived from the config, never saved in a checkpoint
         self.register_buffer(
             "pad_bias", vocab_pad_bias(cfg.vocab_size, cfg.padded_vocab_size), persistent=False
@@ -121,7 +130,7 @@ class Bert(PretrainModel):
         """N(0, 0.02) everywhere, zero biases (incl. the MLM output bias), LayerNorm = identity.
         The padded vocabulary rows are zeroed: they are never looked up nor predicted."""
         init_normal(self, self.config.init_std)
-        self.embeddings.word.weight[self.config.vocab_size :].zero_()
+        zero_rows(self.embeddings.word, self.config.vocab_size)
 
     def repeated_layers(self) -> list[nn.Module]:
         return list(self.blocks)
@@ -145,12 +154,11 @@ class Bert(PretrainModel):
             x = self.run_layer(block, x, attn)
         word = self.embeddings.word.weight
         mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, mlm_labels)
-        pooled = torch.tanh(self.pooler(attn.firsts(x)))  # the [CLS] position
-        return {
-            "mlm_logits": mlm_logits,
-            "nsp_logits": self.nsp_head(pooled),
-            "hidden_states": attn.unpack(x),
-        }
+        out = {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}
+        if self.config.pair_head:
+            pooled = torch.tanh(self.pooler(attn.firsts(x)))  # the [CLS] position
+            out["nsp_logits"] = self.nsp_head(pooled)
+        return out
 
     def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward) per token:
@@ -161,7 +169,8 @@ class Bert(PretrainModel):
         matmul although its weights are the embedding table; a matmul with a weight of n
         entries costs 2n FLOPs per token forward and 4n backward. 12 * L * H * T is the
         attention itself (QK^T and AV: 2 * 2 * T * H per layer forward, x3 for training).
-        The pooler/NSP head (once per sequence) is counted per token: a slight over-count.
+        The pooler/NSP head, when built (once per sequence), is counted per token: a slight
+        over-count.
         f = ``decoder_fraction``, the share of tokens the decoder runs on: 1 scores every
         position (transformers' model, evaluation), the labelled share (~15%) in training.
         T = ``seq_len``: the keys a token attends to (the trainer passes the mean over real

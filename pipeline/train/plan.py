@@ -1,7 +1,8 @@
 """``plm train CONFIG --dry-run``: validate everything and print the plan, start nothing.
 
-Checks the model config through the registry, the data dir manifest and tokenizer, and
-the DeepSpeed JSON (with DeepSpeed's own ZeRO config model), then prints world size,
+Checks the model config through the registry, the data dir manifest and tokenizer, the
+valid split against the eval batch (as the run's start does), and the DeepSpeed JSON
+(with DeepSpeed's own ZeRO config model), then prints world size,
 global batch, steps, tokens, parameters and a per-rank memory estimate for the ZeRO stage.
 """
 
@@ -75,6 +76,28 @@ def activation_bytes(cfg: ExperimentConfig, model_cfg) -> float:
     if cfg.train.activation_checkpointing:
         per_layer = 2 * s * b * h * scale
     return per_layer * layers
+
+
+def uses_pair_head(objective) -> bool:
+    """Whether the objective trains the sentence-pair head (the pooler + BERT's NSP head
+    or ALBERT's SOP head): mlm+nsp, mlm+sop, and ernie unless objective.ernie.nsp is
+    false. Every other objective reads no pair logits."""
+    kind = objective.kind
+    return kind in ("mlm+nsp", "mlm+sop") or (kind == "ernie" and objective.ernie.nsp)
+
+
+def model_config_for(cfg: ExperimentConfig, vocab_size: int):
+    """The model's typed config for this experiment (``resolve_model_config``), with
+    ``pair_head`` set from the objective for the architectures that have one (BERT,
+    ERNIE, ALBERT): an MLM-only model carries no pooler or pair head, whose parameters
+    would get no gradient. ``model.pair_head`` in the experiment config wins."""
+    from pipeline.models.registry import ARCHITECTURES, resolve_model_config
+
+    section = cfg.model.model_dump()
+    config_cls = ARCHITECTURES.get(section.get("arch"), (None,))[0]
+    if config_cls is not None and "pair_head" in config_cls.model_fields:
+        section.setdefault("pair_head", uses_pair_head(cfg.objective))
+    return resolve_model_config(section, vocab_size)
 
 
 # Architectures without a table of absolute positions: data.seq_len is not bounded by
@@ -157,6 +180,28 @@ def check_checkpoint(
         )
 
 
+def open_eval_streams(cfg: ExperimentConfig, make_stream, n_sources: int) -> dict[int, Any]:
+    """The valid stream of each source (``make_stream(k)``), opened now: at the start of
+    a run and by ``--dry-run``, not at the first evaluation after steps were trained. A
+    valid split too small for the eval batch (or with a bad shard) is one ConfigError
+    naming the split, its examples, the batch and the keys that fix it. Nothing without
+    evaluation (train.eval_every=0)."""
+    if not cfg.train.eval_every:
+        return {}
+    streams = {}
+    for k in range(n_sources):
+        try:
+            streams[k] = make_stream(k)
+        except ConfigError as err:
+            raise ConfigError(
+                f"evaluation (every train.eval_every={cfg.train.eval_every} steps) reads the "
+                f"valid split with the eval batch: {err}; or re-prepare the data with a "
+                "larger --valid-fraction, or pass train.eval_every=0 to train without "
+                "evaluation"
+            ) from None
+    return streams
+
+
 def check_objective(cfg: ExperimentConfig, objective, model, data: DataDir, meta: dict) -> None:
     """The checks the real run makes when the objective meets the model and the data:
     padding id (RoBERTa's positions), the architecture the objective trains, and a
@@ -174,9 +219,25 @@ def check_objective(cfg: ExperimentConfig, objective, model, data: DataDir, meta
         check_same_tokenizer(teacher["vocab"], meta, where)
 
 
+def check_eval_split(cfg: ExperimentConfig, sources, objective, world: int) -> None:
+    """What the run's start checks of evaluation (``open_eval_streams``), for rank 0 of
+    ``world`` ranks: each source's valid split against world * train.micro_batch_size."""
+    from pipeline.data.stream import PretrainStream
+
+    def make(k: int):
+        return PretrainStream(
+            [sources[k]], "valid", objective, micro_batch_size=cfg.train.micro_batch_size,
+            seed=cfg.train.seed, rank=0, world_size=world, num_workers=0,
+            verify_checksums=cfg.data.verify_checksums, on_bad_shard=cfg.data.on_bad_shard,
+        )  # fmt: skip
+
+    for stream in open_eval_streams(cfg, make, len(sources)).values():
+        stream.close()
+
+
 def print_plan(cfg: ExperimentConfig) -> int:
     from pipeline.data.mixture import describe, open_sources, shares
-    from pipeline.models.registry import build_model, resolve_model_config
+    from pipeline.models.registry import build_model
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     cfg = with_global_batch(cfg, world)
@@ -191,7 +252,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
         for split in ("train", "valid"):
             if not source.path.manifest["splits"].get(split, {}).get("shards"):
                 raise ConfigError(f"{key}: {source.path.where()} has no {split} shards")
-    model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
+    model_cfg = model_config_for(cfg, meta["vocab_size"])
     check_positions(cfg, model_cfg)
     parallelize.check_compile(cfg.train)
     with torch.device("meta"):  # counts parameters without allocating them
@@ -205,6 +266,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
         cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len, specials
     )
     check_objective(cfg, objective, model, data, meta)
+    check_eval_split(cfg, sources, objective, world)
     from pipeline.train.checkpoint import CheckpointManager
 
     ckpt = CheckpointManager(cfg.train.out_dir, 1, 0, world)

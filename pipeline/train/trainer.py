@@ -31,7 +31,13 @@ from pipeline.train import engine as ds_engine
 from pipeline.train import faults, parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
-from pipeline.train.plan import check_checkpoint, check_positions, resolve_deepspeed
+from pipeline.train.plan import (
+    check_checkpoint,
+    check_positions,
+    model_config_for,
+    open_eval_streams,
+    resolve_deepspeed,
+)
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop, TrainingStopped
 from pipeline.train.tracking import Tracker, code_version
@@ -113,12 +119,12 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int, sources: list
     """Model (on the config's seed), objective and the train stream: no DeepSpeed yet.
     ``sources``: the opened data dirs (``open_sources``; one for data.path)."""
     from pipeline.data.stream import PretrainStream
-    from pipeline.models.registry import build_model, resolve_model_config
+    from pipeline.models.registry import build_model
     from pipeline.objectives import build_objective
 
     data = sources[0].path  # the tokenizer's (shared) and, for word2vec, the counts' source
     meta = tokenizer_meta(data)
-    model_cfg = resolve_model_config(cfg.model.model_dump(), meta["vocab_size"])
+    model_cfg = model_config_for(cfg, meta["vocab_size"])  # the heads the objective uses
     check_positions(cfg, model_cfg)
     seed_everything(cfg.train.seed)  # same initial weights on every rank
     model = build_model(cfg.model.arch, model_cfg)
@@ -368,7 +374,11 @@ class Trainer:
             if not self.ds_config["checkpoint"]:
                 self.ds_config.pop("checkpoint")
         self.stream = self.make_stream("train", cfg.data.workers)
-        self.valid_streams: dict[int, Any] = {}  # per source: evaluation reads each alone
+        # Per source: evaluation reads each alone. Opened now: a valid split too small for
+        # the eval batch is refused before step 1, not at the first evaluation.
+        self.valid_streams: dict[int, Any] = open_eval_streams(
+            cfg, lambda k: self.make_stream("valid", 0, k), len(self.sources)
+        )
         self.tokens_by_source = [0] * len(self.sources)
         self.step = 0
         self.tokens_seen = 0
@@ -822,12 +832,8 @@ class Trainer:
                 if self.writes_done:  # every rank wrote its part: complete the checkpoint
                     self.writes_done = False
                     self.ckpt.finish(agreed=True)
-                if t.eval_every and self.step % t.eval_every == 0:
-                    ev = self.evaluate()
-                    self.tracker.log_metrics(ev, self.step)
-                    self.log(
-                        f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items())
-                    )
+                # The checkpoint due at this step is written and completed before the
+                # evaluation: an evaluation that fails loses no training (docs/training.md).
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
                     tag = self.save()
                     n = self.n_checkpoints
@@ -836,14 +842,24 @@ class Trainer:
                         b = self.bundle(tag, kept=kept)
                         if b is not None and kept:  # MLflow gets the kept ones only
                             self.tracker.log_artifacts(b, f"bundles/{tag}")
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                    self.ckpt.finish()  # a pending checkpoint (this step's): complete first
+                    ev = self.evaluate()
+                    self.tracker.log_metrics(ev, self.step)
+                    self.log(
+                        f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items())
+                    )
             self.save_complete()
             if self.step < t.max_steps:  # stopped early on purpose
                 status = "KILLED"
                 return self._result(None, None)
-            evaluated = t.eval_every and self.step % t.eval_every == 0
-            final_eval = self.evaluate() if t.eval_every and not evaluated else {}
+            # The last step's evaluation, after its checkpoint is complete (above).
+            final_eval = self.evaluate() if t.eval_every else {}
             if final_eval:
                 self.tracker.log_metrics(final_eval, self.step)
+                self.log(
+                    f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in final_eval.items())
+                )
             bundle_dir = self.bundle("final")
             if self.rank == 0:
                 self.tracker.await_server()  # after an outage: the model is logged if it can
