@@ -192,9 +192,16 @@ class Tracker:
     """MLflow on rank 0, a jsonl file always; each MLflow call guarded."""
 
     def __init__(
-        self, run_dir: Path, enabled: bool, retry_every_s: float = 30.0, final_wait_s: float = 60.0
+        self,
+        run_dir: Path,
+        enabled: bool,
+        retry_every_s: float = 30.0,
+        final_wait_s: float = 60.0,
+        every_row: dict[str, float] | None = None,
     ):
         self.run_dir = Path(run_dir)
+        # fields every metrics row carries unless it has its own (training: world_size)
+        self.every_row = dict(every_row or {})
         self.enabled = enabled  # rank 0
         self.mlflow_ok = False
         self.run_id: str | None = None
@@ -310,8 +317,9 @@ class Tracker:
         defer: bool = False,
     ) -> None:
         """The MLflow run: started now, or (``defer``) by the first metrics row or the
-        first call that needs the run, so that MLflow's import (about 1.5 s) and a new
-        sqlite store's migrations (about 4 s) come after the first step, not before it."""
+        first call that needs the run, so that MLflow's import (about 1.5 s) comes after
+        the first step, not before it. Before it, only a plain HTTP question to a tracking
+        server (``check_server``: a refusal ends the run there)."""
         _short_http_timeouts()
         # Every rank asks (each exits 2 alike; rank 0 prints the line), before any step.
         check_server(resolve_tracking_uri(tracking_uri), experiment)
@@ -324,7 +332,6 @@ class Tracker:
             self._rows = len(self._jsonl.read_text(encoding="utf-8").splitlines())
             synced = self.run_dir / SYNCED_FILE
             self._sent = int(synced.read_text()) if synced.is_file() else self._rows
-        _short_http_timeouts()
         self.uri = resolve_tracking_uri(tracking_uri)
         if defer:
             self._deferred = []  # the calls made meanwhile, made once the run started
@@ -370,6 +377,7 @@ class Tracker:
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:
             return
+        metrics = {**metrics, **{k: v for k, v in self.every_row.items() if k not in metrics}}
         with open(self._jsonl, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")
         self._rows += 1

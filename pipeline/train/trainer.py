@@ -335,8 +335,9 @@ class Trainer:
         self.dev = device()
         self.run_dir = Path(cfg.train.out_dir)
         self.tracker = Tracker(
-            self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s
-        )
+            self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s,
+            every_row={"world_size": self.world},  # every row of metrics.jsonl says it
+        )  # fmt: skip
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = CheckpointManager(
@@ -445,7 +446,7 @@ class Trainer:
         stage = ds_engine.zero_stage(ds_engine.load_base_config(cfg.deepspeed)[0])
         plan = {
             "tag": tag, "saved_world": saved_world, "universal": stage > 0,
-            "grad_accum": (t.grad_accum, ga), "convert_s": 0.0,
+            "grad_accum": (ga_saved, ga), "convert_s": 0.0,  # the checkpoint's -> this run's
         }  # fmt: skip
         if ga != t.grad_accum:
             self.log(
@@ -497,12 +498,7 @@ class Trainer:
             "zero_stage": str(ds_engine.zero_stage(self.ds_config)),
         }
         if self.elastic:
-            e = self.elastic
-            conversion = f"{e['convert_s']:.1f} s" if e["universal"] else "none (ZeRO-0)"
-            tags["elastic_resume"] = (
-                f"{e['tag']}: {e['saved_world']} -> {self.world} ranks, grad_accum "
-                f"{e['grad_accum'][0]} -> {e['grad_accum'][1]}, universal conversion {conversion}"
-            )
+            tags["elastic_resume"] = elastic_resume_tag(self.elastic, self.world)
         params = {**cfg.model_dump(mode="json"), "model_resolved": self.model_cfg.model_dump()}
         if len(self.sources) > 1:  # the mixture at a glance: data.mixture = en:0.7, zh:0.3
             total = sum(x.weight for x in self.sources)
@@ -593,6 +589,8 @@ class Trainer:
                     return None
             self.engine.set_gradient_accumulation_boundary(last)
             self.engine.backward(loss)
+            if last:  # the lr this update uses: engine.step() steps the scheduler after it
+                lr = float(self.engine.get_lr()[0])
             self.engine.step()
         # recorded in every setup (engine.record_grad_norm); NaN, never a made-up 0, if not
         norm = self.engine.get_global_grad_norm()
@@ -608,7 +606,7 @@ class Trainer:
                 [values.double(), torch.tensor(host, dtype=torch.float64).to(self.dev)]
             ),
             grad_norm=norm.to(self.dev, torch.float64),
-            lr=float(self.engine.get_lr()[0]),
+            lr=lr,
         )
 
     def _read_window(self) -> None:
@@ -1044,6 +1042,16 @@ class Trainer:
             + (eta if left > 0 else "")
         )
         self.tracker.log_metrics(m, self.step)  # the first row starts the MLflow run
+
+
+def elastic_resume_tag(plan: dict[str, Any], world: int) -> str:
+    """The ``elastic_resume`` tag of a run resumed on another world size: the checkpoint,
+    the world sizes, grad_accum (the checkpoint's -> this run's) and the conversion."""
+    conversion = f"{plan['convert_s']:.1f} s" if plan["universal"] else "none (ZeRO-0)"
+    return (
+        f"{plan['tag']}: {plan['saved_world']} -> {world} ranks, grad_accum "
+        f"{plan['grad_accum'][0]} -> {plan['grad_accum'][1]}, universal conversion {conversion}"
+    )
 
 
 def _duration(seconds: float) -> str:
