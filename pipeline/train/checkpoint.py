@@ -25,8 +25,10 @@ DeepSpeed's own ``latest`` is written without waiting for the other ranks, and i
 ``save_latest=False``, load with an explicit tag, and fail loudly if that tag won't load.
 
 Asynchronous saves (``train.async_save``): DeepSpeed's engine hands each state dict to
-``SnapshotWriter``, which copies every tensor to host memory (the only part training waits
-for) and writes the copies in a background thread. ``save`` then returns with the
+``SnapshotWriter``, which writes them in a background thread: tensors already whole in
+host memory are held, not copied, and the next optimizer update waits until they are
+written; others (on a device, views) are copied to host memory first, the only part of a
+save training always waits for. ``save`` then returns with the
 checkpoint pending: no ``COMPLETE``, ``latest`` unchanged. It is finished (``finish``:
 rank 0 writes ``COMPLETE``, moves ``latest``, prunes) once every rank's writes are done:
 at the first step boundary where the trainer's per-step all-reduce says so, or, waiting,
@@ -72,15 +74,30 @@ def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
 
-def snapshot(obj: Any) -> Any:
-    """A copy of a state dict that later training steps cannot change: every tensor copied
-    to host memory (compact: a view copies only its own elements, as DeepSpeed's
-    ``clone_tensors_for_torch_save`` does), containers rebuilt, other objects deep-copied
-    where they can be (a loss scaler changes as training goes on)."""
+def _whole_host_storage(t: torch.Tensor) -> bool:
+    """``t`` is in host memory and is its whole storage: saving it writes only its bytes."""
+    return (
+        t.device.type == "cpu"
+        and t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
+    )
+
+
+def snapshot(obj: Any, copy_all: bool = True) -> Any:
+    """What a background write of a state dict holds: containers rebuilt, other objects
+    deep-copied where they can be (a loss scaler changes as training goes on), and each
+    tensor either copied to host memory (compact: a view copies only its own elements, as
+    DeepSpeed's ``clone_tensors_for_torch_save`` does) or, with ``copy_all=False`` and when
+    it is a whole host storage, held as it is: no copy at all, on the promise that nothing
+    writes it until the write is done (``SnapshotWriter`` makes the next optimizer update
+    wait for that)."""
     if isinstance(obj, torch.Tensor):
+        if not copy_all and _whole_host_storage(obj):
+            return obj.detach()  # the same memory: what the optimizer will update in place
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        items = {k: snapshot(v) for k, v in obj.items()}
+        items = {k: snapshot(v, copy_all) for k, v in obj.items()}
         if type(obj) is dict:
             return items
         try:
@@ -88,9 +105,9 @@ def snapshot(obj: Any) -> Any:
         except TypeError:
             return items
     if isinstance(obj, list):
-        return [snapshot(v) for v in obj]
+        return [snapshot(v, copy_all) for v in obj]
     if isinstance(obj, tuple):
-        items = [snapshot(v) for v in obj]
+        items = [snapshot(v, copy_all) for v in obj]
         return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
     if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
         return obj
@@ -104,12 +121,22 @@ class SnapshotWriter:
     """DeepSpeed's checkpoint engine for asynchronous saves: ``save`` snapshots the state
     dict (``snapshot``) and queues it; a background thread writes the queue in order, with
     the same ``torch.save`` call (and so the same bytes) as DeepSpeed's own engine, and
-    fsyncs each file (a synchronous save leaves that to the kernel's write-back)."""
+    fsyncs each file (a synchronous save leaves that to the kernel's write-back).
+
+    Host memory: the snapshot copies nothing that is already a whole tensor in host memory
+    (on the CPU: the parameters, ZeRO's fp32 partitions, Adam's moments): it holds them,
+    and the engine's next optimizer update (``_take_model_step``, the only place that
+    writes them) first waits for the queued writes. So a save costs no second copy of the
+    rank's state; the forward and backward passes of the next step overlap the writes,
+    and a step is held back only when writing takes longer than they do (``blocked_s``
+    adds up that wait). Tensors on a device, and views into a larger buffer, are copied
+    to host memory as before."""
 
     def __init__(self, base):
         self.base = base  # DeepSpeed's TorchCheckpointEngine: loading, dirs, commit
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.blocked_s = 0.0  # time optimizer updates waited for the writes, in all
         self.thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
         self.thread.start()
 
@@ -117,7 +144,21 @@ class SnapshotWriter:
     def install(cls, engine) -> SnapshotWriter:
         writer = cls(engine.checkpoint_engine)
         engine.checkpoint_engine = writer
+        take_model_step = engine._take_model_step
+
+        def written_then_step(*args, **kwargs):
+            writer.wait_before_update()
+            return take_model_step(*args, **kwargs)
+
+        engine._take_model_step = written_then_step
         return writer
+
+    def wait_before_update(self) -> None:
+        """The held tensors are about to change: wait until the queued writes are done."""
+        if self.queue.unfinished_tasks:
+            t0 = time.perf_counter()
+            self.wait()
+            self.blocked_s += time.perf_counter() - t0
 
     def __getattr__(self, name: str):  # create, commit, makedirs, load, ...: DeepSpeed's
         return getattr(self.base, name)
@@ -131,7 +172,7 @@ class SnapshotWriter:
     def save(self, state_dict, path: str) -> None:
         if self.error is not None:
             raise self.error
-        self.queue.put((snapshot(state_dict), path))
+        self.queue.put((snapshot(state_dict, copy_all=False), path))
 
     def _run(self) -> None:
         while True:

@@ -11,9 +11,9 @@ import json
 import math
 import os
 import random
-import shutil
 import signal
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +27,7 @@ from pipeline.config import ConfigError, ExperimentConfig, with_global_batch
 from pipeline.data.mixture import open_sources
 from pipeline.data.shards import DataDir
 from pipeline.data.stream import MixSource
+from pipeline.models.blocks import numel
 from pipeline.train import engine as ds_engine
 from pipeline.train import faults, parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for
@@ -115,8 +116,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def build_parts(cfg: ExperimentConfig, rank: int, world_size: int, sources: list[MixSource]):
-    """Model (on the config's seed), objective and the train stream: no DeepSpeed yet.
+def build_parts(
+    cfg: ExperimentConfig,
+    rank: int,
+    world_size: int,
+    sources: list[MixSource],
+    ds_config: dict[str, Any],
+):
+    """Model (on the config's seed), objective and the train stream: no DeepSpeed engine
+    yet, but under ZeRO-3 the model is built partitioned (``engine.partitioned_build``).
     ``sources``: the opened data dirs (``open_sources``; one for data.path)."""
     from pipeline.data.stream import PretrainStream
     from pipeline.models.registry import build_model
@@ -126,8 +134,14 @@ def build_parts(cfg: ExperimentConfig, rank: int, world_size: int, sources: list
     meta = tokenizer_meta(data)
     model_cfg = model_config_for(cfg, meta["vocab_size"])  # the heads the objective uses
     check_positions(cfg, model_cfg)
+    if ds_engine.zero_stage(ds_config) == 3 and cfg.objective.kind == "distill":
+        raise ConfigError(
+            "objective.kind=distill keeps its teacher whole on every rank and copies it into "
+            "the student: use a ZeRO stage below 3 (deepspeed: zero2 or auto)"
+        )
     seed_everything(cfg.train.seed)  # same initial weights on every rank
-    model = build_model(cfg.model.arch, model_cfg)
+    with ds_engine.partitioned_build(ds_config):
+        model = build_model(cfg.model.arch, model_cfg)
     parallelize.apply(model, cfg.train)  # unpadding, checkpointing, compile
     specials = {int(i) for i in meta.get("special_tokens", {}).values()}
     objective = build_objective(
@@ -265,40 +279,43 @@ def _replicated_masters(engine) -> dict[int, torch.Tensor]:
     return out
 
 
-def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """Full fp32 weights on rank 0 (None elsewhere). Collective under ZeRO 1-3 and bf16.
+def full_tensors(engine) -> Iterator[tuple[str, torch.Tensor | None]]:
+    """(name, whole tensor on rank 0 / None elsewhere) for every state-dict entry, in the
+    module's state-dict order, one at a time. Collective under ZeRO 1-3 and bf16: every
+    rank must consume it to the end.
 
     The fp32 *master* weights, never the 16-bit copies the forward pass uses: a bf16 run's
     bundle holds what the optimizer holds (DeepSpeed's 16-bit consolidation would round
     every weight to 8 bits of mantissa). Each parameter is assembled from the optimizer's
-    partitions (``safe_get_full_fp32_param``, an all-reduce / all-gather per parameter);
-    without a ZeRO or bf16 optimizer (ZeRO-0 fp32) the module's weights are the master.
+    partitions (``safe_get_full_fp32_param``, an all-gather per parameter), so a rank holds
+    one whole parameter at a time, never the model; without a ZeRO or bf16 optimizer
+    (ZeRO-0 fp32) the module's weights are the master. Buffers are whole on every rank.
     """
     from deepspeed.utils import safe_get_full_fp32_param
 
-    module = engine.module
     rank0 = dist.get_rank() == 0
     replicated = _replicated_masters(engine)  # ZeRO-0 with bf16/fp16: every rank has it
-    full: dict[int, torch.Tensor] = {}
-    for _, p in module.named_parameters():  # the same order on every rank
-        hp = replicated.get(id(p))
-        if hp is None:
-            hp = safe_get_full_fp32_param(p)
-        if hp is None and hasattr(p, "ds_id"):  # a ZeRO-3 parameter the optimizer lacks
-            import deepspeed
+    for name, t in engine.module.state_dict(keep_vars=True).items():  # same order everywhere
+        value = t
+        if isinstance(t, torch.nn.Parameter):
+            hp = replicated.get(id(t))
+            if hp is None:
+                hp = safe_get_full_fp32_param(t)
+            if hp is None and hasattr(t, "ds_id"):  # a ZeRO-3 parameter the optimizer lacks
+                import deepspeed
 
-            with deepspeed.zero.GatheredParameters([p]):
-                hp = p.detach().clone()
-        if hp is not None:
-            full[id(p)] = hp.detach()
-    if not rank0:
-        return None
-    sd: dict[str, torch.Tensor] = {}
-    for name, t in module.state_dict(keep_vars=True).items():
-        value = full.get(id(t), t)  # a parameter's master copy; buffers as they are
-        # Clone so tied weights become separate tensors (safetensors refuses shared storage)
-        sd[name] = value.detach().to("cpu", torch.float32).clone()
-    return sd
+                with deepspeed.zero.GatheredParameters([t]):
+                    hp = t.detach().clone() if rank0 else None
+            value = hp if hp is not None else t
+        yield name, value.detach().to("cpu", torch.float32) if rank0 else None
+
+
+def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Full fp32 weights on rank 0 (None elsewhere), as one dict: for models small enough
+    to hold whole (fine-tuning's best weights); bundles stream ``full_tensors`` instead.
+    Collective under ZeRO 1-3 and bf16."""
+    sd = {name: t for name, t in full_tensors(engine) if t is not None}
+    return sd if dist.get_rank() == 0 else None
 
 
 def discard_gradients(engine) -> None:
@@ -353,8 +370,9 @@ class Trainer:
         cfg = resolve_deepspeed(cfg, self.ckpt, self.world)
         cfg, self.elastic = self.plan_elastic_resume(cfg)
         self.cfg = cfg
+        self.ds_config = ds_engine.build_ds_config(cfg, self.world)
         self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(
-            cfg, self.rank, self.world, self.sources
+            cfg, self.rank, self.world, self.sources, self.ds_config
         )
         self.model_flops = flops_model(model, cfg.data.seq_len)  # before ZeRO partitions it
         self.input_keys = forward_keys(model)
@@ -364,8 +382,7 @@ class Trainer:
         self.uses_memory = "mems" in self.input_keys
         self.memory: Any = None
         self.eval_memory: Any = None
-        self.n_params = sum(p.numel() for p in model.parameters())
-        self.ds_config = ds_engine.build_ds_config(cfg, self.world)
+        self.n_params = sum(numel(p) for p in model.parameters())
         if self.elastic and self.elastic["universal"]:
             self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine = ds_engine.initialize(model, self.ds_config, scheduler_factory(cfg.train))
@@ -744,15 +761,15 @@ class Trainer:
         return tag
 
     def bundle(self, name: str, kept: bool = False) -> Path | None:
-        """Consolidate the weights (collective) and write a model bundle on rank 0; ``kept``:
-        marked so that pruning leaves it (CheckpointManager.prune_bundles)."""
-        from pipeline.models.bundle import save_bundle
+        """Write a model bundle (collective): every rank walks the weights one parameter at
+        a time (``full_tensors``), rank 0 streams each into the bundle's files as it
+        arrives, so no rank holds the whole model. ``kept``: marked so that pruning leaves
+        it (CheckpointManager.prune_bundles)."""
+        from pipeline.models.bundle import BundleWriter
 
-        sd = consolidated_state_dict(self.engine)
         out = self.run_dir / "bundles" / name
+        writer = None
         if self.rank == 0:
-            if out.exists():
-                shutil.rmtree(out)
             extra = {
                 "objective": self.cfg.objective.kind,
                 "step": self.step,
@@ -762,9 +779,20 @@ class Trainer:
             }
             if kept:
                 extra["kept"] = True
-            save_bundle(
-                out, self.cfg.model.arch, self.model_cfg, sd, self.data.tokenizer_path.parent, extra
-            )
+            writer = BundleWriter(
+                out, self.cfg.model.arch, self.model_cfg, self.data.tokenizer_path.parent, extra,
+                max_shard_bytes=self.cfg.train.bundle_shard_mb * 2**20,
+            )  # fmt: skip
+        try:
+            for tensor_name, t in full_tensors(self.engine):
+                if writer is not None:
+                    writer.add(tensor_name, t)
+        except BaseException:
+            if writer is not None:
+                writer.abort()
+            raise
+        if writer is not None:
+            writer.close()
         dist.barrier()
         return out if self.rank == 0 else None
 

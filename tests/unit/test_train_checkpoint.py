@@ -217,8 +217,9 @@ def test_bundles_pruned_with_their_checkpoints_unless_kept(tmp_path):
 def test_an_asynchronous_save_is_complete_only_once_written(tmp_path, monkeypatch):
     """train.async_save: save() returns after the snapshot; until the background writes
     are done the checkpoint has no COMPLETE and `latest` names the previous one (what a
-    kill -9 then leaves); training on meanwhile does not change what is written; the files
-    are the bytes a synchronous save of the same state writes, and they load."""
+    kill -9 then leaves); the next optimizer update waits for the writes (the host tensors
+    are held, not copied), so training on does not change what is written; the files are
+    the bytes a synchronous save of the same state writes, and they load."""
     import threading
 
     from pipeline.train import checkpoint as ckpt_mod
@@ -248,8 +249,12 @@ def test_an_asynchronous_save_is_complete_only_once_written(tmp_path, monkeypatc
     folder = tmp_path / "async" / "checkpoints" / tag
     assert mgr.writes_busy() and not (folder / COMPLETE).exists()
     assert mgr.latest() == first  # a kill now resumes from the previous checkpoint
-    step(engine, 2)  # training goes on while the files are written
-    release.set()
+    timer = threading.Timer(0.5, release.set)  # the disk catches up while the step waits
+    timer.start()
+    step(engine, 2)  # its first update waits for the writes of the held tensors
+    timer.join()
+    assert mgr.writer.blocked_s > 0
+    assert not mgr.writes_busy()
     assert mgr.finish() == tag and mgr.latest() == tag and (folder / COMPLETE).is_file()
     monkeypatch.setattr(ckpt_mod.torch, "save", real_save)
     # The snapshot was taken at save(): the bytes of the synchronous save of step 3.
@@ -290,3 +295,18 @@ def test_a_failed_background_write_raises_and_leaves_latest(tmp_path, monkeypatc
         mgr.save(engine, 2, {"loader": {"cursor": 8}}, {"name": "x"}, ds)
         mgr.finish()
     assert mgr.latest() == first
+
+
+def test_an_asynchronous_snapshot_holds_whole_host_tensors_and_copies_views():
+    """No second copy of a rank's state: whole host tensors are held (same memory), a view
+    into a larger buffer is copied compact (saving the view would write the whole buffer)."""
+    from pipeline.train.checkpoint import snapshot
+
+    flat = torch.arange(10.0)
+    state = {"whole": flat, "view": flat[2:4], "n": 3}
+    held = snapshot(state, copy_all=False)
+    assert held["whole"].data_ptr() == flat.data_ptr()
+    assert held["view"].data_ptr() != flat.data_ptr()
+    assert held["view"].untyped_storage().nbytes() == 2 * 4
+    copied = snapshot(state)
+    assert copied["whole"].data_ptr() != flat.data_ptr()
