@@ -51,3 +51,17 @@ def test_the_resume_tag_and_the_change_tag_name_the_same_grad_accum(tmp_path):
     assert change["grad_accum"] == (2, 3)
     tag = elastic_resume_tag(plan, world)
     assert "3 -> 2 ranks" in tag and "grad_accum 2 -> 3" in tag, tag
+
+
+def test_the_elastic_page_says_what_the_lines_after_the_plm_line_mean():
+    """What follows a rank's `plm:` line comes from torch, not plm: the agent's log of the
+    rank's exit code (kept: bench/bench_elastic_cluster.py times detection by it) and
+    c10d's warning about a peer address without a name. docs/elastic.md says what each
+    means, with the exit code plm really uses."""
+    from pipeline.train.faults import EXIT_PEER_LOST
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "elastic.md").read_text()
+    section = page.split("## Messages a person can act on", 1)[1].split("\n## ", 1)[0]
+    assert f"failed (exitcode: {EXIT_PEER_LOST})" in section
+    assert "The hostname of the client socket cannot be retrieved. err=-3" in section
+    assert "/etc/hosts" in section  # how to make the c10d warning go away
