@@ -887,6 +887,7 @@ class Trainer:
                     f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in final_eval.items())
                 )
             bundle_dir = self.bundle("final")
+            self.log_host_memory()
             if self.rank == 0:
                 self.tracker.await_server()  # after an outage: the model is logged if it can
                 self.tracker.log_artifacts(bundle_dir, "model")
@@ -930,6 +931,22 @@ class Trainer:
         result = self._result(bundle_dir, version)
         result.tracking_left_behind = self.tracker.left_behind()
         return result
+
+    def log_host_memory(self) -> None:
+        """Collective: each rank's peak resident memory (the process's high-water mark: what
+        the host had to hold for it, the page cache not counted), in the log and as MLflow
+        metrics ``host_peak_gib/rank<r>``."""
+        import resource
+
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+        mine = torch.tensor([kib / 2**20], dtype=torch.float64, device=self.dev)
+        peaks = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(peaks, mine)
+        gib = [float(x) for x in peaks]
+        self.tracker.log_metrics(
+            {f"host_peak_gib/rank{r}": g for r, g in enumerate(gib)}, self.step
+        )
+        self.log("peak resident memory per rank: " + ", ".join(f"{g:.2f} GiB" for g in gib))
 
     def membership_change(self) -> dict[str, Any] | None:
         """After a resume by the elastic agent or on another world size: what changed, and

@@ -83,3 +83,23 @@ def assert_same_shards(s3, root: str, local: Path) -> tuple[dict, dict]:
                 n_files += 1
     assert n_files >= 8
     return ours, theirs
+
+
+SMALL_SUBNETS = ("198.18.0.240/29", "198.18.0.232/29", "198.18.0.224/29", "198.18.0.248/29",
+                 "198.18.0.120/29", "198.18.0.56/29")  # fmt: skip
+
+
+def small_rig(name: str, n_hosts: int, **kwargs) -> rigmod.Rig:
+    """A rig of the test's own beside the session's, on the first small subnet free."""
+    import pytest
+
+    why = rigmod.check_prerequisites(ssh=kwargs.get("ssh", True))
+    if why:
+        pytest.skip(why)
+    for subnet in SMALL_SUBNETS:
+        try:
+            return rigmod.up(n_hosts, name=name, subnet=subnet, **kwargs)
+        except rigmod.RigError as err:
+            if "overlaps" not in str(err):
+                raise
+    raise AssertionError("every small test subnet is in use: `plm rig down` the other rigs")

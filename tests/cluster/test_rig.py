@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from cluster_util import on
+from cluster_util import on, small_rig
 from conftest import one_plm_line
 
 from pipeline import rig as rigmod
@@ -81,24 +81,6 @@ def test_s3_server_on_node0_reached_with_the_standard_variables(rig):
     out = on(rig, "node2", ["env", "-u", "AWS_ACCESS_KEY_ID", "-u", "AWS_SECRET_ACCESS_KEY",
                             sys.executable, "-c", code, uri, "r"])  # fmt: skip
     assert out.stdout.strip() == "from the laptop"
-
-
-SMALL_SUBNETS = ("198.18.0.240/29", "198.18.0.232/29", "198.18.0.224/29", "198.18.0.248/29",
-                 "198.18.0.120/29", "198.18.0.56/29")  # fmt: skip
-
-
-def small_rig(name: str, n_hosts: int, **kwargs) -> rigmod.Rig:
-    """A rig of the test's own beside the session's, on the first small subnet free."""
-    why = rigmod.check_prerequisites(ssh=kwargs.get("ssh", True))
-    if why:
-        pytest.skip(why)
-    for subnet in SMALL_SUBNETS:
-        try:
-            return rigmod.up(n_hosts, name=name, subnet=subnet, **kwargs)
-        except rigmod.RigError as err:
-            if "overlaps" not in str(err):
-                raise
-    raise AssertionError("every small test subnet is in use: `plm rig down` the other rigs")
 
 
 def test_down_stops_only_what_the_rig_started():

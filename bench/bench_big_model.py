@@ -1,0 +1,263 @@
+"""A model no single host can hold: ZeRO-3 over capped rig hosts, side by side with the
+same run on one capped host.
+
+    python bench/bench_big_model.py --model bert-large --cap 4.5G      # as root
+    python bench/bench_big_model.py --model gpt2-medium --cap 4.5G --subnet 198.18.0.128/25
+
+Brings up a rehearsal cluster (pipeline/rig.py) whose hosts each get a memory cgroup of
+``--cap``; trains the preset (fp32, seq 128, micro batch 1, global batch 2, dropout 0)
+on a data dir made here with an 8k WordPiece tokenizer of the bundled corpus:
+
+1. one host, one rank, ZeRO-3 and ZeRO-0: expected to be killed for memory (the kernel's
+   OOM killer inside the host's cgroup; read back from the cgroup's counters);
+2. two hosts, one rank each, ZeRO-3 (the per-node launch, ``launch/deepspeed_train.py
+   --no-ssh``): trains ``--steps`` steps, an asynchronous checkpoint at step 2, the final
+   checkpoint and the streamed, sharded bundle;
+3. the same two hosts resume from that run's step-2 checkpoint and train one more step;
+4. the reference: one uncapped process in the root namespace, ZeRO-3, grad_accum 2 (the
+   same global batch): its losses against 2.'s.
+
+For each: exit status, OOM kills, each host's peak (the cgroup's max usage) beside
+DeepSpeed's estimate (``estimate_zero3_model_states_mem_needs``), the arithmetic (20 bytes
+a parameter for fp32 ZeRO-3: the parameter partition, its fp32 master, its gradient,
+Adam's two moments, over the ranks) and the step time. Prints a JSON line and a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+RANK_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# glibc's heap keeps what a rank frees (the whole-size tensors of the partitioned build and
+# of DeepSpeed's flattening): 27 bytes a parameter instead of 20 (docs/training.md)
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def experiment(model: str, data: Path) -> str:
+    arch = "gpt2" if model.startswith("gpt2") else "bert"
+    objective = "clm" if arch == "gpt2" else "mlm"
+    return f"""name: big-{model}
+model: {{arch: {arch}, preset: {model}, dropout: 0.0, attention_dropout: 0.0}}
+objective: {{kind: {objective}}}
+data: {{path: {data}, seq_len: 128, workers: 0}}
+train:
+  max_steps: 3
+  micro_batch_size: 1
+  grad_accum: 1
+  lr: 1.0e-4
+  warmup_steps: 0
+  schedule: linear
+  seed: 1234
+  precision: fp32
+  log_every: 1
+  eval_every: 0
+  save_every: 2
+  bundle_every: 0
+  keep_last: 2
+  bundle_shard_mb: 512
+deepspeed: configs/deepspeed/zero3.json
+mlflow: {{register: false}}
+"""
+
+
+def make_data(work: Path) -> Path:
+    data = work / "data"
+    if (data / "manifest.json").is_file():
+        return data
+    plm = [sys.executable, "-m", "pipeline.cli"]
+    subprocess.run([*plm, "data", "tokenizer", "--input", "builtin:python-docs", "--kind",
+                    "wordpiece", "--vocab-size", "8000", "--output", str(work / "tok")],
+                   check=True, capture_output=True)  # fmt: skip
+    subprocess.run([*plm, "data", "prepare", "--input", "builtin:python-docs", "--tokenizer",
+                    str(work / "tok"), "--output", str(data)], check=True, capture_output=True)  # fmt: skip
+    return data
+
+
+def model_size(model: str) -> tuple[int, int]:
+    """(parameters, the largest layer's) of the preset at an 8k vocabulary (meta device)."""
+    import torch
+
+    from pipeline.models.registry import build_model, resolve_model_config
+
+    arch = "gpt2" if model.startswith("gpt2") else "bert"
+    section = {"arch": arch, "preset": model}
+    if arch == "bert":
+        section["pair_head"] = False  # objective mlm: no pooler / NSP head
+    cfg = resolve_model_config(section, 8000)
+    with torch.device("meta"):
+        m = build_model(arch, cfg)
+    total = sum(p.numel() for p in m.parameters())
+    largest = max(sum(p.numel() for p in mod.parameters(recurse=False)) for mod in m.modules())
+    return total, largest
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    return {r["step"]: r["step_loss"] for r in rows if "step_loss" in r}
+
+
+def run_on_hosts(rig, hosts: list[str], argv_of, env: dict, log_dir: Path, name: str):
+    """Start ``argv_of(rank)`` on each host (peaks reset first), wait; per host: exit
+    status, OOM kills during the run, peak bytes, the log."""
+    before = {h: rig.memory(h)["oom_kills"] or 0 for h in hosts}
+    for h in hosts:
+        rig.reset_peak(h)
+    procs, logs = [], []
+    t0 = time.monotonic()
+    for r, h in enumerate(hosts):
+        log = log_dir / f"{name}-{h}.log"
+        logs.append(log)
+        procs.append(rig.popen(h, argv_of(r), env=env, cwd=str(rig.shared),
+                               stdout=open(log, "wb"), stderr=subprocess.STDOUT))  # noqa: SIM115  # fmt: skip
+    codes = []
+    for p in procs:
+        codes.append(p.wait())
+        if codes[-1] != 0:  # one rank gone: the others cannot finish
+            for q in procs:
+                if q.poll() is None:
+                    rig.kill(hosts[procs.index(q)])
+    wall = time.monotonic() - t0
+    out = []
+    for h, code, log in zip(hosts, codes, logs, strict=True):
+        m = rig.memory(h)
+        text = log.read_text(errors="replace")
+        peaks = [x.split("per rank: ")[1] for x in text.splitlines() if "per rank: " in x]
+        steps = [x.split("] ", 1)[1][:60] for x in text.splitlines() if "] step " in x]
+        out.append({"host": h, "exit": code, "oom_kills": (m["oom_kills"] or 0) - before[h],
+                    "peak": m["peak"], "rank_peaks": peaks[-1] if peaks else None,
+                    "last_step_line": steps[-1] if steps else None, "log": str(log)})  # fmt: skip
+    return out, wall
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="bert-large", choices=["bert-large", "gpt2-medium"])
+    ap.add_argument("--cap", default="4.5G")
+    ap.add_argument("--subnet", default="198.18.0.0/24")
+    ap.add_argument("--work", default="/var/tmp/plm-bench-big")
+    ap.add_argument("--skip-one-host", action="store_true")
+    ap.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="leave glibc's malloc thresholds alone (no MALLOC_MMAP_THRESHOLD_)",
+    )
+    args = ap.parse_args()
+
+    from pipeline import rig as rigmod
+
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    data = make_data(work)
+    total, largest = model_size(args.model)
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    name = "big"
+    rigmod.down(name)  # a leftover of an interrupted bench
+    rig = rigmod.up(2, name=name, subnet=args.subnet, mem_per_host=args.cap)
+    results: dict = {"model": args.model, "params": total, "largest_layer": largest,
+                     "cap": rigmod.parse_size(args.cap)}  # fmt: skip
+    try:
+        shared = rig.shared
+        cfg = shared / "big.yaml"
+        cfg.write_text(experiment(args.model, data))
+        logs = shared / "logs"
+        logs.mkdir()
+        plm_train = [sys.executable, "-m", "pipeline.cli", "train", str(cfg)]
+        hostfile = shared / "hostfile"
+        hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
+
+        def per_node(run_dir: Path, extra: list[str]):
+            return lambda r: [
+                sys.executable, str(REPO / "launch" / "deepspeed_train.py"), "--hostfile",
+                str(hostfile), "--no-ssh", "--node-rank", str(r), "--master-addr", "node0",
+                str(cfg), f"train.out_dir={run_dir}",
+                f"mlflow.tracking_uri=sqlite:///{run_dir}.db", *extra,
+            ]  # fmt: skip
+
+        env = {**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)}
+        if not args.skip_one_host:
+            for stage, ds in (("zero3", "configs/deepspeed/zero3.json"), ("zero0", "auto")):
+                run_dir = shared / f"one-{stage}"
+                argv = [*plm_train, f"train.out_dir={run_dir}", f"deepspeed={ds}",
+                        "train.grad_accum=2", f"mlflow.tracking_uri=sqlite:///{run_dir}.db"]  # fmt: skip
+                hosts, wall = run_on_hosts(rig, ["node0"], lambda r, a=argv: a, env, logs,
+                                           f"one-{stage}")  # fmt: skip
+                results[f"one_host_{stage}"] = {"hosts": hosts, "wall_s": wall}
+        run_dir = shared / "two"
+        hosts, wall = run_on_hosts(rig, ["node0", "node1"], per_node(run_dir, []), env, logs,
+                                   "two")  # fmt: skip
+        results["two_hosts"] = {"hosts": hosts, "wall_s": wall, "losses": losses(run_dir)}
+        bundle = run_dir / "bundles" / "final"
+        results["bundle_files"] = sorted(p.name for p in bundle.glob("*.safetensors"))
+        resumed = shared / "resumed"
+        if (run_dir / "checkpoints" / "step00000002").is_dir():
+            shutil.copytree(run_dir, resumed)
+            shutil.rmtree(resumed / "checkpoints" / "step00000003", ignore_errors=True)
+            (resumed / "checkpoints" / "latest").write_text("step00000002")
+            hosts, wall = run_on_hosts(rig, ["node0", "node1"], per_node(resumed, []), env,
+                                       logs, "resumed")  # fmt: skip
+            results["resumed"] = {"hosts": hosts, "wall_s": wall, "losses": losses(resumed)}
+    finally:
+        kept = work / f"logs-{args.model}"
+        shutil.rmtree(kept, ignore_errors=True)
+        if (rig.shared / "logs").is_dir():
+            shutil.copytree(rig.shared / "logs", kept)
+        rigmod.down(name)
+
+    ref_dir = work / "reference"
+    shutil.rmtree(ref_dir, ignore_errors=True)
+    t0 = time.monotonic()
+    cfg_local = work / "big.yaml"
+    cfg_local.write_text(experiment(args.model, data))
+    ref = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", str(cfg_local),
+                          f"train.out_dir={ref_dir}", "train.grad_accum=2", "train.save_every=0",
+                          f"mlflow.tracking_uri=sqlite:///{ref_dir}.db"],
+                         env={**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)},
+                         capture_output=True, text=True)  # fmt: skip
+    results["reference"] = {"exit": ref.returncode, "wall_s": time.monotonic() - t0,
+                            "losses": losses(ref_dir)}  # fmt: skip
+
+    cpu_est, dev_est, _ = estimate_zero3_model_states_mem_needs(
+        total, largest, num_gpus_per_node=1, num_nodes=2, cpu_offload=False
+    )
+    results["estimate_bytes"] = {"deepspeed": cpu_est + dev_est, "arithmetic": 20 * total // 2}
+    print(json.dumps(results))
+    report(results)
+    return 0
+
+
+def report(r: dict) -> None:
+    gib = 2**30
+    print(
+        f"\n{r['model']}: {r['params'] / 1e6:.1f}M parameters, cap {r['cap'] / gib:.2f} GiB a host"
+    )
+    print(f"estimate per rank (2 ranks): DeepSpeed {r['estimate_bytes']['deepspeed'] / gib:.2f} "
+          f"GiB, 20 B x params / 2 = {r['estimate_bytes']['arithmetic'] / gib:.2f} GiB")  # fmt: skip
+    for key in ("one_host_zero3", "one_host_zero0", "two_hosts", "resumed"):
+        if key not in r:
+            continue
+        for h in r[key]["hosts"]:
+            print(f"  {key:15s} {h['host']}: exit {h['exit']}, OOM kills {h['oom_kills']}, "
+                  f"cgroup peak {h['peak'] / gib:.2f} GiB (with page cache), "
+                  f"ranks' resident peaks {h.get('rank_peaks', '-')}  ({r[key]['wall_s']:.0f} s)")  # fmt: skip
+    two, ref = r.get("two_hosts", {}).get("losses", {}), r["reference"]["losses"]
+    for step in sorted(ref):
+        if str(step) in two or step in two:
+            got = two.get(step, two.get(str(step)))
+            print(f"  step {step}: 2 hosts {got:.6f}, 1 host uncapped {ref[step]:.6f}, "
+                  f"rel {abs(got - ref[step]) / abs(ref[step]):.2e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
