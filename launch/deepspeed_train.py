@@ -17,7 +17,7 @@ variables starting with NCCL (GPU), PYTHON and MLFLOW, plus the KEY=VALUE lines 
 ``.deepspeed_env`` in the home and the current folder. This script adds a generated env
 file (``DS_ENV_FILE``) holding those lines plus the variables named by ``--export``
 (defaults: DS_ACCELERATOR, OMP_NUM_THREADS, TORCH_*, GLOO_*, CUDA_DEVICE_MAX_CONNECTIONS,
-HF_HOME, PLM_*, and the object store's AWS_ENDPOINT_URL*, AWS_REGION, AWS_DEFAULT_REGION,
+HF_HOME, PLM_*, MALLOC_*, and the object store's AWS_ENDPOINT_URL*, AWS_REGION, AWS_DEFAULT_REGION,
 AWS_PROFILE). Names that look like secrets (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) are
 never written to the file; give those to the nodes another way (~/.aws/credentials). With ``--no-ssh`` each node's own environment is used as is.
 """
@@ -42,6 +42,9 @@ DEFAULT_EXPORTS = (
     "CUDA_DEVICE_MAX_CONNECTIONS",
     "HF_HOME",
     "PLM_*",
+    # glibc's allocator settings (MALLOC_MMAP_THRESHOLD_: docs/training.md, a model that
+    # does not fit one host)
+    "MALLOC_*",
     # Where the object store is (data.path=s3://...); the keys are secrets and stay out:
     # each node has its own (~/.aws/credentials, an instance role, a pod's service account).
     "AWS_ENDPOINT_URL*",
