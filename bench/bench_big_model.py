@@ -10,8 +10,8 @@ on a data dir made here with an 8k WordPiece tokenizer of the bundled corpus:
 
 1. one host, one rank, ZeRO-3 and ZeRO-0: expected to be killed for memory (the kernel's
    OOM killer inside the host's cgroup; read back from the cgroup's counters);
-2. two hosts, one rank each, ZeRO-3 (the per-node launch, ``launch/deepspeed_train.py
-   --no-ssh``): trains ``--steps`` steps, an asynchronous checkpoint at step 2, the final
+2. two hosts, one rank each, ZeRO-3 (one `plm train` per host with the torchrun-style
+   environment, as a Kubernetes pod runs it: nothing else on the host): trains ``--steps`` steps, an asynchronous checkpoint at step 2, the final
    checkpoint and the streamed, sharded bundle;
 3. the same two hosts resume from that run's step-2 checkpoint and train one more step;
 4. the reference: one uncapped process in the root namespace, ZeRO-3, grad_accum 2 (the
@@ -174,14 +174,13 @@ def main() -> int:
         logs = shared / "logs"
         logs.mkdir()
         plm_train = [sys.executable, "-m", "pipeline.cli", "train", str(cfg)]
-        hostfile = shared / "hostfile"
-        hostfile.write_text("node0 slots=1\nnode1 slots=1\n")
 
         def per_node(run_dir: Path, extra: list[str]):
+            """One `plm train` per host, the torchrun-style environment saying who it is
+            (what a Kubernetes pod runs): the host holds that one process, no launcher."""
             return lambda r: [
-                sys.executable, str(REPO / "launch" / "deepspeed_train.py"), "--hostfile",
-                str(hostfile), "--no-ssh", "--node-rank", str(r), "--master-addr", "node0",
-                str(cfg), f"train.out_dir={run_dir}",
+                "env", f"RANK={r}", "LOCAL_RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=node0",
+                "MASTER_PORT=29533", *plm_train, f"train.out_dir={run_dir}",
                 f"mlflow.tracking_uri=sqlite:///{run_dir}.db", *extra,
             ]  # fmt: skip
 
@@ -203,6 +202,7 @@ def main() -> int:
         resumed = shared / "resumed"
         if (run_dir / "checkpoints" / "step00000002").is_dir():
             shutil.copytree(run_dir, resumed)
+            shutil.copyfile(f"{run_dir}.db", f"{resumed}.db")  # the same MLflow run goes on
             shutil.rmtree(resumed / "checkpoints" / "step00000003", ignore_errors=True)
             (resumed / "checkpoints" / "latest").write_text("step00000002")
             hosts, wall = run_on_hosts(rig, ["node0", "node1"], per_node(resumed, []), env,
