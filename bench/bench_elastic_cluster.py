@@ -1,7 +1,8 @@
 """Losing a host, on the rehearsal cluster (pipeline/rig.py; root): what each membership
 change of an elastic run costs, bert-tiny on 3 hosts x 1 rank (launch/elastic_train.py).
 
-    sudo python bench/bench_elastic_cluster.py [--timeout 20] [--steps 700] [--keep]
+    # as root (or with sudo)
+    python bench/bench_elastic_cluster.py [--timeout 20] [--steps 700] [--keep]
 
 One run goes through five changes, each started when the run is past a given step:
 1. kill: every training process of node2 (agent and rank) gets SIGKILL;
