@@ -113,6 +113,9 @@ def _train(args: argparse.Namespace) -> int:
     except PeerLost as err:  # a lost peer or rendezvous: this rank, its host, what to do
         print(f"plm: {err}", file=sys.stderr)
         return EXIT_PEER_LOST
+    from pipeline.train.engine import leave_process_group
+
+    leave_process_group()  # every rank leaves together
     if result.tracking_left_behind:  # trained, but MLflow lacks part of it (rank 0)
         print(f"plm: {result.tracking_left_behind}", file=sys.stderr)
         return EXIT_TRACKING_UNSYNCED

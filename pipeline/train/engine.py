@@ -265,6 +265,18 @@ def init_distributed(cpu_shm_allreduce: bool = False, timeout: timedelta | None 
         _unlink_shm_allreduce_buffer()
 
 
+def leave_process_group() -> None:
+    """The end of a finished run, on every rank: wait for the others, then take the process
+    group down. A rank that exits while a peer still works (rank 0 logging to MLflow) and
+    leaves it up can abort in gloo's teardown ("terminate called without an active
+    exception", exit -6: seen on the rehearsal cluster)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _unlink_shm_allreduce_buffer() -> None:
     """Unlink this rank's /dev/shm buffer of DeepSpeed's CPU all-reduce.
 
