@@ -169,7 +169,9 @@ def test_a_large_bundle_is_sharded_with_an_index_and_reads_back_exactly(tokenize
     loaded, _ = load_bundle(out)
     assert all(torch.equal(loaded.state_dict()[n], state[n]) for n in state)
     # one file per tensor at most; a tensor larger than the limit has a file of its own
-    tiny = save_bundle(tmp_path / "c", "bert", model.config, state, tokenizer_dir, max_shard_bytes=1)
+    tiny = save_bundle(
+        tmp_path / "c", "bert", model.config, state, tokenizer_dir, max_shard_bytes=1
+    )
     assert len(weight_files(tiny)) == len(state)
 
 

@@ -35,5 +35,7 @@ def test_a_partitioned_build_has_the_weights_of_a_whole_one(arch):
 
 def test_below_zero3_nothing_is_partitioned():
     with ds_engine.partitioned_build({"zero_optimization": {"stage": 2}}):
-        model = build_model("bert", resolve_model_config({"arch": "bert", "preset": "bert-tiny"}, 100))
+        model = build_model(
+            "bert", resolve_model_config({"arch": "bert", "preset": "bert-tiny"}, 100)
+        )
     assert not any(hasattr(p, "ds_id") for p in model.parameters())
