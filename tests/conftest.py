@@ -34,6 +34,16 @@ _OBJECTS = ["the book", "a tree", "the token", "a list", "the file", "some data"
 _ENDS = ["today", "again", "slowly", "at night", "with care", "every day", "for fun"]
 
 
+# An English document that passes every quality filter ({i}: make each one unique).
+GOOD_DOC = (
+    "The river runs through the old town and past the market square number {i}.\n"
+    "Every morning the fishermen bring their catch to the stalls by the water.\n"
+    "Visitors come to see the bridge, which was built with stone from the hills.\n"
+    "In the evening the lights of the cafes shine on the water and people walk home.\n"
+    "Nobody in the town remembers a year when the river froze over completely."
+)
+
+
 def synthetic_corpus(n_docs: int = 240, seed: int = 7) -> str:
     """Documents of 4-12 template sentences, blank-line separated: learnable structure."""
     rng = random.Random(seed)

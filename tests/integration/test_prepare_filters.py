@@ -4,6 +4,7 @@ end with a real (local) Ray: what lands in the shards, the manifest's counts, in
 import json
 
 import pytest
+from conftest import GOOD_DOC as GOOD
 
 from pipeline.cli import main
 from pipeline.data.prepare import load_prepare_config, run_prepare
@@ -12,13 +13,6 @@ from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokeniz
 
 pytestmark = pytest.mark.slow
 
-GOOD = (
-    "The river runs through the old town and past the market square number {i}.\n"
-    "Every morning the fishermen bring their catch to the stalls by the water.\n"
-    "Visitors come to see the bridge, which was built with stone from the hills.\n"
-    "In the evening the lights of the cafes shine on the water and people walk home.\n"
-    "Nobody in the town remembers a year when the river froze over completely."
-)
 ZH = "今天下午我们去超市买了很多水果。请问去火车站怎么走？他每天早上都会喝一杯热牛奶。第{i}天。"
 DE = "Der Zug nach München hatte heute Morgen wieder eine halbe Stunde Verspätung, Nummer {i}."
 

@@ -5,6 +5,7 @@ the output folder as it found it."""
 import json
 
 import pytest
+from conftest import GOOD_DOC as GOOD
 
 from pipeline.cli import main
 from pipeline.data.prepare import load_prepare_config, run_prepare
@@ -13,13 +14,6 @@ from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = pytest.mark.slow
 
-GOOD = (
-    "The river runs through the old town and past the market square number {i}.\n"
-    "Every morning the fishermen bring their catch to the stalls by the water.\n"
-    "Visitors come to see the bridge, which was built with stone from the hills.\n"
-    "In the evening the lights of the cafes shine on the water and people walk home.\n"
-    "Nobody in the town remembers a year when the river froze over completely."
-)
 LOREM = (
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor "
     "incididunt ut labore et dolore magna aliqua {i}. Ut enim ad minim veniam, quis "
