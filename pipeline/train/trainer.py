@@ -6,6 +6,7 @@ torchrun-style environment (Kubernetes): the rank and world size come from the e
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -783,16 +784,10 @@ class Trainer:
                 out, self.cfg.model.arch, self.model_cfg, self.data.tokenizer_path.parent, extra,
                 max_shard_bytes=self.cfg.train.bundle_shard_mb * 2**20,
             )  # fmt: skip
-        try:
+        with writer if writer is not None else contextlib.nullcontext():  # closes or aborts
             for tensor_name, t in full_tensors(self.engine):
                 if writer is not None:
                     writer.add(tensor_name, t)
-        except BaseException:
-            if writer is not None:
-                writer.abort()
-            raise
-        if writer is not None:
-            writer.close()
         dist.barrier()
         return out if self.rank == 0 else None
 
