@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import NoReturn
 
 
 def _data_tokenizer(args: argparse.Namespace) -> int:
@@ -25,6 +26,44 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
     out = train_tokenizer(args.input, spec, args.output)
     print(f"tokenizer written to {out}")
     return 0
+
+
+# --- path arguments -------------------------------------------------------------------------
+# Every path argument is added through ``_local`` (a local path: a URI is refused, naming
+# the flag, before any work) or ``_store`` (a local path or a store URI, which carries no
+# credentials or query); ``check_paths`` checks what the chosen command was given.
+
+
+def _path_arg(parser, flags, kind: str, alternative: str, kwargs) -> argparse.Action:
+    action = parser.add_argument(*flags, **kwargs)
+    shown = flags[0] if action.option_strings else (action.metavar or action.dest.upper())
+    paths = dict(parser.get_default("paths_") or {})
+    paths[action.dest] = (shown, kind, alternative)
+    parser.set_defaults(paths_=paths)
+    return action
+
+
+def _local(parser, *flags, alternative: str = "", **kwargs) -> argparse.Action:
+    return _path_arg(parser, flags, "local", alternative, kwargs)
+
+
+def _store(parser, *flags, **kwargs) -> argparse.Action:
+    return _path_arg(parser, flags, "store", "", kwargs)
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """A ConfigError (exit 2, one line) for a URI given where a local path is taken, or a
+    store URI with credentials in it; before the command does anything."""
+    from pipeline.config import local_path, store_path
+
+    for dest, (shown, kind, alternative) in (getattr(args, "paths_", None) or {}).items():
+        values = getattr(args, dest, None)
+        for value in values if isinstance(values, list) else [values]:
+            if isinstance(value, str):
+                if kind == "local":
+                    local_path(value, shown, alternative)
+                else:
+                    store_path(value, shown)
 
 
 # `plm data prepare` flags -> PrepareConfig keys (a flag overrides the --config file's key).
@@ -175,6 +214,10 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(args.workdir, seed=args.seed, **steps)
 
 
+BUNDLE_OR_MLFLOW = "a bundle folder, models:/NAME@ALIAS or runs:/RUN_ID/model"
+FINETUNED_OR_MLFLOW = "a fine-tuned folder, models:/NAME@ALIAS or runs:/RUN_ID/model"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plm", description=__doc__)
     parser.add_argument(
@@ -195,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     tok = data.add_parser("tokenizer", help="train a HF tokenizer on a corpus")
-    tok.add_argument(
+    _store(
+        tok,
         "--input",
         nargs="+",
         required=True,
@@ -203,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tok.add_argument("--kind", choices=["wordpiece", "bpe", "unigram"], required=True)
     tok.add_argument("--vocab-size", type=int, required=True)
-    tok.add_argument("--output", required=True)
+    _store(tok, "--output", required=True, help="a folder, or a URI (s3://bucket/prefix)")
     tok.add_argument("--lowercase", action="store_true")
     tok.add_argument(
         "--sample-docs", type=int, default=200_000, help="documents in the seeded training sample"
@@ -216,10 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     tok.set_defaults(func=_data_tokenizer)
 
     prep = data.add_parser("prepare", help="Ray job: corpus -> WebDataset shards + manifest")
-    prep.add_argument("--config", help="YAML data config (configs/data/); flags override it")
-    prep.add_argument("--input", nargs="+")
-    prep.add_argument("--tokenizer", help="folder with tokenizer.json + tokenizer_meta.json")
-    prep.add_argument("--output")
+    _local(prep, "--config", help="YAML data config (configs/data/); flags override it")
+    _store(prep, "--input", nargs="+")
+    _store(prep, "--tokenizer", help="folder or URI with tokenizer.json + tokenizer_meta.json")
+    _store(prep, "--output", help="the data dir: a folder, or a URI (s3://bucket/prefix)")
     prep.add_argument("--valid-fraction", type=float)
     size = prep.add_mutually_exclusive_group()
     size.add_argument("--shard-docs", type=int)
@@ -230,7 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--block-tokens", type=int, help="tokens per block sample of a shard")
     prep.add_argument("--max-doc-tokens", type=int)
     prep.add_argument("--text-field")
-    prep.add_argument("--entities", help="entity list (one per line) -> spans.npy (ERNIE)")
+    _local(prep, "--entities", help="entity list (one per line) -> spans.npy (ERNIE)")
     prep.add_argument(
         "--languages", help="keep only these ISO 639-1 codes, e.g. en,zh (turns language ID on)"
     )
@@ -251,12 +295,12 @@ def build_parser() -> argparse.ArgumentParser:
     prep.set_defaults(func=_data_prepare)
 
     insp = data.add_parser("inspect", help="totals, splits, rejects; --verify re-hashes")
-    insp.add_argument("dir")
+    _store(insp, "dir")
     insp.add_argument("--verify", action="store_true")
     insp.set_defaults(func=_data_inspect)
 
     train = sub.add_parser("train", help="pretrain (what `deepspeed` and Kubernetes run)")
-    train.add_argument("config")
+    _local(train, "config")
     train.add_argument("overrides", nargs="*", metavar="key=value")
     train.add_argument(
         "--dry-run",
@@ -271,12 +315,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="convert a model bundle")
     export.add_argument("--to", choices=["hf"], required=True)
-    export.add_argument("bundle")
-    export.add_argument("out")
+    _local(export, "bundle")
+    _local(export, "out")
     export.set_defaults(func=_export)
 
     gen = sub.add_parser("generate", help="continue a prompt with gpt / gpt2 / transformer-xl")
-    gen.add_argument("model", help="bundle folder, models:/NAME@ALIAS or runs:/RUN_ID/model")
+    _local(gen, "model", alternative=f"give {BUNDLE_OR_MLFLOW}", help=BUNDLE_OR_MLFLOW)
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--max-new-tokens", type=int, default=50)
     gen.add_argument("--temperature", type=float, default=1.0, help="0: greedy")
@@ -288,17 +332,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     ft = sub.add_parser("finetune", help="fine-tune a pretrained model on a labelled task")
-    ft.add_argument("config", help="YAML fine-tuning config (configs/finetune/)")
+    _local(ft, "config", help="YAML fine-tuning config (configs/finetune/)")
     ft.add_argument("overrides", nargs="*", metavar="key=value")
     ft.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ft.set_defaults(func=_finetune)
 
     pred = sub.add_parser("predict", help="batch inference with a fine-tuned model")
-    pred.add_argument("model", help="fine-tuned folder, models:/NAME@ALIAS or runs:/RUN_ID/model")
-    pred.add_argument(
-        "--input", required=True, help="csv / jsonl / parquet with the task's columns"
-    )
-    pred.add_argument("--output", help="OUT.jsonl or OUT.csv (default: INPUT.predictions.jsonl)")
+    _local(pred, "model", alternative=f"give {FINETUNED_OR_MLFLOW}", help=FINETUNED_OR_MLFLOW)
+    _local(pred, "--input", required=True, help="csv / jsonl / parquet with the task's columns")
+    _local(pred, "--output", help="OUT.jsonl or OUT.csv (default: INPUT.predictions.jsonl)")
     pred.add_argument("--batch-size", type=int, default=64)
     pred.add_argument(
         "--tracking-uri", default=None, help="MLflow store (else MLFLOW_TRACKING_URI)"
@@ -306,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     pred.set_defaults(func=_predict)
 
     nb = sub.add_parser("neighbors", help="nearest words by cosine (word2vec, ELMo layer 0)")
-    nb.add_argument("model", help="a bundle folder or an MLflow URI (runs:/..., models:/...)")
+    _local(nb, "model", alternative=f"give {BUNDLE_OR_MLFLOW}", help=BUNDLE_OR_MLFLOW)
     nb.add_argument("word")
     nb.add_argument("--k", type=int, default=10)
     nb.set_defaults(func=_neighbors)
@@ -331,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
     ):
         cmd = rig.add_parser(name, help=text)
         cmd.add_argument("--name", default="rig", help="the rig's name (several may be up)")
-        cmd.add_argument("--root", default="/var/tmp/plm-rig", help="where rigs keep their dirs")
+        _local(cmd, "--root", default="/var/tmp/plm-rig", help="where rigs keep their dirs")
         cmd.set_defaults(func=_rig)
         if name == "up":
             cmd.add_argument("--hosts", type=int, default=3)
@@ -361,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--signal", default="KILL", help="KILL (a lost host) or TERM")
 
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
-    demo.add_argument("--workdir", default="demo")
+    _local(demo, "--workdir", default="demo")
     demo.add_argument(
         "--steps",
         type=int,
@@ -416,7 +458,51 @@ def quiet_mlflow_telemetry() -> None:
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 
+# Commands that end their process with ``exit_now`` when run from the command line.
+EXITS_NOW = ("train",)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End the process with ``code`` the way Python's own exit does, minus its teardown.
+
+    In Python's order: the non-daemon threads are joined (thread pools finish their work
+    first, by threading's own exit hooks), the ``atexit`` functions run (logging's handlers
+    flushed and closed, MLflow's, multiprocessing's children joined, temporary folders
+    removed), Python's and C's stdout and stderr are flushed; then ``os._exit``. What is
+    skipped writes nothing: freeing every module and the native objects of torch,
+    DeepSpeed and gloo (their threads, the process group), which took 3-4 s of a 1-step
+    `plm train` (BENCHMARKS.md, start-up). Before its code is known, `plm train` has
+    ended its MLflow run and waited for its checkpoint's writes; a finished run has left
+    the process group too (a failed one drops it, as a crash would). A Python without the
+    two hooks this needs exits the ordinary way."""
+    import atexit
+    import threading
+
+    shutdown = getattr(threading, "_shutdown", None)
+    run_exitfuncs = getattr(atexit, "_run_exitfuncs", None)
+    if shutdown is None or run_exitfuncs is None:
+        sys.exit(code)
+    shutdown()
+    run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (AttributeError, OSError, ValueError):  # None, or closed by the command
+            pass
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).fflush(None)  # what C++ code printed through stdio
+    except (AttributeError, OSError):
+        pass
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """`plm`. Without ``argv`` (the `plm` script, `python -m pipeline.cli`, what a launcher
+    starts) the command line is this process's, and the commands of ``EXITS_NOW`` end the
+    process with their exit code (``exit_now``); with ``argv`` (tests, other code) the
+    exit code is returned."""
     quiet_mlflow_telemetry()  # before anything imports mlflow
     from pipeline.config import ConfigError
     from pipeline.data.shards import ShardError
@@ -430,18 +516,22 @@ def main(argv: list[str] | None = None) -> int:
 
         configure_environment()
     try:
-        return args.func(args)
+        check_paths(args)  # a URI where a local path is taken: refused before any work
+        code = args.func(args)
     except (ConfigError, ShardError) as err:  # bad input: a clear message, no traceback
         if _prints(err):
             print(f"plm: {err}", file=sys.stderr)
-        return 2
+        code = 2
     except KeyboardInterrupt:  # Ctrl-C outside training's own stop (which checkpoints first)
         print(
             f"plm: {args.command}: interrupted (Ctrl-C); nothing half-written is ever read as "
             "complete, so the same command starts again cleanly",
             file=sys.stderr,
         )
-        return 130
+        code = 130
+    if argv is None and args.command in EXITS_NOW:
+        exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -19,6 +20,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic_core import PydanticCustomError
 
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout, when there is one
 # The presets, DeepSpeed JSONs and example configs, shipped in the wheel as package data
@@ -48,6 +50,124 @@ class ConfigError(ValueError):
     def __init__(self, message: str, machine_wide: bool = False):
         super().__init__(message)
         self.machine_wide = machine_wide
+
+
+# --- local paths and store URIs ------------------------------------------------------------
+# A URI given where a local path is taken would be read as one (``s3://b/x`` -> a folder
+# ``s3:`` in the working directory): every path option and key refuses it, through
+# ``local_path`` (flags) or ``LocalPath`` (config keys). Where a URI is taken, it carries
+# no credentials and no query (``StorePath``): configs, manifests, logs and MLflow params
+# name URIs, so secrets come from the AWS_* variables or the node's role only.
+
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_URI_PARTS = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?:(?P<user>[^/?#@]*)@)?"
+                        r"(?P<rest>[^?#]*)(?:\?(?P<query>[^#]*))?")  # fmt: skip
+BUNDLE_OR_MLFLOW = "a bundle folder, models:/NAME@ALIAS or runs:/RUN_ID/model"
+DEEPSPEED_HINT = "give auto, a DeepSpeed JSON file on this machine, or its keys inline"
+STORE_SECRETS_HINT = (
+    "give credentials and options in the environment (AWS_ACCESS_KEY_ID, "
+    "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION) or "
+    "the node's role"
+)
+
+
+def is_uri(value: Any) -> bool:
+    """``s3://...``, ``file://...``: a filesystem URI; a plain path (or models:/...) is not."""
+    return isinstance(value, str) and _URI.match(value) is not None
+
+
+def redact_uri(uri: str) -> str:
+    """``uri`` as it may be shown: a user part (``KEY:SECRET@``) and every query value
+    masked (``s3://***@b/x?region=***``)."""
+    m = _URI_PARTS.match(uri) if is_uri(uri) else None
+    if m is None or (m["user"] is None and m["query"] is None):
+        return uri
+    out = m["head"] + ("***@" if m["user"] is not None else "") + m["rest"]
+    if m["query"] is not None:
+        out += "?" + "&".join(p.split("=", 1)[0] + "=***" for p in m["query"].split("&"))
+    return out
+
+
+def uri_secret_part(uri: str) -> str | None:
+    """What of a URI could hold a secret (``"user part"``, ``"query"``), or None."""
+    m = _URI_PARTS.match(uri) if is_uri(uri) else None
+    if m is None:
+        return None
+    if m["user"] is not None:
+        return "user part (KEY:SECRET@)"
+    return "query (?...)" if m["query"] is not None else None
+
+
+def local_path_refusal(what: str, value: str, alternative: str = "") -> str:
+    """The one line that refuses a URI given to ``what`` (a flag or a config key)."""
+    line = f"{what}={redact_uri(value)}: {what} takes a local path, not a URI"
+    return line + (f"; {alternative}" if alternative else "") + "; nothing was written"
+
+
+def store_uri_refusal(what: str, value: str) -> str:
+    return (
+        f"{what}={redact_uri(value)}: a URI here may not carry a {uri_secret_part(value)}: "
+        f"it would be written to logs, manifests and MLflow; {STORE_SECRETS_HINT}"
+    )
+
+
+def local_path(value: str, what: str, alternative: str = "") -> str:
+    """``value`` when it is a local path; else a ConfigError (one `plm:` line, exit 2)
+    naming ``what``; ``alternative``: where a URI is taken instead, said in the line."""
+    if is_uri(value):
+        raise ConfigError(local_path_refusal(what, value, alternative))
+    return value
+
+
+def store_path(value: str, what: str) -> str:
+    """``value`` when it is a local path or a URI without a user part or query."""
+    if uri_secret_part(value):
+        raise ConfigError(store_uri_refusal(what, value))
+    return value
+
+
+def refuse_uri(alternative: str = ""):
+    def check(value: Any) -> Any:
+        if is_uri(value):
+            raise PydanticCustomError(
+                "local_path",
+                "{value} is a URI",
+                {"value": redact_uri(value), "alternative": alternative},
+            )
+        return value
+
+    return AfterValidator(check)
+
+
+def _refuse_secrets(value: Any) -> Any:
+    if isinstance(value, str) and uri_secret_part(value):
+        ctx = {"value": redact_uri(value)}
+        raise PydanticCustomError("store_uri", "{value} carries secrets", ctx)
+    return value
+
+
+# Config field types: a local path (a URI refused, naming the key), a bundle reference
+# (a local folder or an MLflow URI, never a filesystem URI), a local path or a store URI.
+LocalPath = Annotated[str, refuse_uri()]
+BundleRef = Annotated[str, refuse_uri(f"give {BUNDLE_OR_MLFLOW}")]
+StorePath = Annotated[str, AfterValidator(_refuse_secrets)]
+
+
+def local_path_type(alternative: str) -> Any:
+    """A LocalPath whose refusal says where a URI is taken instead."""
+    return Annotated[str, refuse_uri(alternative)]
+
+
+def uri_error_line(err: ValidationError) -> str | None:
+    """The one line of a URI refused by a LocalPath / StorePath key, or None."""
+    for e in err.errors():
+        if e["type"] in ("local_path", "store_uri"):
+            key = ".".join(str(p) for p in e["loc"])
+            ctx = e.get("ctx") or {}
+            if e["type"] == "local_path":
+                return local_path_refusal(key, ctx["value"], ctx.get("alternative", ""))
+            return store_uri_refusal(key, ctx["value"])
+    return None
 
 
 class Strict(BaseModel):
@@ -119,7 +239,7 @@ class RtdConfig(Strict):
 class DistillConfig(Strict):
     """DistilBERT: loss = alpha_ce * soft CE(T) + alpha_mlm * MLM + alpha_cos * cosine."""
 
-    teacher: str = ""  # bundle dir, runs:/RUN_ID/model or models:/NAME@ALIAS
+    teacher: BundleRef = ""  # bundle dir, runs:/RUN_ID/model or models:/NAME@ALIAS
     tracking_uri: str | None = None  # for URIs; None: MLFLOW_TRACKING_URI or the local store
     temperature: float = Field(2.0, gt=0)
     alpha_ce: float = Field(5.0, ge=0)
@@ -164,7 +284,7 @@ class ObjectiveSection(Strict):
 class SourceSpec(Strict):
     """One prepared data dir of a mixture (``data.sources``)."""
 
-    path: str
+    path: StorePath  # a data dir: a local folder or a URI
     weight: float = Field(1.0, gt=0)  # normalised over the sources
     name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")  # default: the folder's name
 
@@ -182,8 +302,13 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
 
 
+_CacheDir = local_path_type(
+    "the block cache lives on the node's own disk (data.path takes the data dir's URI)"
+)
+
+
 class DataSection(Strict):
-    path: str | None = None  # one data dir, or:
+    path: StorePath | None = None  # one data dir (a local folder or a URI), or:
     sources: list[SourceSpec] | None = None  # a weighted mixture of data dirs (path: null)
     seq_len: int = Field(128, gt=8)
     workers: int = Field(2, ge=0)
@@ -195,7 +320,7 @@ class DataSection(Strict):
     # $TMPDIR/plm-cache-<uid> (/tmp/plm-cache-<uid>). cache_bytes bounds the cached blocks
     # (bytes, or a size such as 2GiB / 500MB; 0: none kept); prefetch_blocks: blocks
     # fetched in the background at once ahead of the reader (0: none).
-    cache_dir: str | None = None
+    cache_dir: _CacheDir | None = None
     cache_bytes: int = Field(2 << 30, ge=0)
     prefetch_blocks: int = Field(4, ge=0, le=64)
 
@@ -207,10 +332,8 @@ class DataSection(Strict):
     @field_validator("cache_dir")
     @classmethod
     def _local_dir(cls, value: str | None) -> str | None:
-        if value is not None and ("://" in value or not value.strip()):
-            raise ValueError(
-                f"{value!r} is not a local folder: the block cache lives on the node's own disk"
-            )
+        if value is not None and not value.strip():
+            raise ValueError("an empty folder name: the block cache lives on the node's own disk")
         return value
 
     @model_validator(mode="after")
@@ -353,7 +476,7 @@ class ExperimentConfig(Strict):
     data: DataSection
     train: TrainSection = TrainSection()
     # "auto": ZeRO-0 on one rank, ZeRO-2 on more (pipeline/train/engine.py resolve_auto)
-    deepspeed: str | dict[str, Any] = "auto"
+    deepspeed: Annotated[str | dict[str, Any], refuse_uri(DEEPSPEED_HINT)] = "auto"
     mlflow: MlflowSection = MlflowSection()
 
 
@@ -416,6 +539,9 @@ def _format_validation_error(
     err: ValidationError, source: str, root: type[BaseModel] | None = None
 ) -> str:
     """``root``: the model validated, so a misspelled key gets the nearest valid one."""
+    uri_line = uri_error_line(err)
+    if uri_line is not None:  # a URI where a local path is taken: one line
+        return f"{uri_line} ({source})"
     lines = [f"invalid config {source}:"]
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])

@@ -38,15 +38,26 @@ def _output_state(out: Path) -> str:
 
 
 def print_tokenizer_plan(inputs: list[str], spec: TokenizerSpec, output: str | Path) -> int:
+    from pipeline.config import is_uri
+    from pipeline.data.remote import check_store
+
+    for item in inputs:
+        if is_uri(item):
+            check_store(item, "--input")
     sources = resolve_inputs(list(inputs), text_field=spec.text_field)
-    out = Path(output)
-    if out.exists() and not out.is_dir():
-        raise InputError(f"--output {out} exists and is not a folder")
+    if is_uri(output):
+        check_store(str(output), "--output")  # the bucket, credentials, endpoint
+        state = "a filesystem URI: files replaced"
+    else:
+        out = Path(output)
+        if out.exists() and not out.is_dir():
+            raise InputError(f"--output {out} exists and is not a folder")
+        state = "exists: files replaced" if out.exists() else "new folder"
     lines = [
         f"inputs          {_sources_line(sources)}",
         f"tokenizer       {spec.kind}, vocab {spec.vocab_size:,}, lowercase {spec.lowercase}",
         f"sample          up to {spec.sample_docs:,} documents (seed {spec.seed})",
-        f"output          {out}  ({'exists: files replaced' if out.exists() else 'new folder'})",
+        f"output          {output}  ({state})",
     ]
     print("\n".join(lines))
     print("dry run: inputs valid, nothing started")
@@ -58,8 +69,8 @@ def print_prepare_plan(cfg: PrepareConfig) -> int:
     from pipeline.data.store import PrepareError, foreign_files, output_fs
 
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
-    tok_dir = Path(cfg.tokenizer)
-    if not tok_dir.is_dir():
+    tok_dir = cfg.tokenizer  # a folder or a URI
+    if "://" not in tok_dir and not Path(tok_dir).is_dir():
         raise InputError(
             f"tokenizer folder {tok_dir} does not exist: train one with `plm data tokenizer`"
         )

@@ -38,7 +38,14 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.config import ConfigError, config_file
+from pipeline.config import (
+    ConfigError,
+    LocalPath,
+    StorePath,
+    config_file,
+    is_uri,
+    uri_error_line,
+)
 from pipeline.data.clean import CleanConfig, clean
 from pipeline.data.langid import parse_languages
 from pipeline.data.quality import (
@@ -58,6 +65,7 @@ from pipeline.data.readers import (
     python_docs,
     resolve_inputs,
 )
+from pipeline.data.remote import check_store
 from pipeline.data.shards import (
     FORMAT_VERSION,
     MANIFEST,
@@ -77,7 +85,7 @@ from pipeline.data.store import (
     snapshot,
     write_file,
 )
-from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, load_tokenizer
+from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, tokenizer_files
 
 # Bump when the code changes what lands in the shards: old outputs stop being "up to date".
 PREPARE_VERSION = 2
@@ -110,9 +118,9 @@ class PrepareConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: list[str] = Field(min_length=1)  # files, folders, globs, URIs, builtin:NAME
-    tokenizer: str  # folder with tokenizer.json + tokenizer_meta.json
-    output: str  # the data dir
+    inputs: list[StorePath] = Field(min_length=1)  # files, folders, globs, URIs, builtin:NAME
+    tokenizer: StorePath  # folder (or URI) with tokenizer.json + tokenizer_meta.json
+    output: StorePath  # the data dir: a local folder or a URI
     valid_fraction: float = Field(0.02, ge=0.0, lt=1.0)
     shard_docs: int | None = Field(None, gt=0)  # samples per shard, or ...
     shard_bytes: int | None = Field(None, gt=0)  # ... bytes per shard (default 128 MiB)
@@ -121,7 +129,7 @@ class PrepareConfig(BaseModel):
     text_field: str = "text"  # jsonl field / parquet column
     # ERNIE's entity-level masking: a UTF-8 file, one entity per line; every mention
     # becomes a token span in spans.npy (see pipeline.data.segment.entity_pattern).
-    entities: str | None = None
+    entities: LocalPath | None = None
     clean: CleanConfig = CleanConfig()
     # Language ID and quality filters (docs/data.md "Filters"): off by default. With
     # language_id each document's ISO 639-1 code (py3langid) goes into the shards and the
@@ -234,6 +242,9 @@ class PrepareConfig(BaseModel):
 
 
 def _errors_text(err: ValidationError, origin: str) -> str:
+    uri_line = uri_error_line(err)
+    if uri_line is not None:  # a URI where a local path is taken: one line
+        return f"{uri_line} ({origin})"
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"]) or "(config)"
@@ -368,13 +379,16 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
 
     cpu_started, started = _cpu_seconds(), time.perf_counter()
     # 1. Validate everything before Ray starts.
+    for item in cfg.inputs:  # a URI's store answers (bucket, credentials, endpoint)
+        if is_uri(item):
+            check_store(item, "--input")
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
-    tok_dir = Path(cfg.tokenizer)
-    if not tok_dir.is_dir():
+    if not is_uri(cfg.tokenizer) and not Path(cfg.tokenizer).is_dir():
         raise InputError(
-            f"tokenizer folder {tok_dir} does not exist: train one with `plm data tokenizer`"
+            f"tokenizer folder {cfg.tokenizer} does not exist: train one with `plm data tokenizer`"
         )
-    _, meta = load_tokenizer(tok_dir)
+    tok_files = tokenizer_files(cfg.tokenizer)  # a folder or a URI; the sha256 checked
+    meta = json.loads(tok_files[1])
     entities = load_entities(cfg.entities, cfg.clean) if cfg.entities else None
     fs, root = output_fs(cfg.output)
     if fs.get_file_info(root).type == pafs.FileType.File:
@@ -406,14 +420,14 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     # next run of the same job reuses its finished units (records.py).
     before = snapshot(fs, root)
     try:
-        return _build(cfg, sources, meta, tok_dir, entities, fs, root, (config_hash, entries, fp),
+        return _build(cfg, sources, meta, tok_files, entities, fs, root, (config_hash, entries, fp),
                       (started, cpu_started))  # fmt: skip
     except ConfigError:
         restore(fs, root, before)
         raise
 
 
-def _build(cfg, sources, meta, tok_dir, entities, fs, root, fingerprints, clocks):
+def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, clocks):
     """``run_prepare`` once validated: the job, the shards' names and the manifest."""
     from pipeline.data import near_dedup, records
     from pipeline.data.dedup import n_partitions
@@ -443,9 +457,9 @@ def _build(cfg, sources, meta, tok_dir, entities, fs, root, fingerprints, clocks
               "of this job: kept, not redone", flush=True)  # fmt: skip
     for sub in (*SPLITS, TOKENIZER_DIR):
         fs.create_dir(f"{root}/{sub}", recursive=True)
-    tokenizer_bytes = (tok_dir / TOKENIZER_FILE).read_bytes()
+    tokenizer_bytes, meta_bytes = tok_files
     write_file(fs, f"{root}/{TOKENIZER_DIR}/{TOKENIZER_FILE}", tokenizer_bytes)
-    write_file(fs, f"{root}/{TOKENIZER_DIR}/{META_FILE}", (tok_dir / META_FILE).read_bytes())
+    write_file(fs, f"{root}/{TOKENIZER_DIR}/{META_FILE}", meta_bytes)
     dtype = token_dtype(meta["vocab_size"])
 
     # 3. The Ray job; the workers write the shards.

@@ -17,7 +17,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError
+from pipeline.config import ConfigError, is_uri
+from pipeline.data.remote import check_store, write_atomic
 from pipeline.data.shards import (
     MANIFEST,
     SPLITS,
@@ -41,15 +42,13 @@ _OWN_SHARD = re.compile(r"(shard-\d{6,}|(part|fix)-\d{6,}-\d{3,})(\.tar|\.idx\.n
 _OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
 
 
-def output_fs(output: str):
-    """(pyarrow filesystem, path in it) of a local path or a filesystem URI."""
+def output_fs(output: str, what: str = "--output"):
+    """(pyarrow filesystem, path in it) of a local path or a filesystem URI; a URI's store
+    is checked first (bucket, credentials, endpoint: a StoreError naming it)."""
     import pyarrow.fs as pafs
 
-    if "://" in output:
-        try:
-            return pafs.FileSystem.from_uri(output)
-        except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
-            raise PrepareError(f"output {output}: not a usable filesystem URI ({err})") from None
+    if is_uri(output):
+        return check_store(output, what)
     return pafs.LocalFileSystem(), str(Path(output).resolve())
 
 
@@ -147,9 +146,7 @@ def _relative(root: str, path: str) -> str:
 
 def write_file(fs, path: str, data: bytes) -> None:
     """Temp file, then a move: a reader never sees a half-written file."""
-    with fs.open_output_stream(path + ".tmp") as f:
-        f.write(data)
-    fs.move(path + ".tmp", path)
+    write_atomic(fs, path, data)
 
 
 def existing_manifest(fs, root: str) -> dict[str, Any] | None:

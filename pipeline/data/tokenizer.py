@@ -7,6 +7,10 @@ a document sits, and the same on every run). Selecting it takes two streaming pa
 over the corpus that hold only priorities; the chosen texts go to a temporary file
 that the trainer passes re-read.
 
+The output folder is a local path or a filesystem URI (``s3://bucket/prefix``, through
+``pyarrow.fs.FileSystem.from_uri`` and the AWS_* variables, as a data dir's); a URI's
+store is checked before the sampling starts, and ``load_tokenizer`` reads either.
+
 Outputs, both with deterministic bytes (HF's trainers are not deterministic on their
 own for WordPiece and Unigram; see ``_continuation_tokens`` and ``_rescore_unigram``):
   tokenizer.json       HF tokenizers format, no post-processor (objectives add specials)
@@ -29,8 +33,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
+from pipeline.config import is_uri, redact_uri
 from pipeline.data.clean import CleanConfig, clean, reject_reason
 from pipeline.data.readers import InputError, Source, iter_raw_documents, resolve_inputs
+from pipeline.data.remote import check_store, write_atomic
 from pipeline.data.shards import atomic_write_bytes
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -305,8 +311,14 @@ def _meta(tok: Tokenizer, spec: TokenizerSpec, json_bytes: bytes) -> dict:
 # Public entry points
 
 
-def train_tokenizer(inputs: list[str], spec: TokenizerSpec, output: str | Path) -> Path:
-    """Train on a seeded sample of ``inputs``; writes OUTPUT/tokenizer.json + meta; returns OUTPUT."""
+def train_tokenizer(inputs: list[str], spec: TokenizerSpec, output: str | Path) -> Path | str:
+    """Train on a seeded sample of ``inputs``; writes OUTPUT/tokenizer.json + meta; returns
+    OUTPUT (a Path, or the URI as given). The stores of URI inputs and output are checked
+    first: a missing bucket, refused credentials or no connection stop it before any work."""
+    for item in inputs:
+        if is_uri(item):
+            check_store(item, "--input")
+    store = check_store(str(output), "--output") if is_uri(output) else None
     sources = resolve_inputs(list(inputs), text_field=spec.text_field)
     specials = SPECIALS[spec.kind][0]
     stage = _Stages()
@@ -345,28 +357,64 @@ def train_tokenizer(inputs: list[str], spec: TokenizerSpec, output: str | Path) 
             tok = _rescore_unigram(tok, specials, _read_sample(sample))
     json_bytes = tok.to_str(pretty=True).encode("utf-8")
     meta = _meta(tok, spec, json_bytes)
+    meta_bytes = (json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
+    if store is not None:  # tokenizer.json first: a reader checks it against the meta's sha256
+        fs, root = store
+        root = root.rstrip("/")
+        fs.create_dir(root, recursive=True)
+        write_atomic(fs, f"{root}/{TOKENIZER_FILE}", json_bytes)
+        write_atomic(fs, f"{root}/{META_FILE}", meta_bytes)
+        return str(output)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(out / TOKENIZER_FILE, json_bytes)
-    meta_bytes = (json.dumps(meta, indent=2, sort_keys=True, ensure_ascii=False) + "\n").encode()
     atomic_write_bytes(out / META_FILE, meta_bytes)
     return out
 
 
-def load_tokenizer(directory: str | Path) -> tuple[Tokenizer, dict]:
-    """The tokenizer and its meta; checks the fingerprint so a swapped file is caught."""
-    directory = Path(directory)
-    tok_path, meta_path = directory / TOKENIZER_FILE, directory / META_FILE
-    for path in (tok_path, meta_path):
-        if not path.is_file():
+def tokenizer_files(directory: str | Path, what: str = "--tokenizer") -> tuple[bytes, bytes]:
+    """The bytes of tokenizer.json and tokenizer_meta.json of a folder or a URI (its store
+    checked first), the fingerprint checked: a swapped file is caught."""
+    if is_uri(directory):
+        import pyarrow.fs as pafs
+
+        uri = str(directory).rstrip("/")
+        fs, root = check_store(uri, what)
+        root = root.rstrip("/")
+        found = []
+        for name in (TOKENIZER_FILE, META_FILE):
+            try:
+                with fs.open_input_stream(f"{root}/{name}") as f:
+                    found.append(f.read())
+            except FileNotFoundError:
+                found.append(None)
+            except OSError as err:
+                if fs.get_file_info(f"{root}/{name}").type != pafs.FileType.NotFound:
+                    raise InputError(f"{redact_uri(uri)}/{name}: cannot read it ({err})") from None
+                found.append(None)
+        where = [f"{redact_uri(uri)}/{name}" for name in (TOKENIZER_FILE, META_FILE)]
+    else:
+        paths = [Path(directory) / TOKENIZER_FILE, Path(directory) / META_FILE]
+        found = [p.read_bytes() if p.is_file() else None for p in paths]
+        where = [str(p) for p in paths]
+    for data, path in zip(found, where, strict=True):
+        if data is None:
             raise InputError(f"{path} not found: train one with `plm data tokenizer`")
-    data = tok_path.read_bytes()
-    meta = json.loads(meta_path.read_text(encoding="utf-8"))
+    data, meta_bytes = found
+    meta = json.loads(meta_bytes.decode("utf-8"))
     if hashlib.sha256(data).hexdigest() != meta.get("sha256"):
         raise InputError(
-            f"{tok_path} does not match the sha256 in {meta_path}: the files come from "
+            f"{where[0]} does not match the sha256 in {where[1]}: the files come from "
             "different trainings; retrain or copy both together"
         )
+    return data, meta_bytes
+
+
+def load_tokenizer(directory: str | Path) -> tuple[Tokenizer, dict]:
+    """The tokenizer and its meta, from a folder or a URI; checks the fingerprint so a
+    swapped file is caught."""
+    data, meta_bytes = tokenizer_files(directory)
+    meta = json.loads(meta_bytes.decode("utf-8"))
     tok = Tokenizer.from_str(data.decode("utf-8"))
     tok.encode_special_tokens = True  # "<s>" in a document is text, not a control token
     return tok, meta

@@ -16,17 +16,21 @@ The ``train:`` section uses the pretraining names for what DeepSpeed needs
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
 from pipeline.config import (
+    DEEPSPEED_HINT,
+    BundleRef,
     ConfigError,
+    LocalPath,
     MlflowSection,
     Strict,
     _format_validation_error,
     apply_overrides,
     read_yaml,
+    refuse_uri,
 )
 
 TaskType = Literal["classification", "regression", "tagging", "span_qa", "multiple_choice"]
@@ -48,7 +52,7 @@ class FinetuneError(ConfigError):
 
 class SourceSection(Strict):
     # models:/NAME@ALIAS, models:/NAME/VERSION, runs:/RUN_ID/model, or a local bundle folder
-    source: str
+    source: BundleRef
     # "random": the same architecture and tokenizer, freshly initialised (a baseline that
     # shows what pretraining brings)
     init: Literal["pretrained", "random"] = "pretrained"
@@ -85,9 +89,9 @@ class TaskSection(Strict):
 
 
 class DataSection(Strict):
-    train: str
-    valid: str | None = None  # None: no early stopping, the last model is kept
-    test: str | None = None
+    train: LocalPath  # files on this machine (csv / jsonl / parquet)
+    valid: LocalPath | None = None  # None: no early stopping, the last model is kept
+    test: LocalPath | None = None
     format: Literal["auto", "csv", "jsonl", "parquet"] = "auto"  # auto: by file extension
 
 
@@ -116,7 +120,7 @@ class FinetuneTrainSection(Strict):
     patience: int = Field(3, ge=0)  # evaluations without improvement before stopping; 0: never
     eval_batch_size: int = Field(64, gt=0)
     cpu_shm_allreduce: bool = False  # as pretraining's train.cpu_shm_allreduce
-    out_dir: str = "runs/finetune"
+    out_dir: LocalPath = "runs/finetune"
 
 
 class FinetuneConfig(Strict):
@@ -125,7 +129,9 @@ class FinetuneConfig(Strict):
     task: TaskSection
     data: DataSection
     train: FinetuneTrainSection = FinetuneTrainSection()
-    deepspeed: str | dict[str, Any] = "configs/deepspeed/zero0.json"
+    deepspeed: Annotated[str | dict[str, Any], refuse_uri(DEEPSPEED_HINT)] = (
+        "configs/deepspeed/zero0.json"
+    )
     mlflow: MlflowSection = MlflowSection()
 
     @model_validator(mode="after")
