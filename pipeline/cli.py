@@ -161,11 +161,22 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} must be above 0")
+    return value
+
+
 def _export(args: argparse.Namespace) -> int:
     from pipeline.export.hf import ExportError, export_to_hf
 
     try:
-        out = export_to_hf(args.bundle, args.out)
+        shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
+        out = export_to_hf(args.bundle, args.out, max_shard_bytes=shard)
     except (ExportError, FileNotFoundError) as err:  # names the bundle (and key) and why
         print(f"plm: export: {err}", file=sys.stderr)
         return 2
@@ -317,6 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--to", choices=["hf"], required=True)
     _local(export, "bundle")
     _local(export, "out")
+    export.add_argument(
+        "--max-shard-mb",
+        type=_positive_float,
+        help="weights per file of the export (default: the bundle's train.bundle_shard_mb)",
+    )
     export.set_defaults(func=_export)
 
     gen = sub.add_parser("generate", help="continue a prompt with gpt / gpt2 / transformer-xl")

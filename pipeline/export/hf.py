@@ -28,8 +28,11 @@ from pipeline.export.hf_bert import bert_to_hf_state, hf_bert_model
 from pipeline.export.hf_common import (
     ACTIVATIONS,
     ExportError,
+    LazyState,
     decoder_config_fields,
     decoder_layer_state,
+    stored_tensors,
+    write_hf_folder,
 )
 from pipeline.export.hf_distilbert import distilbert_to_hf_state, hf_distilbert_model
 from pipeline.export.hf_electra import electra_to_hf_state, hf_electra_model, write_generator
@@ -37,7 +40,12 @@ from pipeline.export.hf_ernie import ernie_to_hf_state, hf_ernie_model
 from pipeline.export.hf_gpt import gpt_state, hf_gpt_model
 from pipeline.export.hf_roberta import hf_roberta_model, roberta_template, roberta_to_hf_state
 from pipeline.export.hf_xlnet import hf_xlnet_model, xlnet_template, xlnet_to_hf_state
-from pipeline.models.bundle import read_bundle_config, read_tensors, replace_dir
+from pipeline.models.bundle import (
+    BundleTensors,
+    max_shard_bytes_of,
+    read_bundle_config,
+    replace_dir,
+)
 from pipeline.models.registry import ARCHITECTURES
 
 # ----------------------------------------------------------------------------- gpt2
@@ -145,8 +153,18 @@ def max_input_tokens(arch: str, cfg: Any) -> int:
     return cfg.max_positions
 
 
-def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
-    """Write OUT/config.json, OUT/model.safetensors and the tokenizer files (atomically)."""
+def export_to_hf(
+    bundle_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None
+) -> Path:
+    """Write OUT/config.json, the weights (``model.safetensors``, or above
+    ``max_shard_bytes`` -- default: what the bundle was written with -- transformers'
+    ``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``) and the
+    tokenizer files, atomically.
+
+    Streamed: the transformers model is built on the meta device (its names, shapes and
+    tied weights, no memory), each of its tensors is computed from the bundle tensor(s) it
+    comes from when its turn to be written comes, and appended to the files
+    (``ShardedWriter``): one or two tensors in memory at a time, never the model."""
     bundle_dir, out_dir = Path(bundle_dir), Path(out_dir)
     try:
         config = read_bundle_config(bundle_dir)  # FileNotFoundError when it is no bundle
@@ -159,25 +177,20 @@ def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
             f"interface: pipeline.models.bundle.load_bundle); exportable: "
             f"{', '.join(sorted(_ADAPTERS))}"
         )
+    if max_shard_bytes is None:
+        max_shard_bytes = max_shard_bytes_of(config)
     to_state, make_model = _ADAPTERS[arch]
     cfg = ARCHITECTURES[arch][0].model_validate(config["model"])
     roles = config["vocab"].get("roles", {})
 
-    state = dict(read_tensors(bundle_dir))  # the whole model: see docs/training.md
+    state = LazyState(BundleTensors(bundle_dir))  # nothing read yet
     try:
-        hf_state = to_state(state, cfg)
-        model = make_model(cfg, roles)
+        hf_state = to_state(state, cfg)  # names -> deferred tensors
+        with torch.device("meta"):
+            model = make_model(cfg, roles)
     except ExportError as err:
         raise ExportError(f"{bundle_dir} ({arch}): {err}") from None
-    result = model.load_state_dict(hf_state, strict=False)
-    # Only the tied output weights may be absent from our state (they alias the embeddings).
-    untied = [k for k in result.missing_keys if not _is_tied_output(k)]
-    if untied or result.unexpected_keys:
-        raise RuntimeError(
-            f"export {arch}: missing {untied}, unexpected {result.unexpected_keys}; "
-            "the adapter in pipeline/export/hf.py is out of date with transformers"
-        )
-    _check_tied(model)
+    expected = stored_tensors(model, hf_state, arch)
     tokenizer = _hf_tokenizer(
         bundle_dir, arch, roles, max_input_tokens(arch, cfg), getattr(cfg, "type_vocab_size", 2)
     )
@@ -185,36 +198,13 @@ def export_to_hf(bundle_dir: str | Path, out_dir: str | Path) -> Path:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        model.save_pretrained(tmp)
+        write_hf_folder(tmp, model, expected, hf_state, max_shard_bytes)
         tokenizer.save_pretrained(tmp)
         if arch in _EXTRA_WRITERS:
-            _EXTRA_WRITERS[arch](state, cfg, roles, tmp, tokenizer)
+            _EXTRA_WRITERS[arch](state, cfg, roles, tmp, tokenizer, max_shard_bytes)
         tmp.chmod(0o755)
         replace_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _is_tied_output(key: str) -> bool:
-    return key in {
-        "cls.predictions.decoder.weight",
-        "cls.predictions.decoder.bias",
-        "lm_head.weight",
-        "lm_head.decoder.weight",  # roberta
-        "lm_head.decoder.bias",
-        "predictions.decoder.weight",  # albert
-        "predictions.decoder.bias",
-        "vocab_projector.weight",  # distilbert
-    }
-
-
-@torch.no_grad()
-def _check_tied(model) -> None:
-    """The output projection must be the input embedding matrix (same storage)."""
-    if model.get_output_embeddings() is None:
-        return  # no LM head (ElectraForPreTraining: a per-token classifier)
-    out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight
-    if out.data_ptr() != inp.data_ptr():
-        raise RuntimeError("exported model's output embeddings are not tied to the input ones")

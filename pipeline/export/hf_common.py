@@ -4,9 +4,13 @@ parameter names. Each architecture's adapter (hf.py, hf_roberta.py, ...) adds it
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from torch import Tensor
+
+from pipeline.models.bundle import ShardedWriter
 
 ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 
@@ -14,6 +18,68 @@ ACTIVATIONS = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh"}
 class ExportError(ValueError):
     """A bundle that the transformers class cannot represent exactly (or no bundle at all);
     the message names the model key and why. ``plm export`` prints it as one line, exit 2."""
+
+
+class Deferred:
+    """A bundle tensor not read yet, with the view/copy steps the adapters apply to it
+    (slice, ``t``, ``chunk``, ``view``, ``reshape``, ``contiguous``) recorded to run when it
+    is ``materialize``d: the adapters map names over the whole model without reading it,
+    and the export reads each tensor when its turn to be written comes."""
+
+    __slots__ = ("_read", "_steps")
+
+    def __init__(self, read: Callable[[], Tensor], steps: tuple = ()):
+        self._read, self._steps = read, steps
+
+    def _then(self, step: Callable[[Tensor], Tensor]) -> Deferred:
+        return Deferred(self._read, (*self._steps, step))
+
+    def __getitem__(self, index) -> Deferred:
+        return self._then(lambda t: t[index])
+
+    def t(self) -> Deferred:
+        return self._then(lambda t: t.t())
+
+    def contiguous(self) -> Deferred:
+        return self._then(lambda t: t.contiguous())
+
+    def view(self, *shape) -> Deferred:
+        return self._then(lambda t: t.view(*shape))
+
+    def reshape(self, *shape) -> Deferred:
+        return self._then(lambda t: t.reshape(*shape))
+
+    def chunk(self, n: int, dim: int = 0) -> tuple[Deferred, ...]:
+        return tuple(self._then(lambda t, i=i: t.chunk(n, dim)[i]) for i in range(n))
+
+    def materialize(self) -> Tensor:
+        t = self._read()
+        for step in self._steps:
+            t = step(t)
+        return t
+
+
+def materialize(value: Tensor | Deferred) -> Tensor:
+    return value.materialize() if isinstance(value, Deferred) else value
+
+
+class LazyState(Mapping):
+    """A bundle's state dict whose values are ``Deferred``: what the adapters are given
+    (they index it like a dict of tensors)."""
+
+    def __init__(self, tensors: Any):  # a pipeline.models.bundle.BundleTensors
+        self._tensors = tensors
+
+    def __getitem__(self, name: str) -> Deferred:
+        if name not in self._tensors:
+            raise KeyError(name)
+        return Deferred(lambda: self._tensors.get(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors.names())
+
+    def __len__(self) -> int:
+        return len(self._tensors.names())
 
 
 def encoder_config_fields(cfg: Any, roles: dict[str, int]) -> dict[str, Any]:
@@ -118,3 +184,58 @@ def decoder_layer_state(sd: dict[str, Tensor], ours: str, hf: str) -> dict[str, 
         out[f"{hf}{hf_name}.weight"] = sd[f"{ours}{our_name}.weight"].t().contiguous()
         out[f"{hf}{hf_name}.bias"] = sd[f"{ours}{our_name}.bias"]
     return out
+
+
+# --- writing the transformers folder ------------------------------------------------------
+
+
+def check_tied(model) -> None:
+    """The output projection must be the input embedding matrix (the same parameter)."""
+    if model.get_output_embeddings() is None:
+        return  # no LM head (ElectraForPreTraining: a per-token classifier)
+    out, inp = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+    if out is not inp:
+        raise RuntimeError("exported model's output embeddings are not tied to the input ones")
+
+
+def stored_tensors(model, hf_state: dict[str, Any], arch: str) -> dict[str, Tensor]:
+    """The meta model's tensors as transformers stores them: each tensor once (a tied
+    output weight is the input embedding's, saved under the embedding's name only, as
+    ``save_pretrained`` does); checked against the adapter's names before anything is
+    written."""
+    check_tied(model)
+    stored: dict[str, Tensor] = {}
+    seen: set[int] = set()
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            stored[name] = t
+    every = set(model.state_dict())
+    missing = sorted(set(stored) - set(hf_state))
+    unexpected = sorted(set(hf_state) - every)
+    if missing or unexpected:
+        raise RuntimeError(
+            f"export {arch}: missing {missing}, unexpected {unexpected}; "
+            "the adapter in pipeline/export/ is out of date with transformers"
+        )
+    return stored
+
+
+def write_hf_folder(
+    folder: Path, model, expected: dict[str, Tensor], hf_state: dict[str, Any], max_shard_bytes: int
+) -> None:
+    """config.json (+ generation_config.json for a model that generates) as
+    ``save_pretrained`` writes them, and the weights, each tensor computed when it is
+    written."""
+    model.config.architectures = [type(model).__name__]
+    model.config.dtype = "float32"
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(folder)
+    if model.can_generate():
+        model.generation_config.save_pretrained(folder)
+    writer = ShardedWriter(folder, expected, max_shard_bytes)
+    try:
+        for name in writer.names:
+            writer.add(name, materialize(hf_state[name]))
+    finally:
+        writer.close()

@@ -11,9 +11,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from pipeline.export.hf_common import embeddings_state, encoder_config_fields, encoder_layer_state
+from pipeline.export.hf_common import (
+    embeddings_state,
+    encoder_config_fields,
+    encoder_layer_state,
+    stored_tensors,
+    write_hf_folder,
+)
 
 GENERATOR_DIR = "generator"
 
@@ -79,19 +86,16 @@ def hf_electra_generator_model(cfg: Any, roles: dict[str, int]):
     return transformers.ElectraForMaskedLM(_hf_config(cfg, cfg.generator_config(), roles))
 
 
-def write_generator(sd: dict[str, Tensor], cfg: Any, roles: dict[str, int], out: Path, tokenizer):
-    """OUT/generator/: the generator as ElectraForMaskedLM, with the same tokenizer files."""
-    model = hf_electra_generator_model(cfg, roles)
-    result = model.load_state_dict(electra_generator_to_hf_state(sd, cfg), strict=False)
-    if result.missing_keys != ["generator_lm_head.weight"] or result.unexpected_keys:
-        raise RuntimeError(
-            f"export electra generator: missing {result.missing_keys}, unexpected "
-            f"{result.unexpected_keys}; pipeline/export/hf_electra.py is out of date"
-        )
-    lm, emb = model.generator_lm_head.weight, model.electra.embeddings.word_embeddings.weight
-    if lm.data_ptr() != emb.data_ptr():
-        raise RuntimeError("exported ELECTRA generator's decoder is not tied to its embeddings")
+def write_generator(
+    sd: Any, cfg: Any, roles: dict[str, int], out: Path, tokenizer, max_shard_bytes: int
+) -> None:
+    """OUT/generator/: the generator as ElectraForMaskedLM (its decoder tied to its
+    embeddings), streamed like the main model, with the same tokenizer files."""
+    with torch.device("meta"):
+        model = hf_electra_generator_model(cfg, roles)
+    hf_state = electra_generator_to_hf_state(sd, cfg)
+    expected = stored_tensors(model, hf_state, "electra generator")
     folder = out / GENERATOR_DIR
-    model.save_pretrained(folder)
+    write_hf_folder(folder, model, expected, hf_state, max_shard_bytes)
     tokenizer.save_pretrained(folder)
     folder.chmod(0o755)

@@ -139,12 +139,81 @@ def _header(names: list[str], expected: dict[str, Tensor]) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
+class ShardedWriter:
+    """Safetensors weights written one tensor at a time into ``folder``: the headers are
+    planned from ``expected`` (name -> a tensor of the right shape and dtype, e.g. on the
+    meta device), cut into files of at most ``max_shard_bytes``; ``add`` appends each
+    tensor's bytes as it comes, in the order of ``names``; ``close`` adds the index when
+    there are several files. One tensor in memory at a time. transformers' layout:
+    ``model.safetensors``, or ``model-0000K-of-0000N.safetensors`` with
+    ``model.safetensors.index.json``. The folder is the caller's (a temp folder it renames
+    into place, or removes on an error)."""
+
+    def __init__(self, folder: Path, expected: dict[str, Tensor], max_shard_bytes: int):
+        self.folder, self.expected = Path(folder), expected
+        self.names = list(expected)
+        self.shards = plan_shards(expected, max_shard_bytes)
+        self.files = _shard_names(len(self.shards))
+        self._next = 0  # index into names
+        self._shard = -1
+        self._file: BinaryIO | None = None
+        self._left_in_shard = 0
+
+    @property
+    def done(self) -> int:
+        return self._next
+
+    def add(self, name: str, tensor: Tensor) -> None:
+        if self._next >= len(self.names) or name != self.names[self._next]:
+            want = self.names[self._next] if self._next < len(self.names) else "nothing more"
+            raise ValueError(f"tensors out of order: got {name}, expected {want}")
+        want = self.expected[name]
+        if tuple(tensor.shape) != tuple(want.shape):
+            raise ValueError(
+                f"state dict tensor {name} has shape {tuple(tensor.shape)}, "
+                f"the config needs {tuple(want.shape)}"
+            )
+        if self._left_in_shard == 0:
+            self._open_shard()
+        data = tensor.detach().to("cpu", want.dtype).contiguous()
+        assert self._file is not None
+        self._file.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
+        self._next += 1
+        self._left_in_shard -= 1
+
+    def _open_shard(self) -> None:
+        if self._file is not None:
+            self._file.close()
+        self._shard += 1
+        names = self.shards[self._shard]
+        self._file = open(self.folder / self.files[self._shard], "wb")  # noqa: SIM115
+        self._file.write(_header(names, self.expected))
+        self._left_in_shard = len(names)
+
+    def missing(self) -> list[str]:
+        return self.names[self._next :]
+
+    def close(self) -> None:
+        """Close the last file and write the index (several files); the caller checks
+        ``missing()`` first."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if len(self.files) > 1 and not self.missing():
+            index = {
+                "metadata": {"total_size": sum(_nbytes(t) for t in self.expected.values())},
+                "weight_map": {n: self.files[i] for i, s in enumerate(self.shards) for n in s},
+            }
+            (self.folder / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
+
+
 class BundleWriter:
     """A bundle written one tensor at a time, in the order of ``names`` (the model's
     state-dict order); ``close()`` adds config.yaml and the tokenizer and renames the folder
     into place (an existing bundle is replaced); leaving the ``with`` block on an error
     removes the temp folder. Every tensor is checked against the config's shape before a
-    byte of it is written; a missing one fails ``close()``.
+    byte of it is written; a missing one fails ``close()``. config.yaml records
+    ``weights.max_shard_bytes`` (what the HF export shards by, unless told otherwise).
 
         with BundleWriter(out, "bert", cfg, tokenizer_dir, meta) as w:
             for name in w.names:
@@ -175,20 +244,17 @@ class BundleWriter:
             "model": model_config.model_dump(mode="json"),
             "vocab": _vocab_info(tokenizer_dir, model_config),
             "meta": extra_meta or {},
+            "weights": {"max_shard_bytes": int(max_shard_bytes)},
         }
         self.arch = arch
         self.expected = _expected_state(arch, model_config)
         self.names = list(self.expected)
-        self.shards = plan_shards(self.expected, max_shard_bytes)
-        self.files = _shard_names(len(self.shards))
         self.out_dir.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = Path(
             tempfile.mkdtemp(prefix=f".{self.out_dir.name}.tmp-", dir=self.out_dir.parent)
         )
-        self._next = 0  # index into names
-        self._shard = -1
-        self._file: BinaryIO | None = None
-        self._left_in_shard = 0
+        self.weights = ShardedWriter(self.tmp, self.expected, max_shard_bytes)
+        self.shards, self.files = self.weights.shards, self.weights.files
 
     def __enter__(self) -> BundleWriter:
         return self
@@ -200,50 +266,21 @@ class BundleWriter:
             self.abort()
 
     def add(self, name: str, tensor: Tensor) -> None:
-        if self._next >= len(self.names) or name != self.names[self._next]:
-            want = self.names[self._next] if self._next < len(self.names) else "nothing more"
-            raise ValueError(f"bundle tensors out of order: got {name}, expected {want}")
-        want = self.expected[name]
-        if tuple(tensor.shape) != tuple(want.shape):
-            raise ValueError(
-                f"state dict tensor {name} has shape {tuple(tensor.shape)}, "
-                f"the config needs {tuple(want.shape)}"
-            )
-        if self._left_in_shard == 0:
-            self._open_shard()
-        data = tensor.detach().to("cpu", want.dtype).contiguous()
-        assert self._file is not None
-        self._file.write(memoryview(data.view(torch.uint8).reshape(-1).numpy()))
-        self._next += 1
-        self._left_in_shard -= 1
-
-    def _open_shard(self) -> None:
-        if self._file is not None:
-            self._file.close()
-        self._shard += 1
-        names = self.shards[self._shard]
-        self._file = open(self.tmp / self.files[self._shard], "wb")  # noqa: SIM115
-        self._file.write(_header(names, self.expected))
-        self._left_in_shard = len(names)
+        try:
+            self.weights.add(name, tensor)
+        except ValueError as err:
+            raise ValueError(f"bundle {err}") from None
 
     def close(self) -> Path:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
-        if self._next != len(self.names):
-            missing = self.names[self._next :]
+        missing = self.weights.missing()
+        self.weights.close()
+        if missing:
             self.abort()
             raise ValueError(
                 f"state dict does not match a {self.arch} with this config: "
                 f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
             )
         try:
-            if len(self.files) > 1:
-                index = {
-                    "metadata": {"total_size": sum(_nbytes(t) for t in self.expected.values())},
-                    "weight_map": {n: self.files[i] for i, s in enumerate(self.shards) for n in s},
-                }
-                (self.tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True))
             (self.tmp / CONFIG_FILE).write_text(
                 yaml.safe_dump(self.config, sort_keys=True, allow_unicode=True), encoding="utf-8"
             )
@@ -257,9 +294,7 @@ class BundleWriter:
         return self.out_dir
 
     def abort(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        self.weights.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
 
@@ -338,6 +373,31 @@ def read_tensors(bundle_dir: str | Path) -> Iterator[tuple[str, Tensor]]:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                 yield name, f.get_tensor(name)
+
+
+class BundleTensors:
+    """A bundle's tensors by name, each read from its file when asked (one at a time; the
+    files stay open, nothing is cached): for readers that need them in another order than
+    the files' (the HF export)."""
+
+    def __init__(self, bundle_dir: str | Path):
+        self._handles = [safe_open(str(p), framework="pt") for p in weight_files(bundle_dir)]
+        self._where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._where
+
+    def get(self, name: str) -> Tensor:
+        return self._where[name].get_tensor(name)
+
+
+def max_shard_bytes_of(config: dict[str, Any]) -> int:
+    """The shard size a bundle was written with (config.yaml ``weights``; bundles from
+    before it was recorded: the default)."""
+    return int((config.get("weights") or {}).get("max_shard_bytes", MAX_SHARD_BYTES))
 
 
 def check_names(bundle_dir: str | Path, model: nn.Module) -> None:

@@ -68,7 +68,7 @@ def bytelevel_bpe_dir(out):
     return _write(tok, out, "bpe", roles, specials)
 
 
-def make_bundle(tmp_path, arch, **overrides):
+def make_bundle(tmp_path, arch, max_shard_bytes=None, **overrides):
     tok_dir = (tmp_path / "tok").resolve()
     tok_dir.mkdir()
     (wordpiece_dir if arch == "bert" else bytelevel_bpe_dir)(tok_dir)
@@ -82,7 +82,8 @@ def make_bundle(tmp_path, arch, **overrides):
         for name, p in model.named_parameters():
             if p.ndim == 1:
                 p.normal_(0.0 if name.endswith("bias") else 1.0, 0.1)
-    bundle = save_bundle(tmp_path / "bundle", arch, cfg, model.state_dict(), tok_dir)
+    shard = {} if max_shard_bytes is None else {"max_shard_bytes": max_shard_bytes}
+    bundle = save_bundle(tmp_path / "bundle", arch, cfg, model.state_dict(), tok_dir, **shard)
     return model, bundle, tok_dir
 
 
@@ -195,3 +196,41 @@ def test_export_replaces_and_rejects_non_bundles(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
     with pytest.raises(FileNotFoundError, match="not a model bundle"):
         export_to_hf(tmp_path, tmp_path / "hf2")
+
+
+def test_a_sharded_bundle_exports_sharded_weights_transformers_and_safetensors_read(tmp_path):
+    """A bundle written in shards exports as transformers' sharded layout, cut at the
+    bundle's shard size (unless told another): every file is a safetensors file the
+    safetensors library reads, the index names each tensor's file, and from_pretrained
+    gives our logits."""
+    from safetensors import safe_open
+
+    limit = 150_000
+    model, bundle, _ = make_bundle(tmp_path, "bert", max_shard_bytes=limit)
+    assert (bundle / "model.safetensors.index.json").is_file()
+    out = export_to_hf(bundle, tmp_path / "hf")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(p.name for p in out.glob("model*.safetensors"))
+    n = len(files)
+    assert n >= 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(set(index["weight_map"].values())) == files
+    seen, total = {}, 0
+    for name in files:
+        with safe_open(str(out / name), framework="pt") as f:
+            assert f.metadata() == {"format": "pt"}
+            keys = list(f.keys())
+            sizes = [f.get_tensor(k).nbytes for k in keys]
+        assert len(keys) == 1 or sum(sizes) <= limit  # a bigger tensor alone in its file
+        seen |= dict.fromkeys(keys, name)
+        total += sum(sizes)
+    assert seen == index["weight_map"] and total == index["metadata"]["total_size"]
+
+    hf = transformers.BertForPreTraining.from_pretrained(out).eval()
+    V = model.config.vocab_size
+    x = torch.randint(0, V, (2, 16), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        theirs = hf(input_ids=x).prediction_logits
+    torch.testing.assert_close(theirs, model(x)["mlm_logits"][..., :V], atol=1e-4, rtol=1e-4)
+
+    one = export_to_hf(bundle, tmp_path / "hf1", max_shard_bytes=2**30)  # told another size
+    assert sorted(p.name for p in one.glob("model*")) == ["model.safetensors"]
