@@ -43,9 +43,11 @@ from pipeline.finetune.heads import (
 from pipeline.finetune.infer import row_predictions, run_model, score
 from pipeline.finetune.pyfunc import log_finetuned_model
 from pipeline.finetune.source import (
+    BestWeights,
     build_task_model,
     load_backbone,
     load_finetuned,
+    partitioned,
     resolve_source,
     save_finetuned,
 )
@@ -113,13 +115,16 @@ class Prepared:
     data: TaskData
 
 
-def prepare(cfg: FinetuneConfig, download_to: Path) -> Prepared:
+def prepare(
+    cfg: FinetuneConfig, download_to: Path, ds_config: dict[str, Any] | None = None
+) -> Prepared:
     """Resolve the model, check the task fits it, read and encode the data: every input
-    error is raised here, before DeepSpeed or MLflow start."""
+    error is raised here, before DeepSpeed or MLflow start. Under a ZeRO-3 ``ds_config``
+    the backbone is built partitioned and loaded one parameter at a time (collective)."""
     from pipeline.data.tokenizer import load_tokenizer
 
     source = resolve_source(cfg.model.source, cfg.mlflow.tracking_uri, download_to)
-    backbone, bundle_cfg = load_backbone(source)
+    backbone, bundle_cfg = load_backbone(source, ds_config)
     arch = bundle_cfg["arch"]
     check_task_fits(arch, cfg)
     tokenizer, _ = load_tokenizer(source.path)
@@ -140,8 +145,9 @@ class Finetuner:
         self.dev = _device()
         self.run_dir = Path(cfg.train.out_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.ds_config = ds_engine.build_ds_config(cfg, self.world)  # reads .deepspeed, .train
         # every rank resolves (and downloads) on its own: no shared filesystem needed
-        p = prepare(cfg, self.run_dir / "source" / f"rank{self.rank}")
+        p = prepare(cfg, self.run_dir / "source" / f"rank{self.rank}", self.ds_config)
         self.source, self.bundle_cfg, self.arch = p.source, p.bundle_cfg, p.arch
         self.roles, self.encoder, self.data = p.roles, p.encoder, p.data
         backbone = p.backbone
@@ -149,7 +155,8 @@ class Finetuner:
         if cfg.model.init == "random":  # same architecture, fresh weights: the baseline
             from pipeline.models.registry import build_model
 
-            backbone = build_model(self.arch, backbone.config)
+            with ds_engine.partitioned_build(self.ds_config):
+                backbone = build_model(self.arch, backbone.config)
         self.n_feature_layers = self._count_feature_layers(backbone)
         self.model = TaskModel(
             backbone,
@@ -168,7 +175,6 @@ class Finetuner:
         self.total_steps = self.steps_per_epoch * t.epochs
         if t.max_steps:
             self.total_steps = min(self.total_steps, t.max_steps)
-        self.ds_config = ds_engine.build_ds_config(cfg, self.world)  # reads .deepspeed, .train
         self.engine = self._initialize()
 
     def _count_feature_layers(self, backbone) -> int:
@@ -176,8 +182,15 @@ class Finetuner:
             return 0
         ex = self.data.examples["train"][:1]
         batch = collate(ex, self.roles["pad"], self.cfg.task.type)
+        input_ids = batch["input_ids"][:, 0]
+        if partitioned(self.ds_config):  # its weights are partitions: count on a shape copy
+            from pipeline.models.registry import build_model
+
+            with torch.device("meta"):
+                backbone = build_model(self.arch, backbone.config)
+            input_ids = input_ids.to("meta")
         with torch.no_grad():
-            outputs = backbone(input_ids=batch["input_ids"][:, 0])
+            outputs = backbone(input_ids=input_ids)
         return int(backbone_layers(outputs).shape[1])
 
     def _initialize(self):
@@ -257,7 +270,6 @@ class Finetuner:
 
     def run(self) -> FinetuneResult:
         from pipeline.train.tracking import Tracker, code_version
-        from pipeline.train.trainer import consolidated_state_dict
 
         cfg, t = self.cfg, self.cfg.train
         tracker = Tracker(self.run_dir, enabled=self.rank == 0)
@@ -290,7 +302,9 @@ class Finetuner:
             f"{len(train_ex)} train examples, labels {self.data.labels or '-'}, world size "
             f"{self.world}, {self.total_steps} steps"
         )
-        step, best, best_state, bad = 0, None, None, 0
+        step, best, bad = 0, None, 0
+        # the best weights so far: on disk (rank 0), never a whole copy in memory
+        best_weights = BestWeights(self.run_dir / "best", self.bundle_cfg, self.source.path)
         history: list[dict[str, float]] = []
         status = "FAILED"
         model_dir = version = test = None
@@ -337,7 +351,7 @@ class Finetuner:
                             best = {
                                 k2[6:]: v for k2, v in m.items() if k2.startswith("valid_")
                             } or None
-                            best_state = consolidated_state_dict(self.engine)  # collective
+                            best_weights.save(self.engine)  # collective
                             bad = 0
                         else:
                             bad += 1
@@ -351,14 +365,11 @@ class Finetuner:
                         break
                 if stop:
                     break
+            if not best_weights.saved:  # the same on every rank
+                best_weights.save(self.engine)
             if self.rank == 0:
                 model_dir = save_finetuned(
-                    self.run_dir / "model",
-                    self.model,
-                    best_state,
-                    self.bundle_cfg,
-                    self.source.path,
-                    self._meta(best, step),
+                    self.run_dir / "model", best_weights.folder, self._meta(best, step)
                 )
                 self.log(
                     f"best model (valid {cfg.metric} {best and best[cfg.metric]}) saved to {model_dir}"

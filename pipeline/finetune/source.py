@@ -14,6 +14,7 @@ A fine-tuned model folder::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -83,9 +84,14 @@ def resolve_source(uri: str, tracking_uri: str | None, download_to: Path) -> Mod
     return ModelSource(path, uri)
 
 
-def load_backbone(source: ModelSource):
-    """(model, bundle config) from a pretrained bundle; clear errors for anything else."""
-    from pipeline.models.bundle import load_bundle
+def load_backbone(source: ModelSource, ds_config: dict[str, Any] | None = None):
+    """(model, bundle config) from a pretrained bundle; clear errors for anything else.
+
+    The weights are read one tensor at a time (the model plus one tensor in memory). Under a
+    ZeRO-3 ``ds_config`` (collective: every rank calls it) the model is built partitioned
+    (``partitioned_build``) and filled in place, one parameter at a time
+    (``load_into_partitions``): no rank ever holds the whole model."""
+    from pipeline.models.bundle import check_names, load_bundle, read_bundle_config
 
     path = source.path
     if (path / FINETUNE_FILE).is_file():
@@ -100,49 +106,115 @@ def load_backbone(source: ModelSource):
             f"{', '.join(found) or 'nothing'}); point it at a bundle written by `plm train`"
         )
     try:
-        return load_bundle(path)
+        if not partitioned(ds_config):
+            return load_bundle(path)
+        from pipeline.models.registry import ARCHITECTURES, build_model
+        from pipeline.train.engine import partitioned_build
+
+        config = read_bundle_config(path)
+        config_cls, _ = ARCHITECTURES[config["arch"]]
+        model_cfg = config_cls.model_validate(config["model"])
+        with partitioned_build(ds_config):
+            model = build_model(config["arch"], model_cfg)
+        check_names(path, model)
     except (ValueError, RuntimeError, FileNotFoundError, KeyError, OSError) as err:
         raise FinetuneError(
             f"model source {source.uri!r} is an incompatible bundle: {str(err).splitlines()[0]}"
         ) from None
+    load_into_partitions(model, path)
+    model.eval()
+    return model, config
+
+
+def partitioned(ds_config: dict[str, Any] | None) -> bool:
+    """Whether a DeepSpeed config builds its model partitioned (ZeRO-3)."""
+    from pipeline.train.engine import zero_stage
+
+    return ds_config is not None and zero_stage(ds_config) == 3
+
+
+@torch.no_grad()
+def load_into_partitions(model, bundle_dir: Path) -> None:
+    """Copy a bundle's weights into a model built under ``deepspeed.zero.Init``, one
+    parameter at a time (collective: every rank walks the same names in the same order).
+    Each partitioned parameter is gathered alone (``GatheredParameters([p],
+    modifier_rank=0)``), rank 0 reads that tensor from the bundle into it, and leaving the
+    block re-partitions it from rank 0; buffers (whole on every rank) are read by every
+    rank. At most one whole parameter and one tensor in memory."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from pipeline.models.bundle import BundleTensors
+
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    tensors = BundleTensors(bundle_dir)
+    for name, target in model.state_dict(keep_vars=True).items():
+        if hasattr(target, "ds_id"):
+            with deepspeed.zero.GatheredParameters([target], modifier_rank=0):
+                if rank0:
+                    target.data.copy_(tensors.get(name))
+        else:
+            target.copy_(tensors.get(name))
 
 
 # ----------------------------------------------------------------------------- saving
 
 
-def save_finetuned(
-    out: Path,
-    model,
-    state: dict[str, torch.Tensor],
-    bundle_config: dict[str, Any],
-    tokenizer_dir: Path,
-    meta: dict[str, Any],
-) -> Path:
-    """Write the fine-tuned folder atomically (temp folder + rename)."""
-    from pipeline.models.bundle import replace_dir, save_bundle
-    from pipeline.models.registry import ARCHITECTURES
+class BestWeights:
+    """The best weights so far, kept on disk instead of in memory: ``save(engine)``
+    (collective) streams the engine's weights one parameter at a time (``full_tensors``)
+    and rank 0 writes them into ``folder`` as they come: the backbone through a
+    BundleWriter (``folder/backbone``, replacing the previous best), the small task head
+    into ``folder/head.safetensors``. No rank holds a whole copy of the model."""
+
+    def __init__(self, folder: Path, bundle_config: dict[str, Any], tokenizer_dir: Path):
+        self.folder, self.bundle_config, self.tokenizer_dir = folder, bundle_config, tokenizer_dir
+        self.saved = False
+
+    def save(self, engine) -> None:
+        import torch.distributed as dist
+
+        from pipeline.models.bundle import BundleWriter, max_shard_bytes_of
+        from pipeline.models.registry import ARCHITECTURES
+        from pipeline.train.trainer import full_tensors
+
+        writer, head = None, {}
+        if dist.get_rank() == 0:
+            arch = self.bundle_config["arch"]
+            config_cls, _ = ARCHITECTURES[arch]
+            self.folder.mkdir(parents=True, exist_ok=True)
+            writer = BundleWriter(
+                self.folder / BACKBONE_DIR,
+                arch,
+                config_cls.model_validate(self.bundle_config["model"]),
+                self.tokenizer_dir,
+                {**self.bundle_config.get("meta", {}), "finetuned": True},
+                max_shard_bytes=max_shard_bytes_of(self.bundle_config),
+            )
+        with writer if writer is not None else contextlib.nullcontext():  # closes or aborts
+            for name, t in full_tensors(engine):  # every rank, to the end
+                if writer is None:
+                    continue
+                if name.startswith("backbone."):
+                    writer.add(name[len("backbone.") :], t)
+                else:
+                    head[name] = t.contiguous()
+        if writer is not None:
+            save_file(head, str(self.folder / HEAD_FILE), metadata={"format": "pt"})
+        self.saved = True
+
+
+def save_finetuned(out: Path, best: Path, meta: dict[str, Any]) -> Path:
+    """The fine-tuned folder from the best weights on disk (``BestWeights``): they are moved
+    (not copied) beside finetune.yaml in a temp folder renamed into place."""
+    from pipeline.models.bundle import replace_dir
 
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
-        arch = bundle_config["arch"]
-        config_cls, _ = ARCHITECTURES[arch]
-        backbone = {k[len("backbone.") :]: v for k, v in state.items() if k.startswith("backbone.")}
-        head = {
-            k: v.detach().cpu().contiguous()
-            for k, v in state.items()
-            if not k.startswith("backbone.")
-        }
-        save_bundle(
-            tmp / BACKBONE_DIR,
-            arch,
-            config_cls.model_validate(bundle_config["model"]),
-            backbone,
-            tokenizer_dir,
-            {**bundle_config.get("meta", {}), "finetuned": True},
-        )
-        save_file(head, str(tmp / HEAD_FILE), metadata={"format": "pt"})
+        os.replace(best / BACKBONE_DIR, tmp / BACKBONE_DIR)
+        os.replace(best / HEAD_FILE, tmp / HEAD_FILE)
         (tmp / FINETUNE_FILE).write_text(
             yaml.safe_dump({"format_version": FORMAT_VERSION, **meta}, sort_keys=False),
             encoding="utf-8",
@@ -152,6 +224,7 @@ def save_finetuned(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    shutil.rmtree(best, ignore_errors=True)
     return out
 
 

@@ -419,3 +419,48 @@ def test_frozen_mode_leaves_the_encoder_bit_identical(bundles, tmp_path):
         assert torch.equal(source[k], tuned[k]), k
     head = load_file(str(res.model_dir / "head.safetensors"))
     assert head["head.weight"].abs().sum() > 0 and head["head.bias"].abs().sum() > 0
+
+
+@pytest.mark.slow
+def test_zero3_finetune_loads_into_partitions_and_keeps_the_best_on_disk(bundles, tmp_path):
+    """Under ZeRO-3 the backbone is built partitioned and filled one gathered parameter at
+    a time (each equal to the bundle's tensor); the best weights go to disk as they
+    improve, and the saved model (frozen encoder) equals the source bit for bit."""
+    import deepspeed
+    from safetensors.torch import load_file
+
+    from pipeline.finetune.loop import finetune
+    from pipeline.models.bundle import read_tensors
+
+    zero3 = str(Path(__file__).parents[2] / "configs/deepspeed/zero3.json")
+    train = write_jsonl(tmp_path / "train.jsonl", topic_rows(32, 1))
+    valid = write_jsonl(tmp_path / "valid.jsonl", topic_rows(8, 2))
+    cfg = validate_finetune(
+        {
+            "name": "zero3",
+            "model": {"source": str(bundles["bert"])},
+            "task": {"type": "classification", "max_length": 16},
+            "data": {"train": train, "valid": valid},
+            "deepspeed": zero3,
+            "train": {"mode": "frozen", "epochs": 2, "micro_batch_size": 8, "lr": 1e-2,
+                      "out_dir": str(tmp_path / "run")},  # fmt: skip
+            "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "register": False},
+        }
+    )
+    res = finetune(cfg)  # one gloo rank
+    assert res.steps == 8 and not (res.run_dir / "best").exists()  # moved into model/
+    source = dict(read_tensors(bundles["bert"]))
+    tuned = load_file(str(res.model_dir / "backbone" / "model.safetensors"))
+    assert source.keys() == tuned.keys()
+    for k in source:
+        assert torch.equal(source[k], tuned[k]), k
+    assert load_file(str(res.model_dir / "head.safetensors"))["head.weight"].abs().sum() > 0
+
+    from pipeline.train.engine import build_ds_config
+
+    prepared = prepare(cfg, tmp_path / "dl", build_ds_config(cfg, 1))
+    params = dict(prepared.backbone.named_parameters())
+    assert params and all(hasattr(p, "ds_id") for p in params.values())  # built partitioned
+    for name, p in params.items():
+        with deepspeed.zero.GatheredParameters([p]):
+            assert torch.equal(p.data, source[name]), name
