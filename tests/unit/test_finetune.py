@@ -442,8 +442,13 @@ def test_zero3_finetune_loads_into_partitions_and_keeps_the_best_on_disk(bundles
             "task": {"type": "classification", "max_length": 16},
             "data": {"train": train, "valid": valid},
             "deepspeed": zero3,
-            "train": {"mode": "frozen", "epochs": 2, "micro_batch_size": 8, "lr": 1e-2,
-                      "out_dir": str(tmp_path / "run")},  # fmt: skip
+            "train": {
+                "mode": "frozen",
+                "epochs": 2,
+                "micro_batch_size": 8,
+                "lr": 1e-2,
+                "out_dir": str(tmp_path / "run"),
+            },  # fmt: skip
             "mlflow": {"tracking_uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "register": False},
         }
     )
