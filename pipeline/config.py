@@ -424,7 +424,41 @@ class TrainSection(Strict):
     # (AutoTP), which training does not call, so gloo does every all-reduce either way.
     # Used with several ranks on the CPU only (pipeline/train/ds_ops.py).
     cpu_shm_allreduce: bool = False
-    out_dir: str = "runs/default"
+    # Where checkpoints, bundles and metrics.jsonl live: a local folder every host sees, or
+    # a URI of any pyarrow filesystem (s3://bucket/prefix, gs://...; credentials from the
+    # AWS_* variables or the node's role, never in the URI). With a URI each node writes
+    # into local_dir (null: $XDG_CACHE_HOME/plm/out/<name>-<digest> or
+    # $TMPDIR/plm-out-<uid>/...) and uploads in the background; `latest` moves on the store
+    # once every rank's upload is confirmed; an upload the store refuses is retried for
+    # upload_retry_s, then the run stops (pipeline/train/out_store.py).
+    out_dir: StorePath = "runs/default"
+    local_dir: LocalPath | None = None
+    upload_retry_s: float = Field(900.0, gt=0)
+
+    @field_validator("out_dir")
+    @classmethod
+    def _out_dir(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("an empty path: give a folder or a URI (s3://bucket/prefix)")
+        if not is_uri(value):
+            if re.match(r"^[A-Za-z][A-Za-z0-9+.-]+:/", value):  # s3:/b/x: a folder "s3:"
+                raise ValueError(
+                    f"{value!r} is neither a folder nor a URI: a URI is scheme://bucket/prefix"
+                )
+            return value
+        scheme, rest = value.split("://", 1)
+        if scheme.lower() not in _OUT_SCHEMES:
+            raise ValueError(
+                f"{redact_uri(value)}: the scheme {scheme}:// is not a filesystem plm writes "
+                f"to: give a folder or a URI of {', '.join(s + '://' for s in _OUT_SCHEMES)}"
+            )
+        if scheme.lower() != "file" and not rest.split("/", 1)[0]:
+            raise ValueError(f"{redact_uri(value)} names no bucket: give scheme://bucket/prefix")
+        return value
+
+
+# The filesystems train.out_dir may name (pyarrow's FileSystem.from_uri).
+_OUT_SCHEMES = ("s3", "gs", "gcs", "hdfs", "viewfs", "abfs", "abfss", "file")
 
 
 def with_global_batch(cfg: ExperimentConfig, world: int) -> ExperimentConfig:

@@ -34,6 +34,14 @@ rank 0 writes ``COMPLETE``, moves ``latest``, prunes) once every rank's writes a
 at the first step boundary where the trainer's per-step all-reduce says so, or, waiting,
 before the next save and when training ends or stops. A process killed meanwhile leaves
 ``latest`` on the previous checkpoint, as a killed synchronous save does.
+
+Where the files live is ``OutStore``'s (pipeline/train/out_store.py): ``train.out_dir`` a
+local folder (the checkpoints are written in place, as above) or a URI (each rank writes
+into its node's staging folder, ``root``, and uploads the files it owns in the
+background; a save is pending until every rank's uploads are confirmed, and only then
+does rank 0 write ``COMPLETE`` and ``latest`` on the store, last). A resume fetches what
+this rank loads (``load``: its own files and the ones every rank reads; a universal
+conversion: the whole checkpoint, on rank 0) into the staging folder first.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ import torch.distributed as dist
 import yaml
 
 from pipeline.data.shards import atomic_write_bytes
+from pipeline.train.out_store import OutStore, owner
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -330,17 +339,25 @@ def _torch_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+CHECKPOINTS = "checkpoints"
+
+
 class CheckpointManager:
     def __init__(
         self,
-        run_dir: str | Path,
+        run_dir: str | Path | OutStore,
         keep_last: int,
         rank: int,
         world_size: int,
         asynchronous: bool = False,
         bundles: str | Path | None = None,
     ):
-        self.root = Path(run_dir) / "checkpoints"
+        """``run_dir``: train.out_dir (a folder or a URI) or its ``OutStore``."""
+        if isinstance(run_dir, OutStore):
+            self.store = run_dir
+        else:
+            self.store = OutStore.open(str(run_dir), rank=rank)
+        self.root = self.store.local / CHECKPOINTS  # where this rank writes and loads
         self.keep_last = keep_last
         self.rank = rank
         self.world_size = world_size
@@ -350,32 +367,56 @@ class CheckpointManager:
         self.pending: tuple[str, dict[str, Any]] | None = None  # (tag, COMPLETE's meta)
 
     # --- reading -------------------------------------------------------------------------
+    def where(self, tag: str = "") -> str:
+        """A checkpoint as a message names it: its folder, or its URI on the store."""
+        return self.store.where(f"{CHECKPOINTS}/{tag}" if tag else CHECKPOINTS)
+
     def is_complete(self, tag: str) -> bool:
-        return (self.root / tag / COMPLETE).is_file()
+        return self.store.exists(f"{CHECKPOINTS}/{tag}/{COMPLETE}")
 
     def latest(self) -> str | None:
         """The tag our pointer names; None when no checkpoint was ever completed."""
-        pointer = self.root / LATEST
-        if not pointer.is_file():
+        data = self.store.read_bytes(f"{CHECKPOINTS}/{LATEST}")
+        if data is None:
             return None
-        tag = pointer.read_text(encoding="utf-8").strip()
+        tag = data.decode("utf-8").strip()
         if not self.is_complete(tag):
             raise CheckpointError(
-                f"{pointer} names {tag!r} but {self.root / tag / COMPLETE} is missing; "
-                "the checkpoint directory was altered by hand"
+                f"{self.where(LATEST)} names {tag!r} but {self.where(tag)}/{COMPLETE} is "
+                "missing; the checkpoint directory was altered by hand"
             )
         return tag
 
     def complete_tags(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
         return sorted(
-            p.name for p in self.root.iterdir() if p.is_dir() and self.is_complete(p.name)
+            name
+            for name, is_dir in self.store.list_dir(CHECKPOINTS)
+            if is_dir and self.is_complete(name)
         )
 
     def meta(self, tag: str) -> dict[str, Any]:
         """What rank 0 wrote into COMPLETE: step, world size, batch sizes, ZeRO stage."""
-        return json.loads((self.root / tag / COMPLETE).read_text(encoding="utf-8"))
+        data = self.store.read_bytes(f"{CHECKPOINTS}/{tag}/{COMPLETE}")
+        if data is None:
+            raise CheckpointError(f"checkpoint {self.where(tag)} is incomplete (no {COMPLETE})")
+        return json.loads(data.decode("utf-8"))
+
+    def fetch_for_load(self, tag: str, universal: bool, rank_file: int) -> tuple[list[str], int]:
+        """This rank's files of ``tag`` into ``root`` (a local out_dir has them): with
+        ``universal`` the whole conversion, else the files of ``rank_file`` and those of no
+        rank but the recovery scripts; the trainer state of ``rank_file`` and COMPLETE in
+        both. Returns (names, bytes) of the files fetched."""
+        rel = f"{CHECKPOINTS}/{tag}"
+        want = [f"{rel}/{COMPLETE}", f"{rel}/trainer_rank{rank_file}.pt"]
+        if universal:
+            want += [p for p, _ in self.store.list_files(f"{rel}/{UNIVERSAL}")]
+        else:
+            for name, is_dir in self.store.list_dir(rel):
+                who = owner(name)
+                if not is_dir and (who == rank_file or (who is None and not name.endswith(".py"))):
+                    want.append(f"{rel}/{name}")
+        got = self.store.fetch(sorted(set(want)))
+        return [p.rsplit("/", 1)[-1] for p, _ in got], sum(n for _, n in got)
 
     def load(self, engine, tag: str, universal: bool = False) -> dict[str, Any]:
         """Restore engine + this rank's trainer state from ``tag``; returns the trainer state.
@@ -386,10 +427,12 @@ class CheckpointManager:
         rank 0's file (the loader cursor is global) and recurrent memory starts empty.
         """
         if not self.is_complete(tag):
-            raise CheckpointError(f"checkpoint {self.root / tag} is incomplete (no {COMPLETE})")
+            raise CheckpointError(f"checkpoint {self.where(tag)} is incomplete (no {COMPLETE})")
         meta = self.meta(tag)
         saved_world = int(meta["world_size"])
         elastic = saved_world != self.world_size
+        rank_file = self.rank if not elastic else min(self.rank, saved_world - 1)
+        self.fetched = self.fetch_for_load(tag, universal, rank_file)
         stage = meta.get("zero_stage")
         if stage is None:  # checkpoints of older versions: ZeRO 1-3 write optimizer shards
             stage = 1 if any((self.root / tag).glob("*optim_states.pt")) else 0
@@ -437,7 +480,6 @@ class CheckpointManager:
             for st in getattr(inner, "state", {}).values():
                 if torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].clone()
-        rank_file = self.rank if not elastic else min(self.rank, saved_world - 1)
         path = self.root / tag / f"trainer_rank{rank_file}.pt"
         if not path.is_file():
             raise CheckpointError(f"{path} is missing")
@@ -456,11 +498,14 @@ class CheckpointManager:
         (rank 0 converts, the others wait); returns the seconds it took (0 if done before).
         Written to a temp folder and renamed, so a killed conversion is redone, not used."""
         out = self.root / tag / UNIVERSAL
+        rel = f"{CHECKPOINTS}/{tag}"
         seconds = 0.0
-        if self.rank == 0 and not (out / COMPLETE).is_file():
+        if self.rank == 0 and not self.store.exists(f"{rel}/{UNIVERSAL}/{COMPLETE}"):
             from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
 
             t0 = time.perf_counter()
+            # The whole checkpoint (every rank's partitions) into this node's folder.
+            self.store.fetch(p for p, _ in self.store.list_files(rel) if f"/{UNIVERSAL}/" not in p)
             tmp = self.root / tag / f".{UNIVERSAL}.tmp"
             shutil.rmtree(tmp, ignore_errors=True)
             shutil.rmtree(out, ignore_errors=True)
@@ -481,8 +526,14 @@ class CheckpointManager:
                     f"converting {self.root / tag} to a universal checkpoint failed: "
                     f"{type(err).__name__}: {err}\n{log.getvalue()[-2000:]}"
                 ) from err
-            (tmp / COMPLETE).write_text(json.dumps(self.meta(tag)), encoding="utf-8")
+            done = json.dumps(self.meta(tag)).encode("utf-8")
+            (tmp / COMPLETE).write_bytes(done)
             os.replace(tmp, out)
+            # On a store: the conversion's files, then its COMPLETE, last.
+            (out / COMPLETE).unlink()
+            self.store.upload_tree(f"{rel}/{UNIVERSAL}")
+            self.store.wait()
+            self.store.write_bytes(f"{rel}/{UNIVERSAL}/{COMPLETE}", done)
             seconds = time.perf_counter() - t0
         dist.barrier()
         return seconds
@@ -502,8 +553,7 @@ class CheckpointManager:
         self.finish()  # one save in flight at most
         tag = tag_for(step)
         folder = self.root / tag
-        if self.rank == 0 and folder.exists():
-            shutil.rmtree(folder)  # a leftover from an interrupted save of the same step
+        self.store.clear(f"{CHECKPOINTS}/{tag}")  # a leftover of an interrupted save
         dist.barrier()
         if self.asynchronous and self.writer is None:
             self.writer = SnapshotWriter.install(engine)
@@ -518,7 +568,11 @@ class CheckpointManager:
             atomic_write_bytes(folder / "config.yaml", text.encode("utf-8"))
             atomic_write_bytes(folder / "ds_config.json", json.dumps(ds_config, indent=2).encode())
         meta = {"step": step, "world_size": self.world_size, **(batch_meta or {})}
-        if self.writer is not None:  # the engine's files are being written
+        # On a store: this rank's files go up once written (nothing for a local out_dir).
+        self.store.upload_own(
+            f"{CHECKPOINTS}/{tag}", self.rank, self.writer.wait if self.writer else None
+        )
+        if self.writer is not None or self.store.busy():  # files still being written
             self.pending = (tag, meta)
             return tag
         dist.barrier()  # every rank's files are on disk
@@ -528,11 +582,11 @@ class CheckpointManager:
         return tag
 
     def writes_busy(self) -> bool:
-        """This rank still writes the pending checkpoint's files (a write that failed
-        raises here)."""
-        if self.pending is None or self.writer is None:
+        """This rank still writes (or uploads) the pending checkpoint's files (a write
+        that failed, an upload that gave up, raises here)."""
+        if self.pending is None:
             return False
-        return self.writer.busy()
+        return (self.writer is not None and self.writer.busy()) or self.store.busy()
 
     def finish(self, agreed: bool = False) -> str | None:
         """Complete the pending checkpoint; returns its tag (None: nothing pending).
@@ -541,7 +595,9 @@ class CheckpointManager:
         if self.pending is None:
             return None
         tag, meta = self.pending
-        self.writer.wait()  # raises if a write failed: the checkpoint stays incomplete
+        if self.writer is not None:
+            self.writer.wait()  # raises if a write failed: the checkpoint stays incomplete
+        self.store.wait()  # every upload of this rank confirmed (raises if one gave up)
         if not agreed:
             dist.barrier()
         if self.rank == 0:
@@ -549,12 +605,13 @@ class CheckpointManager:
         if not agreed:
             dist.barrier()
         self.pending = None
+        self.store.drop_staging(CHECKPOINTS, keep={tag})  # a node keeps the last one staged
         return tag
 
     def _complete(self, tag: str, meta: dict[str, Any]) -> None:
         """Rank 0, every rank's files written: COMPLETE, then ``latest``, then pruning."""
-        atomic_write_bytes(self.root / tag / COMPLETE, json.dumps(meta).encode("utf-8"))
-        atomic_write_bytes(self.root / LATEST, tag.encode("utf-8"))
+        self.store.write_bytes(f"{CHECKPOINTS}/{tag}/{COMPLETE}", json.dumps(meta).encode("utf-8"))
+        self.store.write_bytes(f"{CHECKPOINTS}/{LATEST}", tag.encode("utf-8"))
         self._prune(keep=tag)
         if self.bundles is not None:
             self.prune_bundles(self.bundles)
@@ -563,21 +620,22 @@ class CheckpointManager:
         """Rank 0: delete the bundles under ``bundles`` whose checkpoint was pruned, unless
         their meta says ``kept`` (``train.keep_bundle_every``); ``final``, bundles beside a
         kept checkpoint and folders that are not our bundles stay. Returns what it deleted."""
-        bundles = Path(bundles)
-        if not bundles.is_dir():
+        rel = self.store.relative(bundles)
+        entries = self.store.list_dir(rel)
+        if not entries:
             return []
         keep = set(self.complete_tags())
         gone = []
-        for p in sorted(bundles.iterdir()):
-            if not (p.is_dir() and _TAG.fullmatch(p.name)) or p.name in keep:
+        for name, is_dir in entries:
+            if not (is_dir and _TAG.fullmatch(name)) or name in keep:
                 continue
             try:  # bundles are renamed into place whole: an unreadable one is not ours
-                meta = yaml.safe_load((p / "config.yaml").read_text(encoding="utf-8"))["meta"]
-            except (OSError, yaml.YAMLError, KeyError, TypeError):
+                meta = yaml.safe_load(self.store.read_bytes(f"{rel}/{name}/config.yaml"))["meta"]
+            except (OSError, yaml.YAMLError, KeyError, TypeError, AttributeError):
                 continue
             if not (isinstance(meta, dict) and meta.get("kept")):
-                shutil.rmtree(p, ignore_errors=True)
-                gone.append(p.name)
+                self.store.delete_tree(f"{rel}/{name}")
+                gone.append(name)
         return gone
 
     def _prune(self, keep: str) -> None:
@@ -585,7 +643,7 @@ class CheckpointManager:
         complete = self.complete_tags()
         for tag in complete[: max(0, len(complete) - self.keep_last)]:
             if tag != keep:
-                shutil.rmtree(self.root / tag, ignore_errors=True)
-        for p in self.root.iterdir():
-            if p.is_dir() and not self.is_complete(p.name) and p.name < keep:
-                shutil.rmtree(p, ignore_errors=True)
+                self.store.delete_tree(f"{CHECKPOINTS}/{tag}")
+        for name, is_dir in self.store.list_dir(CHECKPOINTS):
+            if is_dir and name < keep and name not in complete:
+                self.store.delete_tree(f"{CHECKPOINTS}/{name}")

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import signal
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from pipeline.train import engine as ds_engine
 from pipeline.train import faults, parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for
 from pipeline.train.metrics import device_peak_flops, throughput
+from pipeline.train.out_store import OutStore
 from pipeline.train.plan import (
     check_checkpoint,
     check_positions,
@@ -42,7 +44,7 @@ from pipeline.train.plan import (
 )
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop, TrainingStopped
-from pipeline.train.tracking import Tracker, code_version
+from pipeline.train.tracking import RUN_ID_FILE, SYNCED_FILE, Tracker, code_version
 
 
 class TrainingDiverged(RuntimeError):
@@ -343,6 +345,12 @@ def discard_gradients(engine) -> None:
 class Trainer:
     def __init__(self, cfg: ExperimentConfig):
         self.cfg = cfg
+        # train.out_dir: a folder, or a URI whose store is asked first (credentials, bucket:
+        # one plm: line before anything starts); self.run_dir is where this node writes.
+        self.out = OutStore.open(
+            cfg.train.out_dir, cfg.train.local_dir, retry_s=cfg.train.upload_retry_s
+        )
+        self.out.check()
         if not torch.cuda.is_available():
             parallelize.set_cpu_threads()
         ds_engine.init_distributed(
@@ -351,7 +359,10 @@ class Trainer:
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         faults.check_peers(cfg.train.max_clock_skew_s)
         self.dev = device()
-        self.run_dir = Path(cfg.train.out_dir)
+        self.run_dir = self.out.local
+        if self.rank == 0:  # metrics.jsonl and the MLflow run id travel with the checkpoints
+            self.out.mirror(["metrics.jsonl", RUN_ID_FILE, SYNCED_FILE])
+            self.out.restore_mirrored()
         self.tracker = Tracker(
             self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s,
             every_row={"world_size": self.world},  # every row of metrics.jsonl says it
@@ -359,8 +370,8 @@ class Trainer:
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = CheckpointManager(
-            self.run_dir, cfg.train.keep_last, self.rank, self.world, cfg.train.async_save,
-            bundles=self.run_dir / "bundles",
+            self.out, cfg.train.keep_last, self.rank, self.world, cfg.train.async_save,
+            bundles="bundles",
         )  # fmt: skip
         # Resuming on another number of ranks: the global batch is kept (grad_accum
         # adjusted) and ZeRO 1-3 state is converted to a universal checkpoint, before
@@ -438,7 +449,7 @@ class Trainer:
         ga_saved = int(meta.get("grad_accum", t.grad_accum))
         micro_saved = int(meta.get("micro_batch_size", t.micro_batch_size))
         global_batch = int(meta.get("global_batch", micro_saved * ga_saved * saved_world))
-        where = self.ckpt.root / tag
+        where = self.ckpt.where(tag)
         ga = t.grad_accum
         if t.micro_batch_size * t.grad_accum * self.world != global_batch:
             per_step = t.micro_batch_size * self.world
@@ -498,10 +509,18 @@ class Trainer:
         self.skipped = state["skipped"]
         self.n_checkpoints = state["n_checkpoints"]
         self.resumed_from = tag
+        names, nbytes = getattr(self.ckpt, "fetched", ([], 0))
+        if names:  # a store: what this rank fetched, said by every rank
+            listed = ": " + ", ".join(names) if len(names) <= 8 else ""
+            print(
+                f"[plm train] rank {self.rank}: fetched {len(names)} files ({nbytes / 2**20:.2f} "
+                f"MiB) of {self.ckpt.where(tag)} into {self.ckpt.root / tag}{listed}",
+                flush=True,
+            )
         extra = ""
         if "resumed_world_size" in state:
             extra = f" (written by {state['resumed_world_size']} ranks, now {self.world})"
-        self.log(f"resumed from {self.ckpt.root / tag} at step {self.step}{extra}")
+        self.log(f"resumed from {self.ckpt.where(tag)} at step {self.step}{extra}")
 
     def start_tracking(self) -> None:
         cfg = self.cfg
@@ -528,7 +547,7 @@ class Trainer:
         self.tracker.start(
             tracking_uri=cfg.mlflow.tracking_uri,
             experiment=cfg.mlflow.experiment or cfg.name,
-            run_name=cfg.mlflow.run_name or self.run_dir.name,
+            run_name=cfg.mlflow.run_name or self.out.name,
             params=params,
             tags=tags,
             resume=self.resumed_from is not None,
@@ -748,7 +767,7 @@ class Trainer:
         )  # fmt: skip
         self.n_checkpoints += 1
         writing = " (its files written in the background)" if self.ckpt.pending else ""
-        self.log(f"checkpoint {self.ckpt.root / tag}{writing}")
+        self.log(f"checkpoint {self.ckpt.where(tag)}{writing}")
         return tag
 
     def save_complete(self) -> str:
@@ -788,6 +807,8 @@ class Trainer:
             for tensor_name, t in full_tensors(self.engine):
                 if writer is not None:
                     writer.add(tensor_name, t)
+        if self.rank == 0:
+            self.out.upload_tree(f"bundles/{name}")  # to a store, in the background
         dist.barrier()
         return out if self.rank == 0 else None
 
@@ -839,7 +860,7 @@ class Trainer:
                         raise TrainingDiverged(
                             f"{bad_in_row} non-finite losses in a row at step {self.step} "
                             f"(train.max_nonfinite_in_row={t.max_nonfinite_in_row}); weights of "
-                            f"the last good update saved in {self.ckpt.root / tag}. Lower "
+                            f"the last good update saved in {self.ckpt.where(tag)}. Lower "
                             "train.lr, raise train.warmup_steps or use precision fp32/bf16."
                         )
                     continue
@@ -899,6 +920,7 @@ class Trainer:
                         },
                         bundle_dir=bundle_dir,
                     )
+            self.out.wait()  # on a store: the final bundle and the checkpoints are there
             status = "FINISHED"
         except BaseException as err:
             fault = faults.peer_fault(err, self.rank, self.step, t.collective_timeout_s)
@@ -923,9 +945,22 @@ class Trainer:
             self.stopper.restore()
             self.tracker.end(status)
             self.stream.close()
+            self.close_out(status)
         result = self._result(bundle_dir, version)
         result.tracking_left_behind = self.tracker.left_behind()
         return result
+
+    def close_out(self, status: str) -> None:
+        """The run's last files to the store (rank 0's metrics.jsonl and MLflow run id,
+        as the ended run left them); a run that did not finish waits train.stop_grace_s
+        for them at most and says what it could not send."""
+        timeout = None if status == "FINISHED" else self.cfg.train.stop_grace_s
+        try:
+            self.out.close(timeout=timeout)
+        except Exception as err:
+            if status == "FINISHED":
+                raise
+            print(f"[plm train] rank {self.rank}: {err}", file=sys.stderr, flush=True)
 
     def log_host_memory(self) -> None:
         """Collective: each rank's peak resident memory (the process's high-water mark: what
@@ -1002,7 +1037,7 @@ class Trainer:
         """Every rank, at the same step boundary: checkpoint, then TrainingStopped."""
         tag = self.save_complete()
         name = signal.Signals(self.stopper.signum or signal.SIGTERM).name
-        where = self.ckpt.root / tag if tag else "none yet"
+        where = self.ckpt.where(tag) if tag else "none yet"
         raise TrainingStopped(
             self.stopper.signum or signal.SIGTERM,
             f"stopped by {name} at step {self.step} of {self.cfg.train.max_steps}; checkpoint "
