@@ -68,7 +68,7 @@ import torch.distributed as dist
 import yaml
 
 from pipeline.data.shards import atomic_write_bytes
-from pipeline.train.out_store import OutStore, owner
+from pipeline.train.out_store import OutStore, UploadError, owner
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -77,6 +77,16 @@ UNIVERSAL = "universal"  # <tag>/universal: the tag converted by ds_to_universal
 
 class CheckpointError(RuntimeError):
     """A checkpoint we chose to resume from that cannot be used."""
+
+
+@contextlib.contextmanager
+def uploads_as_checkpoint_errors():
+    """An upload the store refused for train.upload_retry_s: the run stops with one line
+    (`plm train` prints a CheckpointError as `plm: ...`, exit 2)."""
+    try:
+        yield
+    except UploadError as err:
+        raise CheckpointError(str(err)) from None
 
 
 def tag_for(step: int) -> str:
@@ -586,7 +596,8 @@ class CheckpointManager:
         that failed, an upload that gave up, raises here)."""
         if self.pending is None:
             return False
-        return (self.writer is not None and self.writer.busy()) or self.store.busy()
+        with uploads_as_checkpoint_errors():
+            return (self.writer is not None and self.writer.busy()) or self.store.busy()
 
     def finish(self, agreed: bool = False) -> str | None:
         """Complete the pending checkpoint; returns its tag (None: nothing pending).
@@ -597,7 +608,8 @@ class CheckpointManager:
         tag, meta = self.pending
         if self.writer is not None:
             self.writer.wait()  # raises if a write failed: the checkpoint stays incomplete
-        self.store.wait()  # every upload of this rank confirmed (raises if one gave up)
+        with uploads_as_checkpoint_errors():
+            self.store.wait()  # every upload of this rank confirmed (raises if one gave up)
         if not agreed:
             dist.barrier()
         if self.rank == 0:

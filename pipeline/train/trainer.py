@@ -32,7 +32,7 @@ from pipeline.data.stream import MixSource
 from pipeline.models.blocks import numel
 from pipeline.train import engine as ds_engine
 from pipeline.train import faults, parallelize
-from pipeline.train.checkpoint import CheckpointManager, tag_for
+from pipeline.train.checkpoint import CheckpointManager, tag_for, uploads_as_checkpoint_errors
 from pipeline.train.metrics import device_peak_flops, throughput
 from pipeline.train.out_store import OutStore
 from pipeline.train.plan import (
@@ -920,7 +920,8 @@ class Trainer:
                         },
                         bundle_dir=bundle_dir,
                     )
-            self.out.wait()  # on a store: the final bundle and the checkpoints are there
+            with uploads_as_checkpoint_errors():
+                self.out.wait()  # on a store: the final bundle and the checkpoints are there
             status = "FINISHED"
         except BaseException as err:
             fault = faults.peer_fault(err, self.rank, self.step, t.collective_timeout_s)

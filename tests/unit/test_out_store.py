@@ -4,18 +4,12 @@ server mode, tests/s3_server.py)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
-import threading
 import time
-import urllib.request
 
 import pytest
 import torch
-from s3_server import _free_port, _moto_command
+from s3_outage import outage_s3_fixture  # noqa: F401  (the outage_s3 fixture)
 from test_train_checkpoint import step, tiny_engine, weights
 
 from pipeline.config import ConfigError, load_config
@@ -130,99 +124,6 @@ def test_checkpoints_on_s3_published_last_pruned_and_fetched_per_rank(s3, tmp_pa
     assert nbytes == sum(mine.values()) == store_b.stats()["fetched_bytes"]
     for p in mine:  # fetched bit for bit
         assert (store_b.local / p).read_bytes() == (store.local / p).read_bytes(), p
-
-
-def _start_moto(tmp_path, **env):
-    port = _free_port()
-    log = open(tmp_path / f"moto-{port}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        _moto_command(port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **env},
-    )  # fmt: skip
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-            return proc, port
-        except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
-            time.sleep(0.1)
-
-
-class Outage:
-    """The S3 endpoint the client sees: a TCP relay to a moto server on its own port.
-    ``stop()`` is a stopped server (connections refused, open ones cut, mid-request
-    included), ``start()`` the same server answering again on the same address; moto
-    behind it keeps its objects (a restarted moto would start empty)."""
-
-    def __init__(self, target_port: int):
-        self.port, self.target = _free_port(), target_port
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.conns: list[socket.socket] = []
-        self.lock = threading.Lock()
-        self.start()
-
-    def start(self) -> None:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", self.port))
-        s.listen(64)
-        self.listener = s
-        threading.Thread(target=self._accept, args=(s,), daemon=True).start()
-
-    def _accept(self, s: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = s.accept()
-                upstream = socket.create_connection(("127.0.0.1", self.target))
-            except OSError:
-                return
-            with self.lock:
-                self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while data := a.recv(1 << 16):
-                b.sendall(data)
-        except OSError:
-            pass
-        for x in (a, b):
-            with contextlib.suppress(OSError):
-                x.shutdown(socket.SHUT_RDWR)
-
-    def stop(self) -> None:
-        with contextlib.suppress(OSError):
-            self.listener.shutdown(socket.SHUT_RDWR)
-        self.listener.close()
-        with self.lock:
-            conns, self.conns = self.conns, []
-        for c in conns:
-            with contextlib.suppress(OSError):
-                c.shutdown(socket.SHUT_RDWR)
-            c.close()
-
-
-@pytest.fixture
-def outage_s3(tmp_path, monkeypatch):
-    """A moto server of this test alone behind an ``Outage`` (bucket plm-own); the AWS_*
-    variables point at the relay."""
-    import boto3
-
-    proc, port = _start_moto(tmp_path)
-    relay = Outage(port)
-    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": relay.endpoint}  # fmt: skip
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    boto3.client("s3", endpoint_url=relay.endpoint).create_bucket(Bucket="plm-own")
-    yield relay
-    relay.stop()
-    os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
 
 
 @pytest.mark.slow
