@@ -5,7 +5,8 @@
 
 Data (as bench_checkpoint.py, through benchlib): a generated corpus, a WordPiece tokenizer
 and shards, cached under --work-dir. The S3 server is moto's server mode on loopback,
-started here, reached through a relay that counts the bytes on the wire (HTTP included).
+started here; the resume's fetch reaches it through a relay that counts the bytes on the
+wire (HTTP included), training reaches it directly.
 
 Per out_dir (``local``: a folder on this disk; ``s3``: ``s3://bench/run`` with
 ``train.local_dir`` a folder on this disk), a process builds the real ``Trainer`` (1 rank,
@@ -218,7 +219,7 @@ def main() -> int:
         relay = CountingRelay(port)
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                "AWS_DEFAULT_REGION": "us-east-1",
-               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{relay.port}"}  # fmt: skip
+               "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}  # fmt: skip
         os.environ.update(env)
         import boto3
 
@@ -234,6 +235,7 @@ def main() -> int:
             print(f"running {mode} (load {load1():.2f})", flush=True)
             subprocess.run(cmd, check=True, env={**env, "DS_ACCELERATOR": "cpu"})
             results[mode] = json.loads(result.read_text())
+        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{relay.port}"  # counted
         results["resume"] = resume_fetch(args, relay)
     finally:
         moto.terminate()
