@@ -9,8 +9,9 @@ change), a new out_dir and a new sqlite store (its migrations included), one tor
 Printed per tree: the median (min, max) of the seconds until the `step 1:` line and until
 exit, and of exit / `import torch` (a fresh `python -c "import torch"` timed in the same
 round: the goal is <= 4x). The command returns once the run, its params, tags, metrics and
-model are in the store. DATA_DIR: any prepared data dir of a WordPiece tokenizer (`plm demo` writes
-demo/data).
+model are in the store: after each run (untimed) the store is read through MLflow's client
+and a run that left any of them out stops the bench. DATA_DIR: any prepared data dir of a
+WordPiece tokenizer (`plm demo` writes demo/data).
 """
 
 from __future__ import annotations
@@ -44,9 +45,29 @@ def one_run(tree: str, data: str) -> tuple[float, float]:
         total = time.monotonic() - start
         if code != 0 or first is None:
             raise SystemExit(f"{tree}: plm train exited {code} (first step seen: {first})")
+        check_store(tree, f"sqlite:///{work}/mlflow.db")
         return first, total
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def check_store(tree: str, uri: str) -> None:
+    """What the timed command must have left in its store, read through MLflow's client."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("bert-tiny").experiment_id])
+    mv = client.get_model_version_by_alias("bert-tiny", "current")
+    missing = [what for what, ok in (
+        ("a FINISHED run", run.info.status == "FINISHED"),
+        ("its params", run.data.params.get("train.max_steps") == "1"),
+        ("its tags", "code_version" in run.data.tags),
+        ("the step-1 loss", [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [1]),
+        ("the model artifacts", bool(client.list_artifacts(run.info.run_id, "model"))),
+        ("the registered model", mv.run_id == run.info.run_id),
+    ) if not ok]  # fmt: skip
+    if missing:
+        raise SystemExit(f"{tree}: plm train exited 0 without {', '.join(missing)} in {uri}")
 
 
 def import_torch() -> float:
