@@ -179,6 +179,14 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         params["fused"] = True
     ds["optimizer"] = {"type": "AdamW", "params": params}
     ds.setdefault("zero_optimization", {"stage": 0})
+    if t.precision == "bf16" and zero_stage(ds) == 0:
+        # ZeRO-0 keeps the whole model on every rank: fp32 weights under torch autocast,
+        # as a plain PyTorch loop does, and torch's fused AdamW steps them directly.
+        # DeepSpeed's bf16 wrapper (BF16_Optimizer) walks every parameter in Python on
+        # each step: on an H200 it took 32-45 ms of CPU a step for GPT-2 124M, as long as
+        # the whole step of the plain loop (BENCHMARKS.md, GPU bench).
+        ds["bf16"] = {"enabled": False}
+        ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     validate_ds_config(ds, source)
     return ds
 
@@ -348,23 +356,23 @@ def initialize(model: torch.nn.Module, ds_config: dict[str, Any], scheduler_fact
 def record_grad_norm(engine) -> None:
     """Make ``engine.get_global_grad_norm()`` the step's gradient norm in every setup.
 
-    DeepSpeed's own optimizers (ZeRO 1-3, its fp16/bf16 wrappers) record it. Under ZeRO-0
-    in fp32 the optimizer is torch's, and DeepSpeed clips the gradients
+    DeepSpeed's own optimizers (ZeRO 1-3, its fp16 wrappers) record it. Under ZeRO-0 in
+    fp32 or bf16 (autocast) the optimizer is torch's, and DeepSpeed clips the gradients
     (``clip_fp32_gradients``) without keeping the norm it computed: the norm read None,
-    logged as 0. Here its clipping is replaced by the same call (DeepSpeed's
-    ``clip_grad_norm_``, the same on every rank: ZeRO-0 has all-reduced the gradients)
-    that also keeps the norm, so gradients are still clipped exactly once; with
+    logged as 0. Here its clipping is replaced by torch's ``clip_grad_norm_`` (the same
+    on every rank: ZeRO-0 has all-reduced the gradients), which also keeps the norm, so
+    gradients are still clipped exactly once; with
     ``gradient_clipping`` 0 DeepSpeed does not clip, and the norm is computed before the
     update without clipping."""
     if hasattr(engine.optimizer, "_global_grad_norm"):
         return
-    from deepspeed.runtime.utils import clip_grad_norm_
 
     def clip_and_record() -> None:
-        engine._global_grad_norm = clip_grad_norm_(
-            parameters=engine.module.parameters(),
-            max_norm=engine.gradient_clipping(),
-            mpu=engine.mpu,
+        # torch's clipping, with foreach kernels and no host read (DeepSpeed's loops over
+        # the parameters in Python and reads the norm on the host); no model parallelism
+        # here, so the norm over this rank's (all-reduced) gradients is the global one
+        engine._global_grad_norm = torch.nn.utils.clip_grad_norm_(
+            engine.module.parameters(), engine.gradient_clipping(), foreach=True
         )
 
     engine.clip_fp32_gradients = clip_and_record

@@ -43,13 +43,15 @@ def model_state_bytes(
     fp32: 4 B weights, 4 B grads, 8 B Adam moments, plus under ZeRO 1-3 a 4 B fp32 master:
     DeepSpeed's ZeRO optimizers clone the weight partition even when it is fp32 (20 B in
     all at ZeRO-3, as measured: docs/training.md). bf16/fp16 (mixed): 2 B weights, 2 B
-    grads, 12 B fp32 master weights + moments. Stage 1 partitions the optimizer states, 2
+    grads, 12 B fp32 master weights + moments; but bf16 at ZeRO-0 is fp32 weights under
+    torch autocast (engine.build_ds_config), so it counts as fp32. Stage 1 partitions the optimizer states, 2
     also the grads, 3 also the weights; offload moves optimizer (and, for stage 3,
     weights) to host memory, shown here as 0 on the device.
     """
-    wb = 4 if precision == "fp32" else 2
+    whole_fp32 = precision == "fp32" or (precision == "bf16" and stage == 0)  # autocast
+    wb = 4 if whole_fp32 else 2
     params, grads = float(n_params * wb), float(n_params * wb)
-    optim = float(n_params * (8 if precision == "fp32" and stage == 0 else 12))
+    optim = float(n_params * (8 if whole_fp32 and stage == 0 else 12))
     if stage >= 1:
         optim /= world
     if stage >= 2:

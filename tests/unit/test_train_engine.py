@@ -33,7 +33,12 @@ def test_ds_config_filled_from_experiment(stage):
     assert ds["gradient_accumulation_steps"] == 3
     assert ds["train_batch_size"] == 24
     assert ds["gradient_clipping"] == 0.5  # explicit: its default changed in 0.19.3
-    assert ds["bf16"] == {"enabled": True} and ds["fp16"]["enabled"] is False
+    assert ds["fp16"]["enabled"] is False
+    if stage == "zero0":  # the whole model on every rank: fp32 weights under autocast
+        assert ds["bf16"] == {"enabled": False}
+        assert ds["torch_autocast"] == {"enabled": True, "dtype": "bfloat16"}
+    else:  # DeepSpeed's ZeRO optimizers keep the fp32 masters of bf16 weights
+        assert ds["bf16"] == {"enabled": True} and "torch_autocast" not in ds
     opt = ds["optimizer"]
     assert opt["type"] == "AdamW" and opt["params"]["lr"] == 2e-4
     assert opt["params"]["betas"] == [0.9, 0.95] and opt["params"]["weight_decay"] == 0.05
@@ -150,6 +155,13 @@ def test_grad_norm_is_recorded_and_clipping_happens_once(stage, precision, clip,
 
     monkeypatch.setattr(ds_utils, "clip_grad_norm_", counting_clip)
     monkeypatch.setattr("deepspeed.runtime.engine.clip_grad_norm_", counting_clip)
+    real_torch_clip = torch.nn.utils.clip_grad_norm_
+
+    def counting_torch_clip(*args, **kwargs):
+        clips.append(1)
+        return real_torch_clip(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", counting_torch_clip)
 
     def tiny():
         torch.manual_seed(0)
@@ -171,7 +183,7 @@ def test_grad_norm_is_recorded_and_clipping_happens_once(stage, precision, clip,
     ds_engine.init_distributed()
     engine = ds_engine.initialize(tiny(), build_ds_config(cfg, 1), scheduler_factory(cfg.train))
     applied = []
-    if stage == 0 and precision == "fp32":  # torch's optimizer: see the gradients it applies
+    if stage == 0:  # torch's optimizer (bf16: under autocast): see the gradients it applies
         step = engine.optimizer.step
 
         def recording_step(*args, **kwargs):
