@@ -381,8 +381,10 @@ class TrainSection(Strict):
     activation_checkpointing: bool = False
     # Encoders compute on real tokens only (their padding packed away; causal models with
     # block_cross_document_attention attend per document without a [B,T,T] mask). Same
-    # examples and loss as the padded path; false keeps the padded path.
-    unpad: bool = True
+    # examples and loss as the padded path; false keeps the padded path. None: on the CPU
+    # only (on an H200 the nested-jagged path measured 3.5x slower than padded at
+    # bert-base: BENCHMARKS.md, GPU bench).
+    unpad: bool | None = None
     # torch.compile of each repeated layer (regional: one graph reused by every layer)
     compile: bool = False
     log_every: int = Field(10, gt=0)

@@ -15,11 +15,17 @@ from pipeline.models.base import PretrainModel
 
 def apply(model: PretrainModel, train: TrainSection) -> None:
     """Set the model's switches from ``train:`` and compile its layers if asked."""
-    model.set_unpad(train.unpad)
+    model.set_unpad(unpad_wanted(train))
     model.set_activation_checkpointing(train.activation_checkpointing)
     if train.compile:
         check_compile(train)
         compile_layers(model)
+
+
+def unpad_wanted(train: TrainSection) -> bool:
+    """``train.unpad``, or where it is not set, whether the run is on the CPU: on a GPU
+    the unpadded (nested-jagged) encoder was 3.5x slower than the padded one (H200)."""
+    return train.unpad if train.unpad is not None else not torch.cuda.is_available()
 
 
 def check_compile(train: TrainSection) -> None:

@@ -45,3 +45,13 @@ def test_compiled_layers_train_like_eager():
     )  # regional: only the repeated layers
     assert compiled == pytest.approx(eager, abs=1e-5)
     assert len(set(eager)) == len(eager)  # the steps did train on different batches
+
+
+def test_unpad_defaults_to_the_cpu_only(monkeypatch):
+    """Unset, train.unpad packs encoders on the CPU and keeps them padded on a GPU (where
+    the nested-jagged path was measured slower); set, it wins either way."""
+    assert parallelize.unpad_wanted(TrainSection()) is True  # this machine: no CUDA
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert parallelize.unpad_wanted(TrainSection()) is False
+    assert parallelize.unpad_wanted(TrainSection(unpad=True)) is True
+    assert parallelize.unpad_wanted(TrainSection(unpad=False)) is False
