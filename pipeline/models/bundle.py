@@ -31,7 +31,6 @@ from typing import Any, BinaryIO
 import torch
 import yaml
 from pydantic import BaseModel
-from safetensors import safe_open
 from torch import Tensor, nn
 
 from pipeline.models.registry import ARCHITECTURES, build_model
@@ -357,12 +356,44 @@ def weight_files(bundle_dir: str | Path) -> list[Path]:
     return [bundle_dir / WEIGHTS_FILE]
 
 
+_DTYPE_OF = {name: dtype for dtype, name in _ST_DTYPES.items()}
+
+
+def _read_header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int]:
+    """(name -> entry, in file order; where the data starts) of a safetensors file."""
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    for name, entry in header.items():
+        if entry["dtype"] not in _DTYPE_OF:
+            raise ValueError(f"{path}: tensor {name} has dtype {entry['dtype']}, not one of ours")
+    order = sorted(header, key=lambda k: header[k]["data_offsets"][0])
+    return {k: header[k] for k in order}, 8 + n
+
+
+def _read_tensor(f: BinaryIO, data_start: int, entry: dict[str, Any]) -> Tensor:
+    """One tensor read with plain reads into fresh memory (not through a memory map, whose
+    touched pages would stay in the process's resident memory until it is closed)."""
+    t = torch.empty(entry["shape"], dtype=_DTYPE_OF[entry["dtype"]])
+    begin, end = entry["data_offsets"]
+    if end > begin:
+        buf = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        f.seek(data_start + begin)
+        got = 0
+        while got < len(buf):
+            n = f.readinto(buf[got:])
+            if not n:
+                raise ValueError(f"{f.name}: truncated (tensor at bytes {begin}-{end})")
+            got += n
+    return t
+
+
 def tensor_names(bundle_dir: str | Path) -> list[str]:
     """Every tensor name in the bundle, read from the file headers only."""
     names: list[str] = []
     for path in weight_files(bundle_dir):
-        with safe_open(str(path), framework="pt") as f:
-            names.extend(f.keys())
+        with open(path, "rb") as f:
+            names.extend(_read_header(f, path)[0])
     return names
 
 
@@ -370,19 +401,23 @@ def read_tensors(bundle_dir: str | Path) -> Iterator[tuple[str, Tensor]]:
     """(name, tensor), one at a time, file by file: memory for one tensor, never the
     whole state."""
     for path in weight_files(bundle_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                yield name, f.get_tensor(name)
+        with open(path, "rb") as f:
+            header, start = _read_header(f, path)
+            for name, entry in header.items():
+                yield name, _read_tensor(f, start, entry)
 
 
 class BundleTensors:
     """A bundle's tensors by name, each read from its file when asked (one at a time; the
     files stay open, nothing is cached): for readers that need them in another order than
-    the files' (the HF export)."""
+    the files' (the HF export, loading into ZeRO-3 partitions)."""
 
     def __init__(self, bundle_dir: str | Path):
-        self._handles = [safe_open(str(p), framework="pt") for p in weight_files(bundle_dir)]
-        self._where = {name: h for h in self._handles for name in h.keys()}  # noqa: SIM118
+        self._where: dict[str, tuple[BinaryIO, int, dict[str, Any]]] = {}
+        for path in weight_files(bundle_dir):
+            f = open(path, "rb")  # noqa: SIM115 (closed with the object)
+            header, start = _read_header(f, path)
+            self._where.update({name: (f, start, entry) for name, entry in header.items()})
 
     def names(self) -> list[str]:
         return list(self._where)
@@ -391,7 +426,7 @@ class BundleTensors:
         return name in self._where
 
     def get(self, name: str) -> Tensor:
-        return self._where[name].get_tensor(name)
+        return _read_tensor(*self._where[name])
 
 
 def max_shard_bytes_of(config: dict[str, Any]) -> int:
