@@ -383,6 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
         ("up", "create the hosts, their links, sshd and the S3 server"),
         ("exec", "run a command on one host: plm rig exec node1 -- CMD"),
         ("env", "the laptop's shell lines for the rig's S3 server"),
+        ("cp", "copy a file onto hosts (FILE node1:PATH ...) or back (node1:PATH FILE)"),
         ("mem", "each host's memory cgroup: limit, usage, peak, failcnt, OOM kills"),
         ("kill", "stop a host's processes by PID (not its sshd): a lost host"),
         ("down", "stop what the rig started (by PID) and remove its namespaces"),
@@ -401,6 +402,12 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--no-s3", action="store_true", help="no S3 server on node0")
             cmd.add_argument("--no-ssh", action="store_true", help="no sshd on the hosts")
             cmd.add_argument(
+                "--shared",
+                action="store_true",
+                help="a shared dir on every host, the machine's files writable (default: "
+                "nothing shared but the bucket)",
+            )
+            cmd.add_argument(
                 "--mem-per-host",
                 metavar="SIZE",
                 default=None,
@@ -412,6 +419,9 @@ def build_parser() -> argparse.ArgumentParser:
             )
             cmd.add_argument("host")
             cmd.add_argument("cmd", nargs=argparse.REMAINDER)
+        if name == "cp":
+            cmd.add_argument("src", help="a local FILE, or HOST:PATH to copy back")
+            cmd.add_argument("dst", nargs="+", help="HOST:PATH ..., or a local FILE")
         if name == "mem":
             cmd.add_argument("host", nargs="?", default=None, help="one host (default: all)")
         if name == "kill":

@@ -4,6 +4,7 @@ private disk, for trying a multi-node command before paying for nodes (and for t
     plm rig up --hosts 3 [--name rig] [--subnet 198.18.0.0/24] [--root /var/tmp/plm-rig]
     plm rig exec node1 -- CMD ...        # CMD runs on host node1 (exit status passed on)
     plm rig env                          # the laptop's shell lines: S3 endpoint and keys
+    plm rig cp FILE node1:PATH [node2:PATH]   # a file onto hosts (what scp is); HOST:PATH FILE back
     plm rig down
 
 Each host is
@@ -17,9 +18,14 @@ Each host is
 - an **sshd** on its own address (port 22), the rig's key authorised, so ``ssh node1``
   and pdsh work between hosts as on a cluster.
 
-Every host sees the machine's files otherwise: the installed software, as on a cluster
-built from one image, and the **shared directory** ``ROOT/NAME/shared`` at the same path on
-every host (what NFS or Lustre is on a cluster). Host 0 also runs an **S3 server**
+Every host sees the machine's files otherwise, **read-only**: the installed software (this
+checkout, the Python environment), as nodes built from one image do. So hosts share
+nothing writable but the bucket and the network, as cloud nodes with local disks and an
+object store: what one host writes (its ``/tmp``, ``/mnt/local``, home dirs) no other
+host sees, and a file reaches a host the way it would on a cluster: from the bucket, or
+copied there (``plm rig cp``, what scp is). ``up --shared`` gives back the old layout: the
+machine's files writable and a **shared directory** ``ROOT/NAME/shared`` at the same path
+on every host (what NFS or Lustre is on a cluster). Host 0 also runs an **S3 server**
 (moto's server mode, from PyPI) on port 9000; ``plm rig exec`` and ``plm rig env`` give the
 standard ``AWS_ENDPOINT_URL`` / ``AWS_*`` variables, and each host's ``~/.aws`` holds the
 keys, so the project talks to it exactly as to S3 or MinIO.
@@ -288,10 +294,17 @@ class Rig:
     mem_per_host: int | None = None  # bytes, each host's memory cgroup limit
     cgroup_version: int | None = None  # 1 or 2, with mem_per_host
     cgroup_root: str | None = None  # the rig's folder of host cgroups
+    shared_dir: bool = True  # `up --shared`: ROOT/NAME/shared on every host, files writable
+    # (a rig.json of before this field had it: True); else hosts see the machine read-only
 
     # -- where things are ---------------------------------------------------------------
     @property
     def shared(self) -> Path:
+        """The directory every host sees (``up --shared`` only)."""
+        if not self.shared_dir:
+            raise RigError(f"rig {self.name} shares no directory (hosts share only the bucket "
+                           "and the network): copy files with `plm rig cp`, or bring it up "
+                           "with `plm rig up --shared`")  # fmt: skip
         return Path(self.root) / "shared"
 
     def host(self, name: str) -> Host:
@@ -340,6 +353,27 @@ class Rig:
             cwd: str | None = None, **kwargs) -> subprocess.CompletedProcess:  # fmt: skip
         return subprocess.run(self.argv(host, command, cwd), env=self.host_env(host, env),
                               **kwargs)  # fmt: skip
+
+    def put(self, host: str, data: bytes | str | Path, path: str, mode: int = 0o644) -> None:
+        """``data`` (bytes, or the laptop's file at that Path) written to ``path`` on
+        ``host``, its folders made: what ``scp FILE host:PATH`` does on a cluster. A
+        leading ``~/`` is the user's home on the host (its own ``~/.ray``, ``~/.aws``...)."""
+        if isinstance(data, Path):
+            data = data.read_bytes()
+        elif isinstance(data, str):
+            data = data.encode()
+        script = 'mkdir -p "$(dirname "$1")" && cat > "$1.rig-cp" && chmod "$2" "$1.rig-cp" && mv "$1.rig-cp" "$1"'
+        done = self.run(host, ["sh", "-c", script, "sh", _home(path), f"{mode:o}"], cwd="/",
+                        input=data, capture_output=True)  # fmt: skip
+        if done.returncode != 0:
+            raise RigError(f"cannot write {path} on {host}: {done.stderr.decode().strip()}")
+
+    def get(self, host: str, path: str) -> bytes:
+        """The bytes of ``path`` on ``host`` (``scp host:PATH .``)."""
+        done = self.run(host, ["cat", "--", _home(path)], cwd="/", capture_output=True)
+        if done.returncode != 0:
+            raise RigError(f"cannot read {path} on {host}: {done.stderr.decode().strip()}")
+        return done.stdout
 
     def pids(self, host: str) -> list[int]:
         """Every process in the host's network namespace or its memory cgroup (the holder,
@@ -508,9 +542,11 @@ def _hosts_file(rig_hosts: list[Host], laptop: str) -> str:
 
 def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
        root: Path = DEFAULT_ROOT, s3: bool = True, ssh: bool = True,
-       mem_per_host: int | str | None = None) -> Rig:  # fmt: skip
+       mem_per_host: int | str | None = None, shared: bool = False) -> Rig:  # fmt: skip
     """Create the hosts (see the module's text); on any failure, undo what was made.
-    ``mem_per_host`` (bytes or "4.5G"): each host's processes in a memory cgroup that size."""
+    ``mem_per_host`` (bytes or "4.5G"): each host's processes in a memory cgroup that size.
+    ``shared``: a shared directory on every host and the machine's files writable; by
+    default the hosts share nothing writable but the bucket."""
     if not name.isalnum() or len(name) > 8:  # interface names: 15 bytes at most
         raise RigError(f"--name {name!r}: 1-8 letters or digits (it prefixes interface names)")
     if n_hosts < 1:
@@ -526,9 +562,11 @@ def up(n_hosts: int = 3, name: str = "rig", subnet: str = "198.18.0.0/24",
     base = Path(root) / name
     if base.exists():
         shutil.rmtree(base)
-    (base / "shared").mkdir(parents=True)
+    base.mkdir(parents=True)
+    if shared:
+        (base / "shared").mkdir()
     rig = Rig(name=name, root=str(base), subnet=str(net), bridge=f"plm{name}br",
-              laptop=laptop, hosts=[])  # fmt: skip
+              laptop=laptop, hosts=[], shared_dir=shared)  # fmt: skip
     _save(rig)  # from here on `down` can undo a half-made rig
     try:
         if controller:
@@ -631,6 +669,25 @@ def _no_ipv6(link: str) -> None:
     Path(f"/proc/sys/net/ipv6/conf/{link}/disable_ipv6").write_text("1")
 
 
+def _home(path: str) -> str:
+    """``~/x`` -> the user's home/x (the same path on every host; its private dirs differ)."""
+    return str(Path.home() / path[2:]) if path.startswith("~/") else path
+
+
+def _disk_mounts() -> list[str]:
+    """This machine's mount points of a block device other than ``/`` (outside /proc,
+    /sys, /dev), writable: what a host without a shared dir sees read-only."""
+    found = []
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        source, target, _fs, options = line.split()[:4]
+        target = target.replace("\\040", " ")
+        top = target.split("/")[1] if target != "/" else ""
+        if (source.startswith("/dev/") and target != "/" and "rw" in options.split(",")
+                and top not in ("proc", "sys", "dev")):  # fmt: skip
+            found.append(target)
+    return found
+
+
 def _software() -> list[Path]:
     """Where this code and its Python live."""
     return [Path(__file__).resolve().parents[1], Path(sys.prefix).resolve()]
@@ -659,8 +716,21 @@ def _make_host(rig: Rig, h: Host) -> int:
     # The software (this checkout, the Python environment) stays at its path on every
     # host, as on nodes built from one image, even where it lies under /tmp.
     keep = [p for p in _software() if p.is_relative_to("/tmp")]
+    # Nothing shared: the machine's files read-only in this namespace (the root mount's
+    # own flag, not the filesystem's: the laptop still writes), the software too; the
+    # host's private mounts below stay writable (each its own mount).
+    readonly = [] if rig.shared_dir else [
+        "mount -o remount,bind,ro /",
+        "mount -o remount,bind,ro /etc/hosts",  # the rig's file, bound: not the host's to edit
+        *(f"mount -o remount,bind,ro {p}" for p in keep),
+    ]  # fmt: skip
+    # and, first, the machine's other mounts of a disk (here /run/netns, a bind)
+    others = [] if rig.shared_dir else [
+        f"mount -o remount,bind,ro {shlex.quote(m)}" for m in _disk_mounts()
+    ]  # fmt: skip
     steps = [
         f"hostname {h.name}",
+        *others,
         f"mount --bind {base / 'hosts.txt'} /etc/hosts",
         *(f"mkdir -p {own / 'tmp' / p.relative_to('/tmp')}" for p in keep),
         *(f"mount --bind {p} {own / 'tmp' / p.relative_to('/tmp')}" for p in keep),
@@ -673,6 +743,7 @@ def _make_host(rig: Rig, h: Host) -> int:
         *(f"mount --bind {own / sub} {home / sub}" for sub in PRIVATE_HOME_DIRS),
         # The other hosts' private dirs out of sight (this host's are mounted above).
         f"mount -t tmpfs -o size=1m,mode=700 plm-rig {base / 'hosts'}",
+        *readonly,
         "echo ready",
         "exec sleep infinity",
     ]
@@ -851,11 +922,17 @@ def main(args: argparse.Namespace) -> int:
     root = Path(args.root)
     if args.rig_command == "up":
         rig = up(args.hosts, args.name, args.subnet, root, s3=not args.no_s3, ssh=not args.no_ssh,
-                 mem_per_host=args.mem_per_host)  # fmt: skip
+                 mem_per_host=args.mem_per_host, shared=args.shared)  # fmt: skip
         for h in rig.hosts:
             print(f"{h.name}  {h.address}  (netns {h.netns})")
         print(f"laptop  {rig.laptop}  (this shell, on bridge {rig.bridge})")
-        print(f"shared  {rig.shared}  (the same path on every host)")
+        if rig.shared_dir:
+            print(f"shared  {rig.shared}  (the same path on every host)")
+        else:
+            print(
+                "shared  nothing but the bucket: the machine's files read-only on the hosts "
+                "(`plm rig cp FILE HOST:PATH` copies one onto a host)"
+            )
         if rig.s3_endpoint:
             print(
                 f"s3      {rig.s3_endpoint}  bucket s3://{S3_BUCKET}  (`plm rig env` for the keys)"
@@ -878,6 +955,8 @@ def main(args: argparse.Namespace) -> int:
         for key, value in rig.env().items():
             print(f"export {key}={shlex.quote(value)}")
         return 0
+    if args.rig_command == "cp":
+        return _cp(rig, args.src, args.dst)
     if args.rig_command == "mem":
         hosts = [rig.host(args.host).name] if args.host else [h.name for h in rig.hosts]
         print(f"{'host':6} {'limit':>8} {'usage':>8} {'peak':>8} {'failcnt':>8} {'oom_kills':>9}")
@@ -903,6 +982,33 @@ def main(args: argparse.Namespace) -> int:
                   f"{format_size(m['limit'])} (peak {format_size(m['peak'])})")  # fmt: skip
         return 0
     raise RigError(f"unknown rig command {args.rig_command}")
+
+
+def _cp(rig: Rig, src: str, dst: list[str]) -> int:
+    """``cp FILE HOST:PATH [HOST:PATH ...]`` (onto hosts) or ``cp HOST:PATH FILE`` (back)."""
+
+    def split(arg: str) -> tuple[str | None, str]:
+        host, sep, path = arg.partition(":")
+        return (host, path) if sep and host in {h.name for h in rig.hosts} else (None, arg)
+
+    where, path = split(src)
+    if where is not None:
+        if len(dst) != 1 or split(dst[0])[0] is not None:
+            raise RigError("plm rig cp HOST:PATH FILE: one local file to write")
+        Path(dst[0]).write_bytes(rig.get(where, path))
+        return 0
+    try:
+        data = Path(path).read_bytes()
+    except OSError as err:
+        raise RigError(f"cp: cannot read {path}: {err.strerror}") from None
+    targets = [split(d) for d in dst]
+    if not targets or any(h is None or not p for h, p in targets):
+        names = ", ".join(h.name for h in rig.hosts)
+        raise RigError(f"plm rig cp FILE HOST:PATH [HOST:PATH ...]: HOST one of {names}")
+    mode = os.stat(path).st_mode & 0o777
+    for host, p in targets:
+        rig.put(host, data, p, mode=mode)
+    return 0
 
 
 def _exec(rig: Rig, host: str, command: list[str], peak: bool = False) -> int:

@@ -1,5 +1,7 @@
 """The rehearsal cluster itself: hosts that share no network stack, /tmp, /dev/shm or local
-disk, one shared directory, ssh and pdsh between them, an S3 server on node0, a `down` that
+disk; by default nothing writable at all but the bucket (the machine's files read-only,
+files copied onto a host with `plm rig cp`), with `--shared` one shared directory; ssh and
+pdsh between them, an S3 server on node0, a `down` that
 stops only what the rig started; hosts with their own memory (a cgroup each: an OOM kill
 reported, the peak read) and `plm rig kill HOST`."""
 
@@ -239,6 +241,40 @@ def test_kill_stops_a_hosts_processes_by_pid_and_keeps_the_host(capped):
         assert on(capped, "node0", ["ssh", "node1", "hostname"]).stdout.strip() == "node1"
     finally:
         outside.kill()
+
+
+def test_without_a_shared_dir_hosts_share_nothing_writable(capped, tmp_path):
+    """The default rig: the machine's files (the software too) read-only on every host,
+    only its own /tmp, /mnt/local, home dirs and /dev/shm writable; a file reaches a host
+    by `plm rig cp` (what scp is) and comes back the same way."""
+    assert not capped.shared_dir
+    with pytest.raises(rigmod.RigError, match="shares no directory"):
+        capped.shared  # noqa: B018
+    repo = Path(__file__).resolve().parents[2]
+    for path in (repo / "rig-probe", Path(capped.root) / "probe", "/etc/hosts", "/probe",
+                 "/run/netns/probe"):  # fmt: skip
+        out = on(capped, "node1", ["sh", "-c", f"echo x >> {path}"], check=False)
+        assert out.returncode != 0 and "Read-only file system" in out.stderr, (path, out.stderr)
+        assert not Path(path).name == "probe" or not Path(path).exists()
+    mine = "/tmp/p /mnt/local/p /root/.cache/p /dev/shm/p".replace("/root", str(Path.home()))
+    on(capped, "node1", ["sh", "-c", f"for f in {mine}; do echo one > $f; done"])
+    on(capped, "node0", ["sh", "-c", f"for f in {mine}; do test ! -e $f; done"])
+    # The software runs (read-only) on the host.
+    on(capped, "node1", [sys.executable, "-c", "import pipeline.cli, torch"])
+    src = tmp_path / "token"
+    src.write_bytes(b"secret-ish\n")
+    src.chmod(0o600)
+    done = cli(capped, "cp", str(src), "node0:~/.ray/token", "node1:/mnt/local/deep/token")
+    assert done.returncode == 0, done.stderr
+    assert on(capped, "node0", ["stat", "-c", "%a", f"{Path.home()}/.ray/token"]).stdout == "600\n"
+    assert capped.get("node1", "/mnt/local/deep/token") == b"secret-ish\n"
+    back = tmp_path / "back"
+    assert cli(capped, "cp", "node1:/mnt/local/deep/token", str(back)).returncode == 0
+    assert back.read_bytes() == b"secret-ish\n"
+    bad = cli(capped, "cp", str(src), "node7:/x")
+    assert "node0, node1" in one_plm_line(bad)
+    # The laptop's /tmp (where tmp_path is) is not a host's: the host never saw the file.
+    assert on(capped, "node1", ["test", "-e", str(src)], check=False).returncode == 1
 
 
 def test_each_host_has_its_own_dev_shm(rig):
