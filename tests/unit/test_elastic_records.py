@@ -27,6 +27,9 @@ class Checkpoints:
     def to_universal(self, tag: str) -> float:
         return 0.0
 
+    def where(self, tag: str = "") -> str:
+        return str(self.root / tag)
+
 
 def test_the_resume_tag_and_the_change_tag_name_the_same_grad_accum(tmp_path):
     # Written by 3 ranks at grad_accum 2 (8 x 2 x 3 = 48); resumed on 2 ranks: 3.
