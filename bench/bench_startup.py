@@ -8,7 +8,8 @@ train.max_steps=1` with ``PYTHONPATH=TREE`` (a checkout or worktree: before and 
 change), a new out_dir and a new sqlite store (its migrations included), one torch thread.
 Printed per tree: the median (min, max) of the seconds until the `step 1:` line and until
 exit, and of exit / `import torch` (a fresh `python -c "import torch"` timed in the same
-round: the goal is <= 4x). The command returns once the run, its params, tags, metrics and
+round: the goal is <= 4x); the same for the CPU seconds (user + system) of each process,
+which other work on the machine changes less than the wall time. The command returns once the run, its params, tags, metrics and
 model are in the store: after each run (untimed) the store is read through MLflow's client
 and a run that left any of them out stops the bench. DATA_DIR: any prepared data dir of a
 WordPiece tokenizer (`plm demo` writes demo/data).
@@ -26,7 +27,14 @@ import tempfile
 import time
 
 
-def one_run(tree: str, data: str) -> tuple[float, float]:
+def waited(proc: subprocess.Popen) -> tuple[int, float]:
+    """Reap ``proc``: its exit code and its CPU seconds (user + system)."""
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return proc.returncode, usage.ru_utime + usage.ru_stime
+
+
+def one_run(tree: str, data: str) -> tuple[float, float, float]:
     work = tempfile.mkdtemp(prefix="bench-startup-")
     env = {**os.environ, "PYTHONPATH": tree, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "pipeline.cli", "train", f"{tree}/configs/test/bert-tiny.yaml",
@@ -41,12 +49,13 @@ def one_run(tree: str, data: str) -> tuple[float, float]:
         for line in proc.stdout:
             if first is None and "step 1:" in line:
                 first = time.monotonic() - start
-        code = proc.wait()
+        proc.stdout.close()
+        code, cpu = waited(proc)
         total = time.monotonic() - start
         if code != 0 or first is None:
             raise SystemExit(f"{tree}: plm train exited {code} (first step seen: {first})")
         check_store(tree, f"sqlite:///{work}/mlflow.db")
-        return first, total
+        return first, total, cpu
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -70,11 +79,14 @@ def check_store(tree: str, uri: str) -> None:
         raise SystemExit(f"{tree}: plm train exited 0 without {', '.join(missing)} in {uri}")
 
 
-def import_torch() -> float:
+def import_torch() -> tuple[float, float]:
     start = time.monotonic()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True,
-                   env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
-    return time.monotonic() - start
+    proc = subprocess.Popen([sys.executable, "-c", "import torch"],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    code, cpu = waited(proc)
+    if code != 0:
+        raise SystemExit(f"python -c 'import torch' exited {code}")
+    return time.monotonic() - start, cpu
 
 
 def main() -> int:
@@ -83,26 +95,29 @@ def main() -> int:
     ap.add_argument("--data", required=True)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
-    times: dict[str, list[tuple[float, float, float]]] = {t: [] for t in args.trees}
-    torch_s = []
+    times: dict[str, list[tuple[float, ...]]] = {t: [] for t in args.trees}
+    torch_s, torch_cpu = [], []
     for r in range(args.rounds):
-        torch_s.append(import_torch())
+        wall, cpu = import_torch()
+        torch_s.append(wall)
+        torch_cpu.append(cpu)
         for tree in args.trees:
-            first, total = one_run(tree, args.data)
-            times[tree].append((first, total, total / torch_s[-1]))
+            first, total, run_cpu = one_run(tree, args.data)
+            times[tree].append((first, total, total / wall, run_cpu, run_cpu / cpu))
             print(f"round {r + 1} {tree}: first step {first:.2f} s, exit {total:.2f} s "
-                  f"({total / torch_s[-1]:.2f}x import torch {torch_s[-1]:.2f} s)",
-                  flush=True)  # fmt: skip
+                  f"({total / wall:.2f}x import torch {wall:.2f} s), CPU {run_cpu:.2f} s "
+                  f"({run_cpu / cpu:.2f}x {cpu:.2f} s)", flush=True)  # fmt: skip
 
     def spread(xs: list[float], unit: str) -> str:
         return f"{statistics.median(xs):.2f}{unit} [{min(xs):.2f}, {max(xs):.2f}]"
 
-    print(f"import torch: {spread(torch_s, ' s')}")
+    print(f"import torch: {spread(torch_s, ' s')}, CPU {spread(torch_cpu, ' s')}")
     for tree, runs in times.items():
-        firsts, totals, ratios = ([x[i] for x in runs] for i in range(3))
+        firsts, totals, ratios, cpus, cpu_ratios = ([x[i] for x in runs] for i in range(5))
         print(
             f"{tree}: first step {spread(firsts, ' s')}, exit {spread(totals, ' s')}, "
-            f"exit / import torch {spread(ratios, 'x')}"
+            f"exit / import torch {spread(ratios, 'x')}; CPU {spread(cpus, ' s')}, "
+            f"/ import torch's {spread(cpu_ratios, 'x')}"
         )
     return 0
 
