@@ -329,10 +329,10 @@ def rig():
 
 def _down_stale_test_rigs(rigmod) -> None:
     """Rigs of test sessions that were killed before their teardown (named t<pid>, d<pid>,
-    m<pid>, z<pid> after the pytest process that made them): taken down, so none piles up."""
+    m<pid>, z<pid>, u<pid>, e<pid> after the pytest process that made them): taken down, so none piles up."""
     import re
 
     for state in sorted(rigmod.DEFAULT_ROOT.glob("*/rig.json")):
-        m = re.fullmatch(r"[tdmz](\d+)", state.parent.name)
+        m = re.fullmatch(r"[tdmzue](\d+)", state.parent.name)
         if m and not Path(f"/proc/{m.group(1)}").exists():
             rigmod.down(state.parent.name)

@@ -63,7 +63,7 @@ def capped():
     """2 hosts of CAP each, no S3 server, no sshd (one process per host, env rendezvous);
     the data dir, the experiment and a ZeRO-3 JSON with small buckets on the shared dir."""
     name = f"z{os.getpid()}"
-    made = small_rig(name, 2, s3=False, ssh=False, mem_per_host=CAP)
+    made = small_rig(name, 2, s3=False, ssh=False, mem_per_host=CAP, shared=True)
     try:
         shared = made.shared
         data = build_data_dir(shared)

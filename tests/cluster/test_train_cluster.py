@@ -1,29 +1,40 @@
-"""Training across hosts: 2 hosts x 2 ranks, gloo over the rig's links, reading the data
-dir from S3 (range reads into each node's own cache), checkpoints on the shared dir, every
-host logging to one MLflow server on node0 (backend store on node0's disk, artifacts on S3).
+"""docs/cluster.md's tutorial on a rig whose hosts share nothing but the bucket (the rig's
+default: the machine's files read-only on every host, files copied onto a host with
+`Rig.put`, what `plm rig cp` and scp are). One rig and one Ray cluster for the module:
 
-- the `deepspeed` launcher with a hostfile, over ssh/pdsh, from node0;
-- the per-node form (`--no-ssh --node-rank R`), one command per host, resuming the first
-  run's step-3 checkpoint: its steps 4-6 are the first run's, bit for bit;
-- the losses equal a one-host run with the same global batch (within 1e-4 relative);
+- Ray: the head with no CPUs on node0, workers on node1 and node2, token authentication
+  (each host's own copy of the token); the tokenizer trained from the laptop straight to
+  `s3://`, then `ray job submit` of `plm data prepare` from s3:// to s3://: the shards are
+  the bytes of a local one-CPU run and the manifest names the hosts that wrote them; the
+  same with `--near-dedup on`;
+- one MLflow server on node0 (its store on node0's disk, the artifacts on S3);
+- training across 2 hosts x 2 ranks with `train.out_dir=s3://...`, the `deepspeed`
+  launcher over ssh/pdsh from node0: the losses equal a one-host run with the same global
+  batch (within 1e-4 relative); every rank's checkpoint files, `latest`, the bundle and
+  metrics.jsonl on the store;
+- the per-node form (`--no-ssh --node-rank R`) resuming the first run's step-3 checkpoint
+  from the store alone (a copy of the run under another prefix, nothing staged on the
+  hosts): its steps 4-6 are the first run's, bit for bit;
 - from the laptop, `mlflow.pyfunc.load_model("models:/...")`; `plm finetune` on node1
-  starts from the registered model.
+  starts from the registered model;
+- what listens where.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import secrets
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO, listeners, on, tool, wait_port
-from conftest import build_data_dir
+from cluster_util import REPO, assert_same_shards, listeners, on, small_rig, tool, wait_port
+from conftest import synthetic_corpus
 
 from pipeline import rig as rigmod
 
@@ -31,19 +42,143 @@ pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.distributed]
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 MLFLOW_PORT = 5000
+GCS_PORT, DASHBOARD_PORT = 6379, 8265
 STEPS = ["train.max_steps=6", "train.save_every=3", "train.eval_every=0", "train.log_every=1"]
 RANK_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+BUCKET = rigmod.S3_BUCKET
+TOKEN = "~/.ray/auth_token"  # each host's own copy (the host's private ~/.ray)
+# Ray 2.60's C++ gRPC servers (GCS, raylet, object manager), the dashboard agent and the
+# autoscaler monitor take no bind address: they listen on the wildcard, which inside a
+# host is its own address and its loopback (the only two it has: test_rig checks that).
+RAY_WILDCARD = ("gcs_server", "raylet", "ray::DashboardA", "python3.11", "python3", "python")
+PREPARE = ["--shard-docs", "40", "--valid-fraction", "0.1", "--split-bytes", "20000"]
 
 
 @pytest.fixture(scope="module")
-def s3_data(rig):
-    """A tiny data dir prepared locally, uploaded to the rig's bucket: (local, s3 URI)."""
-    (rig.shared / "tiny").mkdir()
-    local = build_data_dir(rig.shared / "tiny")
-    s3 = pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
-                           secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
-    pafs.copy_files(str(local), f"{rigmod.S3_BUCKET}/train/data", destination_filesystem=s3)
-    return local, f"s3://{rigmod.S3_BUCKET}/train/data"
+def rig():
+    """3 hosts that share nothing but the bucket; this module's own (the session's rig
+    still has a shared dir for the modules not converted yet)."""
+    name = f"u{os.getpid()}"
+    made = small_rig(name, 3)
+    try:
+        assert not made.shared_dir
+        yield made
+    finally:
+        rigmod.down(name)
+
+
+def s3_fs(rig) -> pafs.S3FileSystem:
+    return pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
+                             secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
+
+
+def laptop(rig, argv: list[str], cwd, **env) -> subprocess.CompletedProcess:
+    """A command on the laptop (the root namespace) with `plm rig env`'s variables."""
+    full = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1", **env}
+    done = subprocess.run(argv, env=full, cwd=cwd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
+    return done
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(rig, tmp_path_factory):
+    """The token made on the laptop and copied onto each host; the head, then the workers."""
+    token = tmp_path_factory.mktemp("ray") / "token"
+    token.write_text(secrets.token_hex(32))
+    token.chmod(0o600)
+    for h in rig.hosts:
+        rig.put(h.name, token, TOKEN, mode=0o600)
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(Path.home() / ".ray/auth_token")}
+    head = rig.hosts[0].address
+    on(rig, "node0", [tool("ray"), "start", "--head", "--node-ip-address", head,
+                      "--port", str(GCS_PORT), "--num-cpus", "0", "--dashboard-host", head,
+                      "--dashboard-port", str(DASHBOARD_PORT), "--include-dashboard", "true",
+                      "--disable-usage-stats"], env=auth, timeout=180)  # fmt: skip
+    for h in rig.hosts[1:]:
+        on(rig, h.name, [tool("ray"), "start", "--address", f"{head}:{GCS_PORT}",
+                         "--node-ip-address", h.address, "--num-cpus", "1",
+                         "--disable-usage-stats"], env=auth, timeout=180)  # fmt: skip
+    # No `ray stop` at the end: it stops every Ray process of the machine. The rig's
+    # `down` stops these, by the PIDs of its namespaces.
+    return {"address": f"http://{head}:{DASHBOARD_PORT}", "token": token}
+
+
+def submit(cluster, args: list[str], **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
+    return subprocess.run([sys.executable, str(REPO / "launch" / "ray_submit.py"), "--address",
+                           cluster["address"], *args],
+                          env={**clean, **env}, capture_output=True, text=True, timeout=600,
+                          cwd=REPO)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def prepared(rig, ray_cluster, tmp_path_factory):
+    """Steps 1b-2: a corpus on S3, the tokenizer from the laptop to S3, the data job from
+    s3:// to s3:// on the cluster, and the same `plm data prepare` on the laptop on one CPU."""
+    work = tmp_path_factory.mktemp("tutorial")
+    s3 = s3_fs(rig)
+    texts = {"a.txt": synthetic_corpus(300, seed=1), "b.txt": synthetic_corpus(200, seed=2)}
+    for name, text in texts.items():
+        with s3.open_output_stream(f"{BUCKET}/corpus/{name}") as f:
+            f.write(text.encode())
+    laptop(rig, [sys.executable, "-m", "pipeline.cli", "data", "tokenizer", "--input",
+                 f"s3://{BUCKET}/corpus/", "--kind", "wordpiece", "--vocab-size", "300",
+                 "--output", f"s3://{BUCKET}/tok"], work)  # fmt: skip
+    prepare = ["--input", f"s3://{BUCKET}/corpus/", "--tokenizer", f"s3://{BUCKET}/tok", *PREPARE]
+    # Without the token the cluster refuses the laptop.
+    refused = submit(ray_cluster, ["--", *prepare, "--output", f"s3://{BUCKET}/refused"],
+                     HOME=str(work))  # fmt: skip
+    assert refused.returncode == 2 and "token" in refused.stderr, refused.stderr
+    done = submit(ray_cluster, ["--job-id", f"plm-rig-{secrets.token_hex(3)}", "--", *prepare,
+                                "--output", f"s3://{BUCKET}/data"],
+                  HOME=str(work), RAY_AUTH_TOKEN_PATH=str(ray_cluster["token"]))  # fmt: skip
+    assert done.returncode == 0 and "SUCCEEDED" in done.stderr, done.stdout + done.stderr
+    local = work / "local"
+    laptop(rig, [sys.executable, "-m", "pipeline.cli", "data", "prepare", *prepare, "--output",
+                 str(local), "--num-cpus", "1"], work)  # fmt: skip
+    return {"uri": f"s3://{BUCKET}/data", "local": local, "work": work}
+
+
+def test_prepare_from_s3_to_s3_on_the_cluster(rig, prepared):
+    from pipeline.data.shards import manifest_bytes
+
+    ours, theirs = assert_same_shards(s3_fs(rig), f"{BUCKET}/data", prepared["local"])
+    assert theirs["stats"]["units"] >= 4
+    # The head ran no task; both workers wrote parts; the manifest names them.
+    assert theirs["stats"]["writer_hosts"] == ["node1", "node2"]
+    assert ours["stats"]["writer_hosts"] == [os.uname().nodename]
+    assert manifest_bytes(theirs["tokenizer"]) == manifest_bytes(ours["tokenizer"])
+
+
+def test_near_dedup_on_the_cluster_gives_the_bytes_of_one_cpu(rig, ray_cluster, prepared):
+    """`--near-dedup on` across the two worker nodes: the signatures are computed where
+    the units are written, the band reducers and the components run anywhere; shards,
+    counts and reject examples are those of a local one-CPU run."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import planted_corpus
+
+    s3, work = s3_fs(rig), prepared["work"]
+    docs, pairs = planted_corpus.generate(300_000, seed=5)
+    corpus = work / "near-corpus"
+    planted_corpus.write(corpus, docs, pairs, n_files=2)
+    (corpus / "pairs.jsonl").unlink()
+    for path in sorted(corpus.iterdir()):
+        with s3.open_output_stream(f"{BUCKET}/near/corpus/{path.name}") as f:
+            f.write(path.read_bytes())
+    prepare = ["--input", f"s3://{BUCKET}/near/corpus/", "--tokenizer", f"s3://{BUCKET}/tok",
+               "--shard-docs", "40", "--split-bytes", "30000", "--near-dedup", "on"]  # fmt: skip
+    done = submit(ray_cluster, ["--job-id", f"plm-near-{secrets.token_hex(3)}", "--", *prepare,
+                                "--output", f"s3://{BUCKET}/near/shards"],
+                  HOME=str(work), RAY_AUTH_TOKEN_PATH=str(ray_cluster["token"]))  # fmt: skip
+    assert done.returncode == 0 and "SUCCEEDED" in done.stderr, done.stdout + done.stderr
+    local = work / "near-local"
+    laptop(rig, [sys.executable, "-m", "pipeline.cli", "data", "prepare", *prepare, "--output",
+                 str(local), "--num-cpus", "1"], work)  # fmt: skip
+    ours, theirs = assert_same_shards(s3, f"{BUCKET}/near/shards", local)
+    assert theirs["stats"]["writer_hosts"] == ["node1", "node2"]
+    assert ours["rejected"]["near_duplicate"] >= 10
+    for key in ("rejected", "reject_examples", "totals", "data_config"):
+        assert theirs[key] == ours[key], key
 
 
 @pytest.fixture(scope="module")
@@ -51,19 +186,24 @@ def mlflow_server(rig):
     """`mlflow server` on node0: sqlite on node0's own disk, artifacts proxied to S3."""
     node0 = rig.hosts[0]
     log = open(f"{rig.root}/hosts/node0/local/mlflow.log", "wb")  # noqa: SIM115
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     rig.popen("node0", [
         tool("mlflow"), "server", "--host", node0.address, "--port", str(MLFLOW_PORT),
         "--allowed-hosts", f"{node0.address}:{MLFLOW_PORT},node0:{MLFLOW_PORT}",
         "--backend-store-uri", "sqlite:////mnt/local/mlflow.db",
-        "--artifacts-destination", f"s3://{rigmod.S3_BUCKET}/mlflow", "--workers", "1",
-    ], cwd="/", stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        "--artifacts-destination", f"s3://{BUCKET}/mlflow", "--workers", "1",
+    ], env=env, cwd="/", stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     wait_port(node0.address, MLFLOW_PORT)
     return f"http://node0:{MLFLOW_PORT}", f"http://{node0.address}:{MLFLOW_PORT}"
 
 
-def losses(run_dir) -> dict[int, float]:
-    """step -> loss, from rank 0's metrics.jsonl (a resumed run's rows after the old ones)."""
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+def store_rows(rig, prefix: str) -> list[dict]:
+    with s3_fs(rig).open_input_stream(f"{BUCKET}/{prefix}/metrics.jsonl") as f:
+        return [json.loads(x) for x in f.read().decode().splitlines() if x.strip()]
+
+
+def losses(rows: list[dict]) -> dict[int, float]:
+    """step -> loss (a resumed run's rows after the old ones: the last row of a step)."""
     return {r["step"]: r["step_loss"] for r in rows if "step_loss" in r}
 
 
@@ -88,53 +228,58 @@ class ListenerWatch(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def hostfile_run(rig, s3_data, mlflow_server):
-    _, uri = s3_data
-    hostfile = rig.shared / "hostfile"
-    hostfile.write_text("node0 slots=2\nnode1 slots=2\n")
-    run_dir = rig.shared / "runs" / "hostfile"
+def hostfile_run(rig, prepared, mlflow_server):
+    """Step 4: from node0 over ssh, checkpoints and bundles on the bucket."""
+    rig.put("node0", "node0 slots=2\nnode1 slots=2\n", "/mnt/local/hostfile")
     watch = ListenerWatch(rig, ["node0", "node1"])
     watch.start()
     try:
         proc = on(rig, "node0", [
             sys.executable, str(REPO / "launch" / "deepspeed_train.py"), "--hostfile",
-            str(hostfile), "--master-addr", "node0", BERT, f"data.path={uri}",
-            f"train.out_dir={run_dir}", "name=bert-rig", *STEPS,
-        ], env={**RANK_ENV, "MLFLOW_TRACKING_URI": mlflow_server[0]}, cwd=str(rig.shared))  # fmt: skip
+            "/mnt/local/hostfile", "--master-addr", "node0", BERT, f"data.path={prepared['uri']}",
+            f"train.out_dir=s3://{BUCKET}/runs/bert", "name=bert-rig", *STEPS,
+        ], env={**RANK_ENV, "MLFLOW_TRACKING_URI": mlflow_server[0]})  # fmt: skip
     finally:
         watch.done.set()
         watch.join()
-    return run_dir, proc, watch.seen
+    return "runs/bert", proc, watch.seen
 
 
-def test_hostfile_launch_over_ssh_matches_one_host(rig, s3_data, hostfile_run, tmp_path):
-    run_dir, proc, _ = hostfile_run
+def test_hostfile_launch_over_ssh_matches_one_host(rig, prepared, hostfile_run, tmp_path):
+    prefix, proc, _ = hostfile_run
     assert "world size 4" in proc.stdout + proc.stderr
     # Ranks 2 and 3 ran on node1 (pdsh prefixes their lines with the host).
     assert "node1: " in proc.stdout
-    got = losses(run_dir)
+    got = losses(store_rows(rig, prefix))
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
-    for tag in ("step00000003", "step00000006"):  # on the shared dir, all four ranks' state
-        ckpt = run_dir / "checkpoints" / tag
-        assert all((ckpt / f"trainer_rank{r}.pt").is_file() for r in range(4)), tag
+    # On the store: every rank's state of both checkpoints, `latest` naming the last, the
+    # bundle. Nothing of the run on the laptop or in a shared place.
+    s3 = s3_fs(rig)
+    names = {i.path.split(f"{prefix}/", 1)[1] for i in s3.get_file_info(
+        pafs.FileSelector(f"{BUCKET}/{prefix}", recursive=True)) if i.is_file}  # fmt: skip
+    for tag in ("step00000003", "step00000006"):
+        assert {f"checkpoints/{tag}/trainer_rank{r}.pt" for r in range(4)} <= names, tag
+        assert f"checkpoints/{tag}/COMPLETE" in names
+    with s3.open_input_stream(f"{BUCKET}/{prefix}/checkpoints/latest") as f:
+        assert f.read().decode().strip() == "step00000006"
+    assert any(n.startswith("bundles/final/") for n in names), sorted(names)
     # One host, one rank, the same global batch (8 x 4 = 8 x 4 ranks): the same losses.
-    local, _ = s3_data
     ref_dir = tmp_path / "one-host"
-    subprocess.run([sys.executable, "-m", "pipeline.cli", "train", BERT, f"data.path={local}",
-                    f"train.out_dir={ref_dir}", "train.grad_accum=4", "mlflow.register=false",
+    subprocess.run([sys.executable, "-m", "pipeline.cli", "train", BERT,
+                    f"data.path={prepared['local']}", f"train.out_dir={ref_dir}",
+                    "train.grad_accum=4", "mlflow.register=false",
                     f"mlflow.tracking_uri=sqlite:///{tmp_path / 'ref.db'}", *STEPS],
                    env={**os.environ, **RANK_ENV}, check=True, capture_output=True,
                    cwd=tmp_path)  # fmt: skip
-    ref = losses(ref_dir)
+    ref = losses([json.loads(x) for x in (ref_dir / "metrics.jsonl").read_text().splitlines()])
     for step, value in ref.items():
         assert got[step] == pytest.approx(value, rel=1e-4), (step, got, ref)
 
 
-def test_each_node_reads_only_blocks_into_its_own_cache(rig, s3_data, hostfile_run):
+def test_each_node_reads_only_blocks_into_its_own_cache(rig, prepared, hostfile_run):
     """The training hosts fetched blocks into their own /tmp (the default data.cache_dir);
     no host holds a shard file, and the host that did not train has no cache."""
-    local, _ = s3_data
-    shard_bytes = sum(p.stat().st_size for p in local.glob("*/*.tar"))
+    shard_bytes = sum(p.stat().st_size for p in prepared["local"].glob("*/*.tar"))
     cache = f"/tmp/plm-cache-{os.getuid()}"
     for host in ("node0", "node1"):
         listing = on(rig, host, ["find", cache, "-type", "f", "-printf", "%s %P\\n"]).stdout
@@ -158,52 +303,40 @@ def test_the_rendezvous_and_gloo_listen_on_the_hosts_own_addresses(rig, hostfile
         assert address == rig.host(host).address, (host, address, port)
 
 
-def test_per_node_launch_resumes_bit_for_bit(rig, s3_data, hostfile_run, mlflow_server):
+def test_per_node_launch_resumes_from_the_store_bit_for_bit(rig, prepared, hostfile_run,
+                                                            mlflow_server):  # fmt: skip
     """The form for containers and Slurm steps: the same command on every node with its
-    --node-rank; it resumes the hostfile run's step-3 checkpoint from the shared dir."""
-    _, uri = s3_data
+    --node-rank (the hostfile copied onto each). It resumes the hostfile run's step-3
+    checkpoint from a copy of the run under another prefix: no host has a file of it staged,
+    so each fetches its ranks' files from the store."""
     first, _, _ = hostfile_run
-    run_dir = rig.shared / "runs" / "per-node"
-    shutil.copytree(first, run_dir)
-    shutil.rmtree(run_dir / "checkpoints" / "step00000006")
-    (run_dir / "checkpoints" / "latest").write_text("step00000003")
+    s3 = s3_fs(rig)
+    src, dst = f"{BUCKET}/{first}", f"{BUCKET}/runs/per-node"
+    for info in s3.get_file_info(pafs.FileSelector(src, recursive=True)):
+        rel = info.path[len(src) + 1 :]
+        if info.is_file and not rel.startswith(("checkpoints/step00000006/", "bundles/")):
+            s3.copy_file(info.path, f"{dst}/{rel}")
+    with s3.open_output_stream(f"{dst}/checkpoints/latest") as f:
+        f.write(b"step00000003")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **RANK_ENV,
            "MLFLOW_TRACKING_URI": mlflow_server[0]}  # fmt: skip
-    procs = [
-        rig.popen(
-            f"node{r}",
-            [
-                sys.executable,
-                str(REPO / "launch" / "deepspeed_train.py"),
-                "--hostfile",
-                str(rig.shared / "hostfile"),
-                "--no-ssh",
-                "--node-rank",
-                str(r),
-                "--master-addr",
-                "node0",
-                "--master-port",
-                "29600",
-                BERT,
-                f"data.path={uri}",
-                f"train.out_dir={run_dir}",
-                "name=bert-rig",
-                "mlflow.register=false",
-                *STEPS,
-            ],
-            env=env,
-            cwd=str(rig.shared),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )  # fmt: skip
-        for r in (0, 1)
-    ]
+    procs = []
+    for r in (0, 1):
+        rig.put(f"node{r}", "node0 slots=2\nnode1 slots=2\n", "/mnt/local/hostfile")
+        procs.append(rig.popen(f"node{r}", [
+            sys.executable, str(REPO / "launch" / "deepspeed_train.py"), "--hostfile",
+            "/mnt/local/hostfile", "--no-ssh", "--node-rank", str(r), "--master-addr", "node0",
+            "--master-port", "29600", BERT, f"data.path={prepared['uri']}",
+            "train.out_dir=s3://plm/runs/per-node", "name=bert-rig", "mlflow.register=false",
+            *STEPS,
+        ], env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "resumed from" in outs[0]
-    want, got = losses(first), losses(run_dir)
+    want, got = losses(store_rows(rig, first)), losses(store_rows(rig, "runs/per-node"))
     assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]  # bitwise
+    with s3.open_input_stream(f"{dst}/checkpoints/latest") as f:
+        assert f.read().decode().strip() == "step00000006"
 
 
 def test_laptop_loads_the_registered_model_and_node1_finetunes_it(
@@ -222,22 +355,21 @@ def test_laptop_loads_the_registered_model_and_node1_finetunes_it(
 
     import yaml
 
-    task = rig.shared / "task"
-    task.mkdir(exist_ok=True)
+    # The task's files and config, copied onto node1 (its own disk).
     verbs = ["reads", "writes", "sees"]
     for split, n in (("train", 24), ("valid", 6), ("test", 6)):
         rows = [{"text": f"the cat {verbs[i % 3]} the book today", "label": verbs[i % 3]}
                 for i in range(n)]  # fmt: skip
-        (task / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    config = rig.shared / "ft.yaml"
-    config.write_text(yaml.safe_dump({
+        rig.put("node1", "".join(json.dumps(r) + "\n" for r in rows),
+                f"/mnt/local/task/{split}.jsonl")  # fmt: skip
+    rig.put("node1", yaml.safe_dump({
         "name": "bert-rig-verb", "model": {"source": "models:/bert-rig@current"},
         "task": {"type": "classification", "max_length": 32},
-        "data": {s: str(task / f"{s}.jsonl") for s in ("train", "valid", "test")},
+        "data": {s: f"/mnt/local/task/{s}.jsonl" for s in ("train", "valid", "test")},
         "train": {"epochs": 1, "micro_batch_size": 8, "lr": 1.0e-3, "out_dir": "/mnt/local/ft"},
-    }))  # fmt: skip
-    out = on(rig, "node1", [sys.executable, "-m", "pipeline.cli", "finetune", str(config)],
-             env={**RANK_ENV, "MLFLOW_TRACKING_URI": mlflow_server[0]}, cwd=str(rig.shared))  # fmt: skip
+    }), "/mnt/local/ft.yaml")  # fmt: skip
+    out = on(rig, "node1", [sys.executable, "-m", "pipeline.cli", "finetune", "/mnt/local/ft.yaml"],
+             env={**RANK_ENV, "MLFLOW_TRACKING_URI": mlflow_server[0]})  # fmt: skip
     assert "registered model bert-rig-verb" in out.stdout, out.stdout[-3000:]
 
     from mlflow import MlflowClient
@@ -248,7 +380,16 @@ def test_laptop_loads_the_registered_model_and_node1_finetunes_it(
     assert run.data.tags.get("source_uri") == "models:/bert-rig@current"
 
 
-def test_mlflow_listens_on_node0s_address(rig, mlflow_server):
+def test_what_listens_where(rig, ray_cluster, mlflow_server):
     node0 = rig.hosts[0].address
     mine = [(a, p) for a, p, _, _ in listeners(rig, "node0") if p == MLFLOW_PORT]
     assert mine == [(node0, MLFLOW_PORT)]
+    for h in rig.hosts:
+        for address, port, name, _pid in listeners(rig, h.name):
+            if address in (h.address, "127.0.0.1"):
+                continue
+            assert address in ("*", "0.0.0.0", "::") and name in RAY_WILDCARD, (
+                h.name, address, port, name)  # fmt: skip
+    head = {(a, p) for a, p, _, _ in listeners(rig, "node0")}
+    assert (node0, DASHBOARD_PORT) in head  # the dashboard: node0's address
+    assert (node0, 22) in head and (node0, rigmod.S3_PORT) in head
