@@ -46,6 +46,7 @@ LOCAL_FLAGS = {
     ("demo", "workdir"): ["demo", "--workdir", URI],
     **{("rig", c, "root"): ["rig", c, "--root", URI, *(["node1"] if c in ("exec", "kill") else [])]
        for c in ("up", "exec", "env", "mem", "kill", "down")},
+    ("rig", "cp", "root"): ["rig", "cp", "--root", URI, "f", "node1:/tmp/f"],
 }  # fmt: skip
 # Those that take a URI too (the store's tests: test_tokenizer_store.py).
 STORE_FLAGS = {
