@@ -56,6 +56,8 @@ The Python API (benches, tests), for a rig made by ``up()`` or read back with ``
     r.run("node1", ["python", "train.py"])  # subprocess.run on node1, in its cgroup
     m = r.memory("node1")   # {"limit", "usage", "peak", "failcnt", "oom_kills"}: ints, bytes
     r.kill("node1")         # its processes SIGKILLed by PID (not the holder, sshd, S3)
+    r.wipe("node1")         # and its disks emptied: a new host in its place
+    r.put("node1", b"...", "/mnt/local/x"); r.get("node1", "/mnt/local/x")   # scp
     rig.down("bench")       # processes, namespaces, bridge, cgroups, folder
 """
 
@@ -407,6 +409,28 @@ class Rig:
                         signalled.append(pid)
             time.sleep(0.1)
         return signalled
+
+    def wipe(self, host: str, keep: tuple[str, ...] = ()) -> list[int]:
+        """A new host in its place: every process of ``host`` but the rig's own SIGKILLed
+        (``kill``), then its disks emptied: ``/tmp``, ``/mnt/local`` (but the names in
+        ``keep`` and the rig's logs), ``~/.cache`` and ``/dev/shm``. What a new node is
+        provisioned with stays: ``~/.ssh``, ``~/.aws``, ``~/.ray``. The PIDs killed."""
+        killed = self.kill(host)
+        own = Path(self.root) / "hosts" / host
+        # The software's mount points under /tmp (where it lies there) are not the disk's.
+        software = {p.relative_to("/tmp").parts[0] for p in _software()
+                    if p.is_relative_to("/tmp")}  # fmt: skip
+        spare = {"tmp": software, "local": {*keep, "sshd.log", "s3.log"}, ".cache": set()}
+        for sub, names in spare.items():
+            for p in (own / sub).iterdir():
+                if p.name in names:
+                    continue
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    p.unlink()
+        self.run(host, ["find", "/dev/shm", "-mindepth", "1", "-delete"], cwd="/", check=True)
+        return killed
 
     # -- memory (with --mem-per-host) ---------------------------------------------------
     def _cgroup(self, host: str) -> MemoryCgroup:
