@@ -164,7 +164,7 @@ def main() -> int:
 
     name = "big"
     rigmod.down(name)  # a leftover of an interrupted bench
-    rig = rigmod.up(2, name=name, subnet=args.subnet, mem_per_host=args.cap)
+    rig = rigmod.up(2, name=name, subnet=args.subnet, mem_per_host=args.cap, shared=True)
     results: dict = {"model": args.model, "params": total, "largest_layer": largest,
                      "cap": rigmod.parse_size(args.cap)}  # fmt: skip
     try:

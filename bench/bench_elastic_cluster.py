@@ -91,7 +91,7 @@ def main() -> int:
     rig = None
     for subnet in ("198.18.0.64/26", "198.18.0.192/26", "198.18.0.128/26", "198.18.0.0/26"):
         try:  # a part of 198.18.0.0/24 no other rig here uses
-            rig = rigmod.up(3, name=name, subnet=subnet)
+            rig = rigmod.up(3, name=name, subnet=subnet, shared=True)
             break
         except rigmod.RigError as err:
             if "overlaps" not in str(err):
