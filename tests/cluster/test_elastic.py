@@ -1,17 +1,23 @@
-"""Elastic training on the rig: torch's elastic agent on each of 3 hosts
-(launch/elastic_train.py, `--nnodes 2:3`), one run that goes through
+"""Elastic training on a rig whose hosts share nothing but the bucket: torch's elastic agent
+on each of 3 hosts (launch/elastic_train.py, `--nnodes 2:3`), `train.out_dir=s3://...`
+(every node stages its files on its own disk and uploads them; `latest` on the store names
+only what every rank uploaded), one MLflow server on node0. One run goes through
 
-1. node2's training processes (agent and rank) killed with SIGKILL at a random step: the
-   survivors notice (their connections to it close), meet again and resume from the last
-   checkpoint on 2 ranks, the global batch kept (grad_accum 2 -> 3);
-2. node2's agent started again: the next rendezvous takes it in (2 -> 3 ranks), through a
-   SIGTERM checkpoint of the running ranks, so nothing is recomputed;
+1. node2 lost (`Rig.kill`: every process of the host SIGKILLed, its staged checkpoint
+   files with it) at a random step: the survivors notice, meet again and resume from the
+   store's last checkpoint on 2 ranks, the global batch kept (grad_accum 2 -> 3);
+2. node2's agent started again: taken in (2 -> 3 ranks) through a SIGTERM checkpoint of
+   the running ranks, so nothing is recomputed;
 3. SIGTERM to node2's agent (a preemption notice): every rank checkpoints at the next step
-   boundary, and the other two hosts go on without it (3 -> 2), nothing recomputed;
+   boundary, the other two go on without it (3 -> 2), nothing recomputed;
+4. the whole cluster lost: node0's and node1's processes killed and every host's disks
+   emptied (`Rig.wipe`: /tmp, /mnt/local, ~/.cache; the tracking server's database kept,
+   as a tracking service outlives the training nodes); new agents on the empty hosts
+   resume from the store alone and finish.
 
-then finishes without a person. One MLflow run holds it all, each change a tag and
-``elastic/*`` metrics (and rows of metrics.jsonl). The steps after the kill equal an
-uninterrupted 2-rank run from the same checkpoint within 1e-4 relative.
+One MLflow run holds it all. The steps after the kill equal an uninterrupted 2-rank run
+from the same checkpoint within 1e-4 relative; the steps recomputed after the whole-cluster
+loss (the same world size) are the lost ones, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,22 +25,24 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
 import time
 
+import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO
+from cluster_util import REPO, on, small_rig, tool, wait_port
 from conftest import build_data_dir
+
+from pipeline import rig as rigmod
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.distributed]
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 LAUNCH = str(REPO / "launch" / "elastic_train.py")
 DRIVER = str(REPO / "tests" / "integration" / "elastic_driver.py")
-MAX_STEPS = 300
+MAX_STEPS = 150  # the whole-cluster loss comes near step 60-90: margin for a fast machine
 TRAIN = [
     f"train.max_steps={MAX_STEPS}", "train.save_every=5", "train.eval_every=0",
     "train.log_every=1", "train.global_batch=48", "train.keep_last=100",
@@ -42,32 +50,39 @@ TRAIN = [
 ]  # fmt: skip
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DETECT_S = 20  # train.collective_timeout_s: a silent host is noticed within it
+BUCKET = rigmod.S3_BUCKET
+RUN = "elastic/run"  # the run's prefix in the bucket
+MLFLOW_PORT = 5000
 
 
-def rows(run_dir) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
+def s3_fs(rig) -> pafs.S3FileSystem:
+    return pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
+                             secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
+
+
+def parse(text: str) -> list[dict]:
+    return [json.loads(x) for x in text.splitlines() if x.strip()]
+
+
+def rows(rig) -> list[dict]:
+    """metrics.jsonl as the store has it (rank 0 sends it with each checkpoint)."""
+    try:
+        with s3_fs(rig).open_input_stream(f"{BUCKET}/{RUN}/metrics.jsonl") as f:
+            return parse(f.read().decode())
+    except FileNotFoundError:
         return []
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def wait_for(what: str, check, agents, timeout: float = 300):
-    """Poll ``check()`` until it gives something truthy; fail, with the agents' logs, if a
-    needed agent exits or time runs out."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        if any(p.poll() is not None for h, (p, _) in agents.items() if h != "node2"):
-            break  # node0 and node1 must run to the end
-        time.sleep(0.2)
-    logs = "\n".join(f"--- {h}\n{open(log).read()[-3000:]}" for h, (_, log) in agents.items())
-    raise AssertionError(f"waiting for {what}: not seen\n{logs}")
+def latest(rig) -> int:
+    try:
+        with s3_fs(rig).open_input_stream(f"{BUCKET}/{RUN}/checkpoints/latest") as f:
+            return int(f.read().decode().strip().removeprefix("step"))
+    except FileNotFoundError:
+        return 0
 
 
 def training_pids(rig, host: str) -> list[int]:
-    """The host's elastic agent and ranks (not its sshd or namespace holder)."""
+    """The host's elastic agent and ranks (not the MLflow server, sshd or the holder)."""
     found = []
     for pid in rig.pids(host):
         try:
@@ -79,88 +94,152 @@ def training_pids(rig, host: str) -> list[int]:
     return found
 
 
+def start_mlflow(rig) -> None:
+    """`mlflow server` on node0: its database on node0's disk (/mnt/local/mlflow), kept
+    through the whole-cluster loss; artifacts on S3."""
+    node0 = rig.hosts[0]
+    log = open(f"{rig.root}/hosts/node0/local/mlflow/server.log", "ab")  # noqa: SIM115
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    rig.popen("node0", [
+        tool("mlflow"), "server", "--host", node0.address, "--port", str(MLFLOW_PORT),
+        "--allowed-hosts", f"{node0.address}:{MLFLOW_PORT},node0:{MLFLOW_PORT}",
+        "--backend-store-uri", "sqlite:////mnt/local/mlflow/mlflow.db",
+        "--artifacts-destination", f"s3://{BUCKET}/elastic/mlflow", "--workers", "1",
+    ], env=env, cwd="/", stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    wait_port(node0.address, MLFLOW_PORT)
+
+
 @pytest.fixture(scope="module")
-def elastic_run(rig):
-    base = rig.shared / "elastic"
-    base.mkdir()
-    data = build_data_dir(base)
-    run_dir = base / "run"
-    db = base / "mlflow.db"
+def elastic_run(tmp_path_factory):
+    name = f"e{os.getpid()}"
+    rig = small_rig(name, 3, ssh=False)
+    try:
+        yield scenario(rig, tmp_path_factory.mktemp("elastic"))
+    finally:
+        rigmod.down(name)
+
+
+def scenario(rig, base) -> dict:
+    assert not rig.shared_dir
+    data = build_data_dir(base)  # on the laptop, then on the bucket
+    pafs.copy_files(str(data), f"{BUCKET}/elastic/data", destination_filesystem=s3_fs(rig))
+    on(rig, "node0", ["mkdir", "/mnt/local/mlflow"])
+    start_mlflow(rig)
     seed = int.from_bytes(os.urandom(2), "big")
     kill_at = random.Random(seed).randint(8, 24)
     print(f"elastic scenario: seed {seed}, node2 killed at step {kill_at}")
     cmd = [
         sys.executable, LAUNCH, "--nnodes", "2:3", "--nproc-per-node", "1",
         "--rdzv-endpoint", "node0:29400", "--last-call", "8", "--skip-dry-run", BERT,
-        f"data.path={data}", f"train.out_dir={run_dir}", f"mlflow.tracking_uri=sqlite:///{db}",
+        f"data.path=s3://{BUCKET}/elastic/data", f"train.out_dir=s3://{BUCKET}/{RUN}",
+        f"mlflow.tracking_uri=http://node0:{MLFLOW_PORT}",
         f"train.collective_timeout_s={DETECT_S}", *TRAIN,
     ]  # fmt: skip
     agents: dict[str, tuple[subprocess.Popen, str]] = {}
+    needed = ["node0", "node1"]  # must run to the end (or to the whole-cluster loss)
 
     def start(host: str, attempt: int = 0):
         log = str(base / f"{host}-{attempt}.log")
         out = open(log, "wb")  # noqa: SIM115
-        proc = rig.popen(host, cmd, env={**os.environ, **ENV}, cwd=str(base), stdout=out,
+        proc = rig.popen(host, cmd, env={**os.environ, **ENV}, cwd="/", stdout=out,
                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         agents[host] = (proc, log)
 
-    def last(key: str, value) -> dict | None:
-        return next((r for r in reversed(rows(run_dir)) if r.get(key) == value), None)
+    def wait_for(what: str, check, timeout: float = 300):
+        """Poll ``check()`` until it gives something truthy; fail, with the agents' logs, if
+        a needed agent exits or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            got = check()
+            if got:
+                return got
+            if any(agents[h][0].poll() is not None for h in needed if h in agents):
+                break
+            time.sleep(0.5)
+        logs = "\n".join(f"--- {h}\n{open(log).read()[-3000:]}" for h, (_, log) in agents.items())
+        raise AssertionError(f"waiting for {what}: not seen\n{logs}")
 
-    events = {}
+    def last(key: str, value) -> dict | None:
+        return next((r for r in reversed(rows(rig)) if r.get(key) == value), None)
+
+    events, logs = {}, {}
     try:
         for host in ("node0", "node1", "node2"):
             start(host)
         wait_for(f"step {kill_at} on 3 ranks",
                  lambda: any(r["step"] >= kill_at and r.get("world_size") == 3
-                             for r in rows(run_dir)), agents)  # fmt: skip
+                             for r in rows(rig)))  # fmt: skip
         # A host that joined after the first round (a slow start) is a change already.
-        before = max((r.get("elastic/changes", 0) for r in rows(run_dir)), default=0)
+        before = max((r.get("elastic/changes", 0) for r in rows(rig)), default=0)
         events["before"] = before
-        events["kill"] = time.time()
-        for pid in training_pids(rig, "node2"):
-            os.kill(pid, signal.SIGKILL)
+        rig.kill("node2")  # the host lost: its processes, and what it staged is no use
         agents["node2"][0].wait(timeout=30)
         events["change1"] = wait_for("2 ranks after the kill",
-                                     lambda: last("elastic/changes", before + 1), agents)  # fmt: skip
+                                     lambda: last("elastic/changes", before + 1))  # fmt: skip
         start("node2", attempt=1)
         events["change2"] = wait_for("node2 taken in again",
-                                     lambda: last("elastic/changes", before + 2), agents)  # fmt: skip
+                                     lambda: last("elastic/changes", before + 2))  # fmt: skip
         resumed = events["change2"]["step"]
         wait_for("5 more steps on 3 ranks",
-                 lambda: any(r["step"] >= resumed + 5 for r in rows(run_dir)), agents)  # fmt: skip
-        events["term"] = time.time()
+                 lambda: any(r["step"] >= resumed + 5 for r in rows(rig)))  # fmt: skip
         agents["node2"][0].send_signal(signal.SIGTERM)
         events["change3"] = wait_for("2 ranks after node2's SIGTERM",
-                                     lambda: last("elastic/changes", before + 3), agents)  # fmt: skip
-        codes = {}
-        for host, (proc, _) in agents.items():
-            codes[host] = proc.wait(timeout=600)
+                                     lambda: last("elastic/changes", before + 3))  # fmt: skip
+        events["node2"] = agents["node2"][0].wait(timeout=120)
+        # A checkpoint of the 2 ranks, then the whole cluster lost at once.
+        c3 = events["change3"]["step"]
+        wait_for("a checkpoint on 2 ranks", lambda: latest(rig) > c3)
+        for host in needed:
+            for pid in training_pids(rig, host):
+                os.kill(pid, signal.SIGKILL)
+        for host in needed:
+            events[f"lost_{host}"] = agents[host][0].wait(timeout=60)
+        assert all(r["step"] < MAX_STEPS for r in rows(rig)), "the run ended before the loss"
+        events["lost_at"] = latest(rig)
+        # What rank 0 had logged (its staged metrics.jsonl, read off the dead host's disk:
+        # the store has the rows up to the last checkpoint only).
+        staged = []
+        for host in needed:
+            found = on(rig, host, ["find", "/tmp", "-name", "metrics.jsonl"]).stdout.split()
+            staged += [parse(rig.get(host, p).decode()) for p in found]
+        events["staged"] = max(staged, key=len)
+        for h in rig.hosts:  # new hosts with empty disks; the tracking database kept
+            rig.wipe(h.name, keep=("mlflow",))
+        events["empty"] = {h: on(rig, h, ["ls", "-A", "/tmp"]).stdout.split() for h in needed}
+        start_mlflow(rig)
+        for host in needed:
+            logs[host] = open(agents[host][1]).read()
+            start(host, attempt=2)
+        codes = {host: agents[host][0].wait(timeout=600) for host in needed}
         events["codes"] = codes
     finally:
         for host in ("node0", "node1", "node2"):
             for pid in training_pids(rig, host):
                 os.kill(pid, signal.SIGKILL)
-    logs = {h: open(log).read() for h, (_, log) in agents.items()}
-    return {"run_dir": run_dir, "db": db, "data": data, "events": events, "logs": logs,
-            "base": base, "kill_at": kill_at}  # fmt: skip
+    logs.update({f"{h}-end": open(log).read() for h, (_, log) in agents.items()})
+    mlflow = f"http://{rig.hosts[0].address}:{MLFLOW_PORT}"
+    return {"rig": rig, "data": data, "events": events, "logs": logs, "mlflow": mlflow,
+            "rows": rows(rig), "kill_at": kill_at}  # fmt: skip
 
 
 def test_the_run_finishes_on_its_own_through_three_membership_changes(elastic_run):
     ev, logs = elastic_run["events"], elastic_run["logs"]
-    assert ev["codes"]["node0"] == 0 and ev["codes"]["node1"] == 0, (ev["codes"], logs)
-    got = rows(elastic_run["run_dir"])
+    assert ev["codes"] == {"node0": 0, "node1": 0}, (ev["codes"], logs)
+    got = elastic_run["rows"]
     steps = {r["step"] for r in got if "step_loss" in r}
     assert steps == set(range(1, MAX_STEPS + 1))
     final = max((r for r in got if "step_loss" in r), key=lambda r: (r["step"], r["time"]))
-    assert final["world_size"] == 2  # after node2's SIGTERM
+    assert final["world_size"] == 2
     c1, c2, c3 = ev["change1"], ev["change2"], ev["change3"]
     assert (c1["elastic/old_world_size"], c1["elastic/world_size"]) == (3, 2)
     assert (c2["elastic/old_world_size"], c2["elastic/world_size"]) == (2, 3)
     assert (c3["elastic/old_world_size"], c3["elastic/world_size"]) == (3, 2)
-    # Killed: back to the last checkpoint, at most save_every steps recomputed. Taken in
-    # again and preempted: the SIGTERM checkpoint, nothing recomputed.
-    assert 0 <= c1["elastic/steps_recomputed"] <= 5
+    # Killed: back to the store's `latest`, which names a checkpoint once every rank's
+    # upload is confirmed (the per-step all-reduce after it lands): the last checkpoint or,
+    # while its upload runs, the one before: at most 2 x save_every steps recomputed.
+    # Taken in again and preempted: the SIGTERM checkpoint, nothing recomputed.
+    assert (c1["step"] - 1) % 5 == 0
+    assert 0 <= c1["elastic/steps_recomputed"] <= 10
     assert c2["elastic/steps_recomputed"] == 0
     assert c3["elastic/steps_recomputed"] == 0
     # Each surviving rank said what happened in one line, with no traceback.
@@ -169,10 +248,29 @@ def test_the_run_finishes_on_its_own_through_three_membership_changes(elastic_ru
     assert "Traceback" not in text, text[-4000:]
 
 
+def test_new_hosts_with_empty_disks_resume_from_the_store_alone(elastic_run):
+    """The whole cluster lost after a 2-rank checkpoint: every host's /tmp emptied (the
+    staged checkpoints, the block cache), new agents on node0 and node1 resume from the
+    store and recompute the lost steps: the same losses, bit for bit (same world size)."""
+    ev, logs = elastic_run["events"], elastic_run["logs"]
+    assert not [x for names in ev["empty"].values() for x in names if x.startswith("plm")], ev
+
+    lost_at, staged = ev["lost_at"], ev["staged"]
+    text = logs["node0-end"] + logs["node1-end"]
+    assert f"resumed from s3://{BUCKET}/{RUN}/checkpoints/step{lost_at:08d}" in text, text[-3000:]
+    assert "Traceback" not in text, text[-4000:]
+    before = {r["step"]: r["step_loss"] for r in staged if "step_loss" in r}
+    after = {r["step"]: r["step_loss"] for r in elastic_run["rows"] if "step_loss" in r}
+    redone = [s for s in before if s > lost_at]
+    print(f"whole-cluster loss: latest step {lost_at}, {len(redone)} steps recomputed")
+    for s in redone:
+        assert after[s] == before[s], (s, after[s], before[s])
+
+
 def test_one_mlflow_run_records_each_change(elastic_run):
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=f"sqlite:///{elastic_run['db']}")
+    client = MlflowClient(tracking_uri=elastic_run["mlflow"])
     (exp,) = [e for e in client.search_experiments() if e.name == "bert-elastic"]
     (run,) = client.search_runs([exp.experiment_id])
     assert run.info.status == "FINISHED"
@@ -182,21 +280,22 @@ def test_one_mlflow_run_records_each_change(elastic_run):
     assert "0 steps recomputed" in tags[f"elastic/change_{n + 2}"], tags
     assert "3 -> 2 ranks" in tags[f"elastic/change_{n + 3}"], tags
     history = client.get_metric_history(run.info.run_id, "elastic/world_size")
-    assert [m.value for m in sorted(history, key=lambda m: m.step)][-3:] == [2, 3, 2]
+    sizes = [m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))]
+    assert any(sizes[i : i + 3] == [2, 3, 2] for i in range(len(sizes))), sizes
     lost = client.get_metric_history(run.info.run_id, "elastic/seconds_lost")
-    assert len(lost) == n + 3 and all(m.value > 0 for m in lost)
+    assert len(lost) >= n + 3 and all(m.value > 0 for m in lost)
 
 
 def test_steps_after_the_kill_equal_a_two_rank_run_from_that_checkpoint(elastic_run, tmp_path):
-    """From the checkpoint the survivors resumed, an uninterrupted 2-rank run (torchrun on
-    one host) to the step node2 was taken in again: the same losses within 1e-4."""
+    """From the checkpoint the survivors resumed (fetched from the store), an uninterrupted
+    2-rank run (torchrun on the laptop) to the step node2 was taken in again: the same
+    losses within 1e-4."""
     c1, c2 = elastic_run["events"]["change1"], elastic_run["events"]["change2"]
     start, end = c1["step"] - 1, c2["step"] - 1  # each change row is its first step's
-    src = elastic_run["run_dir"] / "checkpoints"
-    ref_dir = tmp_path / "ref"
     tag = f"step{start:08d}"
-    (ref_dir / "checkpoints").mkdir(parents=True)
-    shutil.copytree(src / tag, ref_dir / "checkpoints" / tag)
+    ref_dir = tmp_path / "ref"
+    pafs.copy_files(f"{BUCKET}/{RUN}/checkpoints/{tag}", str(ref_dir / "checkpoints" / tag),
+                    source_filesystem=s3_fs(elastic_run["rig"]))  # fmt: skip
     (ref_dir / "checkpoints" / "latest").write_text(tag)
     plan = tmp_path / "plan.json"
     overrides = [f"data.path={elastic_run['data']}", f"train.out_dir={ref_dir}",
@@ -206,11 +305,12 @@ def test_steps_after_the_kill_equal_a_two_rank_run_from_that_checkpoint(elastic_
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", DRIVER, str(plan)],
                    env=env, check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
-    ref = {r["step"]: r["step_loss"] for r in rows(ref_dir) if "step_loss" in r}
+    ref_rows = parse((ref_dir / "metrics.jsonl").read_text())
+    ref = {r["step"]: r["step_loss"] for r in ref_rows if "step_loss" in r}
     # The elastic run's rows of those steps: the last written for each (the attempt that
     # got past it), which is the 2-rank attempt for steps start+1..end.
     got = {}
-    for r in rows(elastic_run["run_dir"]):
+    for r in elastic_run["rows"]:
         if "step_loss" in r and start < r["step"] <= end:
             got[r["step"]] = r["step_loss"]
     assert sorted(ref) == sorted(got) == list(range(start + 1, end + 1))
