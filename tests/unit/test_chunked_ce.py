@@ -185,3 +185,25 @@ def test_shape_and_chunk_errors():
         chunked_cross_entropy(logits, target[:-1])
     with pytest.raises(ValueError, match="chunk_rows must be >= 1"):
         chunked_cross_entropy(logits, target, chunk_rows=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_chunks_compute_what_the_eager_ones_do(dtype):
+    """``fused`` (the GPU's default: each chunk one compiled kernel) gives the eager path's
+    loss and gradient, ignored rows and the ragged last chunk included; compiled here for
+    the CPU (inductor's C++), on a GPU by Triton."""
+    logits, target = make()
+    logits = logits.to(dtype)
+    eager = loss_and_grad(
+        lambda x, t: chunked_cross_entropy(x, t, chunk_rows=8, fused=False), logits, target
+    )
+    fused = loss_and_grad(
+        lambda x, t: chunked_cross_entropy(x, t, chunk_rows=8, fused=True), logits, target
+    )
+    assert fused[1].dtype == dtype
+    tol = {"rtol": 1e-6, "atol": 1e-7} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-4}
+    torch.testing.assert_close(fused[0], eager[0], **tol)
+    torch.testing.assert_close(fused[1].float(), eager[1].float(), **tol)
+    want = loss_and_grad(reference, logits, target)
+    torch.testing.assert_close(fused[0], want[0].to(fused[0].dtype), **tol)
