@@ -17,6 +17,17 @@ on a data dir made here with an 8k WordPiece tokenizer of the bundled corpus:
 4. the reference: one uncapped process in the root namespace, ZeRO-3, grad_accum 2 (the
    same global batch): its losses against 2.'s.
 
+``--lost-host``: instead, 3 capped hosts under ``launch/elastic_train.py --nnodes 2:3``
+(one rank each, global batch 6, a checkpoint every 2 steps on the shared dir); once the
+step-2 checkpoint is written and step 3 logged, node2 is lost (``Rig.kill``: every
+process of the host SIGKILLed); node0 and node1 meet again, convert the 3-rank ZeRO-3
+checkpoint for 2 ranks (universal checkpoint) and finish. Reports each host's cgroup
+peak and the ranks' resident peaks, OOM kills, the time from the loss to the end of the
+next step (the change's first row of metrics.jsonl) and the trainer's
+``elastic/seconds_lost`` / ``elastic/startup_s``. The checkpoints go to the rig's shared
+dir, not its S3 server: that server runs on node0, inside node0's cap, and keeps every
+object in memory, so a checkpoint of a model no host can hold cannot go there.
+
 For each: exit status, OOM kills, each host's peak (the cgroup's max usage) beside
 DeepSpeed's estimate (``estimate_zero3_model_states_mem_needs``), the arithmetic (20 bytes
 a parameter for fp32 ZeRO-3: the parameter partition, its fp32 master, its gradient,
@@ -142,7 +153,10 @@ def run_on_hosts(rig, hosts: list[str], argv_of, env: dict, log_dir: Path, name:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="bert-large", choices=["bert-large", "gpt2-medium"])
+    ap.add_argument(
+        "--model", default="bert-large", choices=["bert-large", "gpt2-medium", "bert-base"]
+    )
+    ap.add_argument("--lost-host", action="store_true", help="3 hosts elastic, node2 killed")
     ap.add_argument("--cap", default="4.5G")
     ap.add_argument("--subnet", default="198.18.0.0/24")
     ap.add_argument("--work", default="/var/tmp/plm-bench-big")
@@ -164,6 +178,11 @@ def main() -> int:
 
     name = "big"
     rigmod.down(name)  # a leftover of an interrupted bench
+    if args.lost_host:
+        results = lost_host(args, rigmod, work, data, total)
+        print(json.dumps(results))
+        report_lost_host(results)
+        return 0
     rig = rigmod.up(2, name=name, subnet=args.subnet, mem_per_host=args.cap, shared=True)
     results: dict = {"model": args.model, "params": total, "largest_layer": largest,
                      "cap": rigmod.parse_size(args.cap)}  # fmt: skip
@@ -235,6 +254,99 @@ def main() -> int:
     print(json.dumps(results))
     report(results)
     return 0
+
+
+def lost_host(args, rigmod, work: Path, data: Path, total: int) -> dict:
+    """3 capped hosts, elastic; node2 lost after the step-2 checkpoint (see the doc)."""
+    rig = rigmod.up(3, name="big", subnet=args.subnet, mem_per_host=args.cap, shared=True,
+                    s3=False, ssh=False)  # fmt: skip
+    results: dict = {"model": args.model, "params": total, "cap": rigmod.parse_size(args.cap)}
+    agents = {}
+    try:
+        shared = rig.shared
+        cfg = shared / "big.yaml"
+        cfg.write_text(experiment(args.model, data))
+        run_dir = shared / "lost"
+        logs = shared / "logs"
+        logs.mkdir()
+        cmd = [sys.executable, str(REPO / "launch" / "elastic_train.py"), "--nnodes", "2:3",
+               "--nproc-per-node", "1", "--rdzv-endpoint", "node0:29400", "--last-call", "10",
+               "--skip-dry-run", str(cfg), f"train.out_dir={run_dir}", "train.max_steps=5",
+               "train.save_every=2", "train.global_batch=6", "train.keep_last=5",
+               "train.collective_timeout_s=60", f"mlflow.tracking_uri=sqlite:///{run_dir}.db"]  # fmt: skip
+        env = {**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)}
+        for h in rig.hosts:
+            rig.reset_peak(h.name)
+        t0 = time.time()
+        for h in rig.hosts:
+            out = open(logs / f"lost-{h.name}.log", "wb")  # noqa: SIM115
+            agents[h.name] = rig.popen(h.name, cmd, env=env, cwd=str(shared), stdout=out,
+                                       stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+        def rows() -> list[dict]:
+            path = run_dir / "metrics.jsonl"
+            if not path.is_file():
+                return []
+            return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+        def wait(what: str, check, timeout: float = 3600):
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                got = check()
+                if got:
+                    return got
+                if any(agents[h].poll() is not None for h in ("node0", "node1")):
+                    break
+                time.sleep(0.5)
+            raise RuntimeError(f"waiting for {what}: not seen (logs in {logs})")
+
+        latest = run_dir / "checkpoints" / "latest"
+        wait("the step-2 checkpoint and step 3",
+             lambda: latest.is_file() and any(r.get("step", 0) >= 3 and "step_loss" in r
+                                              for r in rows()))  # fmt: skip
+        peaks_before = {h.name: rig.memory(h.name)["peak"] for h in rig.hosts}
+        t_loss = time.time()
+        rig.kill("node2")
+        change = wait("the first step on 2 ranks",
+                      lambda: next((r for r in rows() if r.get("elastic/changes")), None))  # fmt: skip
+        results["loss_to_next_step_s"] = change["time"] - t_loss
+        results["change"] = {k: v for k, v in change.items() if k.startswith("elastic/")}
+        results["change"]["step"] = change["step"]
+        codes = {h: agents[h].wait(timeout=3600) for h in ("node0", "node1")}
+        results["wall_s"] = time.time() - t0
+        results["codes"] = codes
+        results["hosts"] = {}
+        for h in rig.hosts:
+            m = rig.memory(h.name)
+            text = (logs / f"lost-{h.name}.log").read_text(errors="replace")
+            peaks = [x.split("per rank: ")[1] for x in text.splitlines() if "per rank: " in x]
+            results["hosts"][h.name] = {"peak": m["peak"], "peak_before_loss":
+                                        peaks_before[h.name], "oom_kills": m["oom_kills"],
+                                        "rank_peaks": peaks[-1] if peaks else None}  # fmt: skip
+        results["steps"] = sorted({r["step"] for r in rows() if "step_loss" in r})
+    finally:
+        for proc in agents.values():
+            if proc.poll() is None:
+                proc.kill()
+        kept = work / f"logs-lost-{args.model}"
+        shutil.rmtree(kept, ignore_errors=True)
+        if (rig.shared / "logs").is_dir():
+            shutil.copytree(rig.shared / "logs", kept)
+        rigmod.down("big")
+    return results
+
+
+def report_lost_host(r: dict) -> None:
+    gib = 2**30
+    print(f"\n{r['model']}: {r['params'] / 1e6:.1f}M parameters, 3 hosts of "
+          f"{r['cap'] / gib:.2f} GiB, node2 lost after step 3")  # fmt: skip
+    print(f"  exit codes {r['codes']}, steps {r['steps']}, wall {r['wall_s']:.0f} s")
+    print(f"  host loss -> end of the next step: {r['loss_to_next_step_s']:.1f} s; "
+          f"trainer: {r['change']}")  # fmt: skip
+    for h, m in r["hosts"].items():
+        print(f"  {h}: cgroup peak {m['peak'] / gib:.2f} GiB (before the loss "
+              f"{m['peak_before_loss'] / gib:.2f}), OOM kills {m['oom_kills']}, "
+              f"ranks' resident peaks {m['rank_peaks']}")  # fmt: skip
 
 
 def report(r: dict) -> None:
