@@ -289,14 +289,25 @@ def lost_host(args, rigmod, work: Path, data: Path, total: int) -> dict:
                 return []
             return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
-        def wait(what: str, check, timeout: float = 3600):
+        def ooms() -> dict[str, int]:
+            return {h.name: rig.memory(h.name)["oom_kills"] or 0 for h in rig.hosts}
+
+        start_ooms = ooms()
+
+        def wait(what: str, check, timeout: float = 3600, running: bool = True):
+            """Until ``check()``; an OOM kill on a host that must go on ends the bench (the
+            agents would restart the ranks into the same kill, max_restarts times)."""
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 got = check()
                 if got:
                     return got
-                if any(agents[h].poll() is not None for h in ("node0", "node1")):
+                if running and any(agents[h].poll() is not None for h in ("node0", "node1")):
                     break
+                now = ooms()
+                if any(now[h] > start_ooms[h] for h in ("node0", "node1")):
+                    raise RuntimeError(f"waiting for {what}: killed for memory under the "
+                                       f"{args.cap} cap ({now}; logs in {logs})")  # fmt: skip
                 time.sleep(0.5)
             raise RuntimeError(f"waiting for {what}: not seen (logs in {logs})")
 
@@ -312,7 +323,9 @@ def lost_host(args, rigmod, work: Path, data: Path, total: int) -> dict:
         results["loss_to_next_step_s"] = change["time"] - t_loss
         results["change"] = {k: v for k, v in change.items() if k.startswith("elastic/")}
         results["change"]["step"] = change["step"]
-        codes = {h: agents[h].wait(timeout=3600) for h in ("node0", "node1")}
+        wait("the end", lambda: all(agents[h].poll() is not None for h in ("node0", "node1")),
+             running=False)  # fmt: skip
+        codes = {h: agents[h].wait() for h in ("node0", "node1")}
         results["wall_s"] = time.time() - t0
         results["codes"] = codes
         results["hosts"] = {}
