@@ -313,7 +313,7 @@ def rig():
     made = None
     for subnet in RIG_SUBNETS:
         try:
-            made = rigmod.up(3, name=name, subnet=subnet, shared=True)  # not converted yet
+            made = rigmod.up(3, name=name, subnet=subnet)  # nothing shared but the bucket
             break
         except rigmod.RigError as err:
             if "overlaps" not in str(err):

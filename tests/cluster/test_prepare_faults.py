@@ -144,10 +144,13 @@ class RayCluster:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster(rig):
-    token = rig.shared / "faults_ray_token"
+def ray_cluster(rig, tmp_path_factory):
+    # Made on the laptop, copied onto each host at the same path (each host's own /tmp).
+    token = tmp_path_factory.mktemp("faults-ray") / "token"
     token.write_text(secrets.token_hex(32))
     token.chmod(0o600)
+    for h in rig.hosts:
+        rig.put(h.name, token, str(token), mode=0o600)
     cluster = RayCluster(rig, token)
     cluster.start()
     try:
@@ -170,7 +173,7 @@ def s3_fs(rig: rigmod.Rig) -> pafs.S3FileSystem:
 
 @pytest.fixture(scope="module")
 def job(rig, tmp_path_factory):
-    """The corpus on S3, the tokenizer on the shared dir, the `plm data prepare` arguments
+    """The corpus and the tokenizer on S3, the `plm data prepare` arguments
     (less --output), and the output of the same command run locally on one CPU."""
     s3 = s3_fs(rig)
     bucket = rigmod.S3_BUCKET
@@ -183,8 +186,9 @@ def job(rig, tmp_path_factory):
     from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
 
     tok = train_tokenizer([str(work / "corpus")], TokenizerSpec(kind="wordpiece", vocab_size=300),
-                          rig.shared / "faults_tok")  # fmt: skip
-    args = ["--input", f"s3://{bucket}/faults/corpus/", "--tokenizer", str(tok),
+                          work / "tok")  # fmt: skip
+    pafs.copy_files(str(tok), f"{bucket}/faults/tok", destination_filesystem=s3)
+    args = ["--input", f"s3://{bucket}/faults/corpus/", "--tokenizer", f"s3://{bucket}/faults/tok",
             "--shard-docs", "40", "--valid-fraction", "0.1", "--split-bytes", str(SPLIT_BYTES)]  # fmt: skip
     local = work / "local"
     env = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1"}

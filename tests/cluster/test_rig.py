@@ -41,14 +41,12 @@ def test_hosts_have_their_own_network_names_and_disks(rig):
         # Names resolve to the rig's addresses on every host (gloo and ssh need it).
         hosts = on(rig, h.name, ["getent", "hosts", "node1"]).stdout.split()
         assert hosts[0] == rig.host("node1").address
-    # Private /tmp and local disk; one shared directory at the same path.
+    # Private /tmp and local disk.
     on(rig, "node1", ["sh", "-c", "echo one > /tmp/mine && echo one > /mnt/local/mine"])
-    on(rig, "node1", ["sh", "-c", f"echo shared > {rig.shared}/note"])
     for path in ("/tmp/mine", "/mnt/local/mine"):
         assert on(rig, "node2", ["test", "-e", path], check=False).returncode == 1
         assert on(rig, "node1", ["cat", path]).stdout == "one\n"
         assert not os.path.exists(path)  # nor on the laptop
-    assert on(rig, "node2", ["cat", f"{rig.shared}/note"]).stdout == "shared\n"
     # The other hosts' private dirs are out of sight.
     hosts_dir = f"{rig.root}/hosts"
     assert on(rig, "node2", ["ls", "-A", hosts_dir]).stdout == ""
@@ -87,9 +85,12 @@ def test_s3_server_on_node0_reached_with_the_standard_variables(rig):
 
 def test_down_stops_only_what_the_rig_started():
     name = f"d{os.getpid()}"
-    small = small_rig(name, 1, s3=False, ssh=False, mem_per_host="64M")
+    small = small_rig(name, 1, s3=False, ssh=False, mem_per_host="64M", shared=True)
     outside = subprocess.Popen(["sleep", "300"])  # the same program, not the rig's
     try:
+        # `up --shared`: the shared dir, written on the host, read on the laptop
+        on(small, "node0", ["sh", "-c", f"echo shared > {small.shared}/note"])
+        assert (small.shared / "note").read_text() == "shared\n"
         inside = small.popen("node0", ["sleep", "300"], cwd="/")
         for _ in range(200):  # until nsenter has entered the namespace (then execs sleep)
             if inside.pid in small.pids("node0"):
