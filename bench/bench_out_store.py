@@ -15,7 +15,8 @@ its own as on many ranks, async saves) and runs ``Trainer.train_step`` as ``Trai
 does, the pending checkpoint finished at the step boundary where the per-step all-reduce
 says its files are written (and, for s3, uploaded). After --warmup steps, --saves times:
 --steps-between plain steps, one ``Trainer.save()``, then steps until the checkpoint is
-complete (at most --steps-between; then ``finish()`` waits).
+complete (at most --steps-between; then ``finish()`` waits). As in ``Trainer.run``, a
+completion left to the store's upload thread is waited for by the next ``save()``.
 
 - blocked: what a save costs training, wall seconds: the ``save()`` call, plus for each
   step until the checkpoint is complete its time above the median plain step (the next
@@ -170,11 +171,13 @@ def rank_main(args) -> None:
         while trainer.ckpt.pending is not None and len(after) < args.steps_between:
             after.append(step())
         t0 = time.perf_counter()
-        trainer.ckpt.finish()
+        if trainer.ckpt.pending is not None:  # not complete after --steps-between steps
+            trainer.ckpt.finish()
         finish_s = time.perf_counter() - t0
         saves.append({"tag": tag, "save_s": save_s, "steps_after_s": after,
                       "finish_wait_s": finish_s, "write_wait_s": waited() - w0,
                       "complete_s": sum(completing)})  # fmt: skip
+    trainer.ckpt.finish()  # the last completion on the store, if one was left to it
     median = statistics.median(plain)
     for s in saves:
         s["blocked_s"] = (

@@ -375,6 +375,9 @@ class CheckpointManager:
         self.bundles = bundles  # bundles beside the checkpoints: pruned with them
         self.writer: SnapshotWriter | None = None
         self.pending: tuple[str, dict[str, Any]] | None = None  # (tag, COMPLETE's meta)
+        # A completion (COMPLETE, latest, pruning) left to the store's upload thread by an
+        # agreed finish; the next collective finish waits for it (every rank knows).
+        self.deferred = False
 
     # --- reading -------------------------------------------------------------------------
     def where(self, tag: str = "") -> str:
@@ -604,6 +607,12 @@ class CheckpointManager:
         ``agreed``: every rank's writes are known to be done (the trainer's all-reduce),
         so no rank waits; otherwise a collective: each rank waits for its writes."""
         if self.pending is None:
+            if self.deferred and not agreed:  # what reads the store next sees it complete
+                if self.rank == 0:
+                    with uploads_as_checkpoint_errors():
+                        self.store.wait()
+                dist.barrier()
+                self.deferred = False
             return None
         tag, meta = self.pending
         if self.writer is not None:
@@ -612,8 +621,15 @@ class CheckpointManager:
             self.store.wait()  # every upload of this rank confirmed (raises if one gave up)
         if not agreed:
             dist.barrier()
+        # At a step boundary (agreed) on a store, rank 0's requests to it (COMPLETE,
+        # latest, the listings and deletes of pruning) go to its upload thread: a step
+        # does not wait for their round trips (bench/bench_out_store.py).
+        self.deferred = agreed and self.store.defers
         if self.rank == 0:
-            self._complete(tag, meta)
+            if self.deferred:
+                self.store.later(lambda: self._complete(tag, meta))
+            else:
+                self._complete(tag, meta)
         if not agreed:
             dist.barrier()
         self.pending = None

@@ -139,6 +139,14 @@ class OutStore:
     def upload_tree(self, rel: str) -> None:  # noqa: B027
         """Queue every file under folder ``rel``."""
 
+    defers = False  # ``later`` runs its call after the queued uploads, off the caller
+
+    def later(self, call: Callable[[], None]) -> None:
+        """``call()`` once the uploads queued so far are done: on the upload thread of a
+        store (``wait`` waits for it too; its error is raised as an upload's), here and now
+        for a local folder."""
+        call()
+
     def busy(self) -> bool:
         """Uploads are queued or running; raises the error of one that gave up."""
         return False
@@ -456,6 +464,11 @@ class RemoteOut(OutStore):
             list(pool.map(put, files))
 
         self._queue(job)
+
+    defers = True
+
+    def later(self, call: Callable[[], None]) -> None:
+        self._queue(lambda pool: call())
 
     def busy(self) -> bool:
         if self._error is not None:

@@ -157,3 +157,35 @@ def test_a_stopped_store_delays_the_checkpoint_never_training(outage_s3, tmp_pat
     while mgr.writes_busy():
         time.sleep(0.1)
     assert mgr.finish() == tag and mgr.latest() == tag
+
+
+@pytest.mark.slow
+def test_a_step_boundary_completion_leaves_the_store_requests_to_the_upload_thread(
+    outage_s3, tmp_path
+):
+    """``finish(agreed=True)`` (the trainer's step boundary, every rank's files uploaded)
+    sends COMPLETE, ``latest`` and pruning through the upload thread: with the server
+    stopped right then, it returns at once and the completion waits (before: the step
+    retried on the training thread, then failed); the next collective ``finish`` waits
+    for the completion, so ``latest`` names the checkpoint."""
+    uri = "s3://plm-own/run"
+    engine, ds = tiny_engine(seed=7)
+    store = OutStore.open(uri, str(tmp_path / "stage"), rank=0, local_rank=0, retry_s=30)
+    mgr = CheckpointManager(store, keep_last=1, rank=0, world_size=1, asynchronous=True)
+    step(engine)
+    first = mgr.save(engine, 1, {"loader": {}}, {"name": "x"}, ds)
+    mgr.finish()
+    step(engine)
+    tag = mgr.save(engine, 2, {"loader": {}}, {"name": "x"}, ds)
+    while mgr.writes_busy():  # what the trainer's all-reduce agrees on
+        time.sleep(0.05)
+    outage_s3.stop()
+    try:
+        assert mgr.finish(agreed=True) == tag
+        assert mgr.pending is None and mgr.deferred
+        assert store.busy()  # the completion is queued: the store does not answer
+    finally:
+        outage_s3.start()
+    assert mgr.finish() is None and not mgr.deferred  # waits for the completion
+    assert mgr.latest() == tag and mgr.complete_tags() == [tag]  # keep_last=1 pruned
+    assert first not in [name for name, _ in store.list_dir("checkpoints")]
