@@ -30,6 +30,7 @@ import asyncio
 import logging
 import os
 import shlex
+import subprocess
 import sys
 import time
 import uuid
@@ -95,11 +96,30 @@ def configure_auth() -> str:
     return f"auth: token from {found}"
 
 
+def git_ignored(root: Path) -> list[str]:
+    """What git ignores in the checkout at ``root`` (.gitignore, .git/info/exclude, the
+    global excludes), as anchored patterns: folders collapsed (``/mlruns/``). Ray's upload
+    reads .gitignore files only, so a run's output named in .git/info/exclude (or a stray
+    folder a tool left) would otherwise travel too, past Ray's 100 MiB limit on a package.
+    [] where ``root`` is no git checkout or git is missing."""
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(root), "ls-files", "--others", "--ignored", "--exclude-standard",
+             "--directory", "-z"],
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if out.returncode != 0:
+        return []
+    return ["/" + p for p in out.stdout.decode(errors="replace").split("\0") if p]
+
+
 def build_runtime_env(installed: bool, env_vars: dict[str, str] | None = None) -> dict:
     env: dict = {"env_vars": {"PYTHONUNBUFFERED": "1", **(env_vars or {})}}
     if not installed:
         env["working_dir"] = str(REPO_ROOT)
-        env["excludes"] = EXCLUDES
+        env["excludes"] = [*EXCLUDES, *(x for x in git_ignored(REPO_ROOT) if x not in EXCLUDES)]
     return env
 
 

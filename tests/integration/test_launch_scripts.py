@@ -96,6 +96,23 @@ def test_ray_submit_entrypoints():
         ray_submit.parse_args(["--address", "http://h:8265", "--env", "NOEQUALS", "--", "x"])
 
 
+def test_ray_submit_leaves_out_what_git_ignores(tmp_path):
+    """A folder git ignores through .git/info/exclude (Ray reads .gitignore only) is not
+    shipped in the working_dir; tracked code is."""
+    import subprocess
+
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "pipeline").mkdir()
+    (tmp_path / "pipeline" / "x.py").write_text("")
+    (tmp_path / "Stray" / "deep").mkdir(parents=True)
+    (tmp_path / "Stray" / "deep" / "big.bin").write_bytes(b"x")
+    (tmp_path / ".git" / "info" / "exclude").write_text("/Stray/\n")
+    assert ray_submit.git_ignored(tmp_path) == ["/Stray/"]
+    assert ray_submit.git_ignored(tmp_path / "pipeline" / "nowhere") == []
+    env = ray_submit.build_runtime_env(False)
+    assert set(ray_submit.EXCLUDES) <= set(env["excludes"])
+
+
 def test_data_dry_runs_validate_and_start_nothing(tiny_data, tmp_path, capsys):
     from pipeline.cli import main
 
