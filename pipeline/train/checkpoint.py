@@ -608,9 +608,8 @@ class CheckpointManager:
         so no rank waits; otherwise a collective: each rank waits for its writes."""
         if self.pending is None:
             if self.deferred and not agreed:  # what reads the store next sees it complete
-                if self.rank == 0:
-                    with uploads_as_checkpoint_errors():
-                        self.store.wait()
+                with uploads_as_checkpoint_errors():
+                    self.store.wait()
                 dist.barrier()
                 self.deferred = False
             return None
@@ -622,8 +621,9 @@ class CheckpointManager:
         if not agreed:
             dist.barrier()
         # At a step boundary (agreed) on a store, rank 0's requests to it (COMPLETE,
-        # latest, the listings and deletes of pruning) go to its upload thread: a step
-        # does not wait for their round trips (bench/bench_out_store.py).
+        # latest, the listings and deletes of pruning) go to its upload thread, and so
+        # does unlinking the staged copy of the checkpoint before: a step does not wait
+        # for them (bench/bench_out_store.py).
         self.deferred = agreed and self.store.defers
         if self.rank == 0:
             if self.deferred:
@@ -633,7 +633,12 @@ class CheckpointManager:
         if not agreed:
             dist.barrier()
         self.pending = None
-        self.store.drop_staging(CHECKPOINTS, keep={tag})  # a node keeps the last one staged
+        # A node keeps the last one staged; the others' files are unlinked off the step too.
+        drop = lambda: self.store.drop_staging(CHECKPOINTS, keep={tag})  # noqa: E731
+        if self.deferred:
+            self.store.later(drop)
+        else:
+            drop()
         return tag
 
     def _complete(self, tag: str, meta: dict[str, Any]) -> None:
