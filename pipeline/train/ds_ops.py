@@ -148,12 +148,17 @@ class Op:
     what: str  # for the plm: lines
     minutes: str  # how long a first build takes (the announcement)
     cpu_only: bool  # only the CPU accelerator has (and uses) it
+    needs: tuple[str, ...] = ()  # other extensions its builder builds and loads first
 
 
 SHM = Op("ShareMemCommBuilder", "deepspeed_shm_comm",
          "DeepSpeed's CPU shared-memory all-reduce op", "1-8", cpu_only=True)  # fmt: skip
 CPU_ADAM = Op("CPUAdamBuilder", "cpu_adam", "DeepSpeed's CPU Adam op", "2-5", cpu_only=False)
-OPS = (CPU_ADAM, SHM)
+# ZeRO-Infinity's swapper (offload to nvme); its builder loads pin_memory (page-locked
+# buffers) first. Needs libaio's headers and library (Debian: libaio-dev).
+AIO = Op("AsyncIOBuilder", "async_io", "DeepSpeed's async I/O op (libaio)", "3-15",
+         cpu_only=False, needs=("pin_memory",))  # fmt: skip
+OPS = (CPU_ADAM, SHM, AIO)
 
 
 class OpUnavailable(Exception):
@@ -202,8 +207,11 @@ def _installed(op: Op) -> bool:
 
 
 def is_built(op: Op = SHM) -> bool:
-    """Loadable without compiling: installed with DeepSpeed, or in the extension cache."""
-    return _installed(op) or _library(op).is_file()
+    """Loadable without compiling: installed with DeepSpeed, or in the extension cache
+    (with the extensions it needs)."""
+    if _installed(op):
+        return True
+    return all((extensions_dir() / n / f"{n}.so").is_file() for n in (op.name, *op.needs))
 
 
 def _say(msg: str, announce: bool) -> None:
@@ -217,6 +225,8 @@ def _load(op: Op, builder, announce: bool, verbose: bool = False) -> float:
     build or load failed. Once loaded, DeepSpeed's own ``load()`` of the op returns it."""
     cached = is_built(op)
     missing = [] if cached else missing_build_tools()
+    if op is AIO and not cached and not missing and not builder.is_compatible():
+        missing = ["libaio's headers and library (e.g. apt-get install libaio-dev)"]
     if missing:
         raise OpUnavailable(f"missing {'; '.join(missing)}")
     if not cached:
@@ -299,13 +309,99 @@ def prepare_cpu_adam(announce: bool) -> None:
         raise _cpu_adam_unavailable(err) from None
 
 
-def plan_lines(offload: bool, cpu_shm_allreduce: bool, world_size: int) -> list[str]:
+# --- ZeRO-Infinity: offload to the host's local disk ("nvme") ---------------------------------
+
+NVME_ENV = "PLM_NVME_PATH"  # what ${PLM_NVME_PATH} in a config's nvme_path becomes
+NVME_DEFAULT = "/mnt/local/plm-nvme"  # when the variable is unset: the rig hosts' local disk
+_NVME_SECTIONS = ("offload_param", "offload_optimizer")
+
+
+def nvme_sections(ds: dict) -> list[tuple[str, dict]]:
+    """The ``zero_optimization`` offload sections of ``ds`` that swap to a disk."""
+    zero = ds.get("zero_optimization", {})
+    return [(k, zero[k]) for k in _NVME_SECTIONS
+            if isinstance(zero.get(k), dict) and zero[k].get("device") == "nvme"]  # fmt: skip
+
+
+def resolve_nvme_paths(ds: dict, source: str) -> None:
+    """In place: each nvme section's ``nvme_path`` with ``${PLM_NVME_PATH}`` (or any other
+    ``$VAR``) replaced from the environment, ``${PLM_NVME_PATH}`` by /mnt/local/plm-nvme
+    when unset. ConfigError: no nvme_path, or a variable that is not set."""
+    for key, section in nvme_sections(ds):
+        raw = section.get("nvme_path")
+        if not raw:
+            raise ConfigError(
+                f"{source}: zero_optimization.{key}.device is nvme but it has no nvme_path; "
+                f'set it to a folder on the host\'s local disk (e.g. "${{{NVME_ENV}}}")'
+            )
+        text = str(raw).replace(f"${{{NVME_ENV}}}", os.environ.get(NVME_ENV, NVME_DEFAULT))
+        path = os.path.expanduser(os.path.expandvars(text))
+        if "$" in path:
+            raise ConfigError(
+                f"{source}: zero_optimization.{key}.nvme_path {raw!r} names an environment "
+                f"variable that is not set here; set it or write the folder itself"
+            )
+        section["nvme_path"] = path
+
+
+def _nvme_folder(ds: dict) -> None:
+    """Each nvme_path exists (created) and this process may write there, with O_DIRECT
+    (DeepSpeed's swapper opens its files so; some filesystems refuse it)."""
+    for key, section in nvme_sections(ds):
+        path = Path(section["nvme_path"])
+        what = f"zero_optimization.{key}.nvme_path={path}"
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            probe = path / f".plm-odirect-{os.getpid()}"
+            fd = os.open(probe, os.O_CREAT | os.O_WRONLY | getattr(os, "O_DIRECT", 0), 0o600)
+            os.close(fd)
+            probe.unlink()
+        except OSError as err:
+            raise ConfigError(
+                f"{what}: cannot write swap files there ({err.strerror or err}); point "
+                f"{NVME_ENV} (or nvme_path) at a writable folder on the host's local disk "
+                "(DeepSpeed opens its swap files with O_DIRECT)",
+                machine_wide=True,
+            ) from None
+
+
+def _aio_unavailable(reason: OpUnavailable | str) -> ConfigError:
+    return ConfigError(
+        f"{AIO.what} ({AIO.name}, what ZeRO-Infinity swaps with: device nvme in "
+        f"zero_optimization.offload_param/offload_optimizer) cannot be built here: {reason}. "
+        "Fix that and run `plm setup` (or the run again), or offload to memory instead "
+        "(deepspeed=configs/deepspeed/zero3-offload.json)",
+        machine_wide=True,
+    )
+
+
+def prepare_aio(ds: dict, announce: bool) -> None:
+    """Before ``deepspeed.zero.Init`` / ``deepspeed.initialize`` of a config that offloads
+    to a disk: its folders usable, and DeepSpeed's async I/O op built (the first time,
+    announced) and loaded, so DeepSpeed's swapper finds it loaded instead of compiling it
+    without a word. ConfigError when either is not so (there is no fallback)."""
+    if not nvme_sections(ds):
+        return
+    _nvme_folder(ds)
+    builder = _builder(AIO)
+    if builder is None:
+        return
+    try:
+        _load(AIO, builder, announce)
+    except OpUnavailable as err:
+        raise _aio_unavailable(err) from None
+
+
+def plan_lines(offload: bool, cpu_shm_allreduce: bool, world_size: int,
+               nvme: bool = False) -> list[str]:  # fmt: skip
     """``--dry-run``: the C++ ops the run would load, and whether it would build them
     (ConfigError where it could not: the run would stop there)."""
     lines = []
     wanted = []
     if offload:
         wanted.append(CPU_ADAM)
+    if nvme:
+        wanted.append(AIO)
     if cpu_shm_allreduce and world_size > 1:
         wanted.append(SHM)
     for op in wanted:
@@ -315,8 +411,12 @@ def plan_lines(offload: bool, cpu_shm_allreduce: bool, world_size: int) -> list[
             lines.append(f"{op.name}: cached ({_where(op)})")
             continue
         missing = missing_build_tools()
+        if op is AIO and not missing and not _builder(op).is_compatible():
+            missing = ["libaio's headers and library (e.g. apt-get install libaio-dev)"]
         if missing and op is CPU_ADAM:
             raise _cpu_adam_unavailable(f"missing {'; '.join(missing)}")
+        if missing and op is AIO:
+            raise _aio_unavailable(f"missing {'; '.join(missing)}")
         if missing:
             lines.append(f"{op.name}: cannot be built here (missing {'; '.join(missing)}); "
                          "the run goes on with plain gloo all-reduces")  # fmt: skip
@@ -331,9 +431,10 @@ def _where(op: Op) -> str:
 
 
 def setup(verbose: bool = False) -> int:
-    """``plm setup``: build the C++ ops plm may JIT-compile (DeepSpeed's CPU Adam and, on
-    the CPU accelerator, its shared-memory all-reduce) into this venv's cache now (at
-    install or image build time), so no run compiles; exit 0 when all are built."""
+    """``plm setup``: build the C++ ops plm may JIT-compile (DeepSpeed's CPU Adam, its
+    async I/O op where libaio is installed and, on the CPU accelerator, its shared-memory
+    all-reduce) into this venv's cache now (at install or image build time), so no run
+    compiles; exit 0 when all are built (the async I/O op: or skipped, said so)."""
     configure_environment()
     where = extensions_dir()
     if where != default_extensions_dir() and "TORCH_EXTENSIONS_DIR" in os.environ:
@@ -349,6 +450,12 @@ def setup(verbose: bool = False) -> int:
         return 2
     for op, builder in ops:
         already = is_built(op)
+        if op is AIO and not already and not builder.is_compatible():
+            # Only configs that offload to a disk need it: the others are built.
+            print(f"plm setup: {op.what} ({op.name}) skipped: libaio's headers and library "
+                  "are not installed (e.g. apt-get install libaio-dev); only ZeRO-Infinity "
+                  "(offload to nvme) needs it")  # fmt: skip
+            continue
         try:
             seconds = _load(op, builder, announce=not verbose, verbose=verbose)
         except OpUnavailable as err:

@@ -187,6 +187,7 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         # the whole step of the plain loop (BENCHMARKS.md, GPU bench).
         ds["bf16"] = {"enabled": False}
         ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    ds_ops.resolve_nvme_paths(ds, source)  # ${PLM_NVME_PATH} (configs/deepspeed/zero3-nvme.json)
     validate_ds_config(ds, source)
     return ds
 
@@ -319,8 +320,10 @@ def prepare_ops(ds_config: dict[str, Any]) -> None:
                 f"train.precision={precision}: the {accelerator.device_name()} accelerator "
                 f"here does not support {precision}; use train.precision=bf16 or fp32"
             )
+    announce = int(os.environ.get("LOCAL_RANK", "0")) == 0
     if offloads_optimizer(ds_config):
-        ds_ops.prepare_cpu_adam(announce=int(os.environ.get("LOCAL_RANK", "0")) == 0)
+        ds_ops.prepare_cpu_adam(announce=announce)
+    ds_ops.prepare_aio(ds_config, announce=announce)  # offload to a disk: its folder, the op
 
 
 def partitioned_build(ds_config: dict[str, Any]) -> contextlib.AbstractContextManager:
@@ -331,6 +334,8 @@ def partitioned_build(ds_config: dict[str, Any]) -> contextlib.AbstractContextMa
     nothing to do."""
     if zero_stage(ds_config) != 3:
         return contextlib.nullcontext()
+    # Parameters swapped to a disk are swapped from here on: its folder, DeepSpeed's op.
+    ds_ops.prepare_aio(ds_config, announce=int(os.environ.get("LOCAL_RANK", "0")) == 0)
     import deepspeed
 
     return deepspeed.zero.Init(config_dict_or_path=ds_config)

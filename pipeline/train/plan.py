@@ -279,7 +279,9 @@ def print_plan(cfg: ExperimentConfig) -> int:
     ds = ds_engine.build_ds_config(cfg, world)
     check_resumable(cfg, ckpt, data.manifest.get("tokenizer", {}))
     stage, offload = ds_engine.zero_stage(ds), ds_engine.offloads_optimizer(ds)
-    ops = ds_ops.plan_lines(offload, cfg.train.cpu_shm_allreduce, world)
+    ops = ds_ops.plan_lines(
+        offload, cfg.train.cpu_shm_allreduce, world, nvme=bool(ds_ops.nvme_sections(ds))
+    )
     t = cfg.train
     global_batch = t.micro_batch_size * t.grad_accum * world
     tokens = global_batch * cfg.data.seq_len * t.max_steps
