@@ -215,7 +215,7 @@ def _neighbors(args: argparse.Namespace) -> int:
 def _setup(args: argparse.Namespace) -> int:
     from pipeline.train.ds_ops import setup
 
-    return setup(verbose=args.verbose > 0)
+    return setup(verbose=args.verbose > 0, nvme=args.nvme)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -373,6 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
         "setup",
         help="build DeepSpeed's CPU ops into this venv now (install / image build time), "
         "so no run compiles",
+    )
+    setup.add_argument(
+        "--nvme",
+        action="store_true",
+        help="also DeepSpeed's async I/O op, for offload to a local disk "
+        "(configs/deepspeed/zero3-nvme.json; needs libaio-dev)",
     )
     setup.set_defaults(func=_setup)
 

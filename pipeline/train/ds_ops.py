@@ -430,11 +430,12 @@ def _where(op: Op) -> str:
     return "installed with DeepSpeed" if _installed(op) else str(_library(op))
 
 
-def setup(verbose: bool = False) -> int:
-    """``plm setup``: build the C++ ops plm may JIT-compile (DeepSpeed's CPU Adam, its
-    async I/O op where libaio is installed and, on the CPU accelerator, its shared-memory
-    all-reduce) into this venv's cache now (at install or image build time), so no run
-    compiles; exit 0 when all are built (the async I/O op: or skipped, said so)."""
+def setup(verbose: bool = False, nvme: bool = False) -> int:
+    """``plm setup``: build the C++ ops plm may JIT-compile (DeepSpeed's CPU Adam and, on
+    the CPU accelerator, its shared-memory all-reduce; with ``nvme``, ``plm setup --nvme``,
+    its async I/O op too) into this venv's cache now (at install or image build time), so
+    no run compiles; exit 0 when all are built. Without ``nvme`` a missing async I/O op
+    is named, not built (23 min on the 2-core VM; only offload to a disk needs it)."""
     configure_environment()
     where = extensions_dir()
     if where != default_extensions_dir() and "TORCH_EXTENSIONS_DIR" in os.environ:
@@ -442,6 +443,11 @@ def setup(verbose: bool = False) -> int:
     else:
         print(f"plm setup: extension cache {where} (this venv's)")
     ops = [(op, b) for op in OPS if (b := _builder(op)) is not None]
+    if not nvme:
+        ops = [(op, b) for op, b in ops if op is not AIO]
+        if not is_built(AIO):
+            print(f"plm setup: {AIO.what} ({AIO.name}) not built: only offload to a local "
+                  "disk (zero3-nvme.json) needs it; `plm setup --nvme` builds it")  # fmt: skip
     todo = [op.name for op, _ in ops if not is_built(op)]
     missing = missing_build_tools() if todo else []
     if missing:  # one line for all of them
@@ -451,11 +457,9 @@ def setup(verbose: bool = False) -> int:
     for op, builder in ops:
         already = is_built(op)
         if op is AIO and not already and not builder.is_compatible():
-            # Only configs that offload to a disk need it: the others are built.
-            print(f"plm setup: {op.what} ({op.name}) skipped: libaio's headers and library "
-                  "are not installed (e.g. apt-get install libaio-dev); only ZeRO-Infinity "
-                  "(offload to nvme) needs it")  # fmt: skip
-            continue
+            print(f"plm: setup: {op.what} ({op.name}): libaio's headers and library are "
+                  "not installed (e.g. apt-get install libaio-dev)", file=sys.stderr)  # fmt: skip
+            return 2
         try:
             seconds = _load(op, builder, announce=not verbose, verbose=verbose)
         except OpUnavailable as err:
