@@ -34,7 +34,8 @@ completion left to the store's upload thread is waited for by the next ``save()`
 
 --rounds N runs local then s3 N times, each a fresh process (so both see the machine's
 load in turn); the S3 server's CPU seconds during each s3 run are recorded (on a 2-core
-machine the server, which a real deployment runs elsewhere, competes with training).
+machine the server, which a real deployment runs elsewhere, competes with training;
+--server-nice 19 lets it yield the CPU to training).
 Prints one table and the ratios (goal: blocked s3 / local <= 1.1; wire / rank's files
 <= 1.05); --json writes everything.
 """
@@ -231,6 +232,9 @@ def main() -> int:
         default=2,
         help="local then s3, this many times (each a fresh process)",
     )
+    ap.add_argument("--server-nice", type=int, default=0,
+                    help="the S3 server's nice value (19: it yields the CPU to training, "
+                    "as a server elsewhere would)")  # fmt: skip
     ap.add_argument("--mode", choices=["local", "s3"], help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -246,7 +250,8 @@ def main() -> int:
     port = _free_port()
     moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True,
+                            preexec_fn=lambda: os.nice(args.server_nice))  # fmt: skip
     try:
         for _ in range(600):
             try:
