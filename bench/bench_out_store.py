@@ -247,6 +247,7 @@ def main() -> int:
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-out-store-data-"))
     args.data_dir = args.data_dir or str(prepare_data(work, "wordpiece", args))
     tmp = Path(tempfile.mkdtemp(prefix="bench-out-store-", dir="/var/tmp"))
+    args.tmp = str(tmp)  # the resume's staging folder (it was None/ in the working dir)
     port = _free_port()
     moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
