@@ -1,13 +1,12 @@
 """ZeRO-Infinity (configs/deepspeed/zero3-nvme.json) on the CPU accelerator, with the real
 DeepSpeed: the swap folder comes from PLM_NVME_PATH; a folder that cannot be written is
-one `plm:` line and exit 2; and the tiny BERT trains with its parameters and optimizer
-state swapped to files through DeepSpeed's async I/O op (libaio), with the losses of
-plain ZeRO-3. The memory cap it is for is measured by bench/bench_nvme_offload.py."""
+one `plm:` line and exit 2. Training with the state swapped to files through DeepSpeed's
+async I/O op (libaio), and the memory cap it is for, are in bench/bench_nvme_offload.py:
+the op's first build takes 3-23 minutes here, more than the suite can spend."""
 
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -76,34 +75,3 @@ def test_an_unwritable_swap_folder_is_one_plm_line(tiny_data, tmp_path):
         "cannot write swap files there"
     ), lines[0]
     assert "PLM_NVME_PATH" in lines[0]
-
-
-def losses(run: Path) -> dict[int, float]:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["step_loss"] for r in rows if "step_loss" in r}
-
-
-@pytest.mark.slow
-def test_zero_infinity_trains_with_its_state_in_swap_files(tiny_data, tmp_path):
-    """2 steps of a 1-layer bert-base (its tensors of 1 MiB and more are what DeepSpeed
-    swaps) with the parameters and the optimizer state on the disk: it trains, step 1's
-    loss is plain ZeRO-3's (the forward through swapped-in parameters), the swap files
-    are on the disk (the parameters' fp32 partitions, Adam's state) and the checkpoint
-    holds the swapped optimizer state (``offloaded_tensors``). Step 2 differs from plain
-    ZeRO-3 by about 2e-3 relative: DeepSpeed's optimizer swapping (docs/training.md)."""
-    swap = tmp_path / "swap"
-    model = ("model.preset=bert-base", "model.num_layers=1")
-    run = nvme_train(tiny_data, tmp_path, "nvme", swap, NVME, *model)
-    assert "Traceback" not in run.stderr
-    files = [p for p in swap.rglob("*.swp") if p.is_file()]
-    assert any("float32params" in p.parts for p in files), sorted(map(str, files))[:20]
-    assert any("optimizer" in p.parts for p in files), sorted(map(str, files))[:20]
-    ckpt = tmp_path / "nvme" / "checkpoints" / "step00000002" / "offloaded_tensors"
-    assert [p for p in ckpt.rglob("*") if p.is_file()]
-    plain = nvme_train(tiny_data, tmp_path, "plain", swap, "deepspeed=configs/deepspeed/zero3.json",
-                       *model)  # fmt: skip
-    assert "Traceback" not in plain.stderr
-    a, b = losses(tmp_path / "nvme"), losses(tmp_path / "plain")
-    assert sorted(a) == [1, 2] and sorted(b) == [1, 2]
-    assert abs(a[1] - b[1]) <= 1e-6 * abs(b[1]), (a, b)
-    assert all(math.isfinite(x) for x in a.values())
