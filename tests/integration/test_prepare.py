@@ -553,7 +553,8 @@ def test_duplicates_found_after_the_write_are_dropped_from_its_parts(
 
 def test_an_unusable_output_uri_is_refused_before_ray(corpus, tokenizer_dir, monkeypatch):
     monkeypatch.setattr(job, "init_ray", _ray_must_not_start)
-    with pytest.raises(PrepareError, match=r"output nosuch://bucket/data: not a usable"):
+    # a StoreError (the store's check, before any work), a ConfigError as PrepareError is
+    with pytest.raises(ConfigError, match=r"--output=nosuch://bucket/data: not a usable"):
         run_prepare(config([corpus], tokenizer_dir, "nosuch://bucket/data"))
 
 
