@@ -69,6 +69,34 @@ _WAIT_S = 0.005  # poll interval while another process fetches a block
 # --- a store's faults, told before any work ---------------------------------------------------
 
 
+class Counters:
+    """Named integer counters that threads add to (``add(name=delta)``) and a caller reads
+    (``snapshot()``). A pickled or forked copy starts again at zero: the counts are the
+    process's own."""
+
+    def __init__(self, *names: str) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(names, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, delta in deltas.items():
+                self._values[name] += delta
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+    def zeroed(self) -> Counters:
+        return Counters(*self._values)
+
+    def __getstate__(self) -> tuple[str, ...]:
+        return tuple(self._values)
+
+    def __setstate__(self, names: tuple[str, ...]) -> None:
+        self.__init__(*names)
+
+
 class StoreError(ConfigError):
     """A URI's store cannot be used: bucket not found, access denied, cannot connect."""
 
@@ -345,10 +373,8 @@ class RemoteStore:
         self.blocks = BlockCache(root / "blocks", cache.max_bytes)
         self.prefetch_blocks = cache.prefetch_blocks
         self.indexes: dict[str, np.ndarray] = {}  # per shard, for readahead (``set_rows``)
-        self._counts = dict.fromkeys(
-            ("fetched_bytes", "blocks_fetched", "meta_bytes", "meta_fetches", "cache_hits",
-             "read_bytes", "blocks_read", "prefetched"), 0,
-        )  # fmt: skip
+        self._counts = Counters("fetched_bytes", "blocks_fetched", "meta_bytes", "meta_fetches",
+                                "cache_hits", "read_bytes", "blocks_read", "prefetched")  # fmt: skip
         self._fresh()
 
     # --- process-local state: rebuilt after a fork or an unpickle ------------------------
@@ -366,9 +392,7 @@ class RemoteStore:
         self._seen: set[tuple[str, int]] = set()
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_counts"}
-        state["_counts"] = dict.fromkeys(self._counts, 0)
-        return state
+        return {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k == "_counts"}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -377,16 +401,10 @@ class RemoteStore:
     def _check_fork(self) -> None:
         if self._pid != os.getpid():  # a forked loader worker: the parent's threads are gone
             self._fresh()
-            self._counts = dict.fromkeys(self._counts, 0)
-
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                self._counts[k] += v
+            self._counts = self._counts.zeroed()
 
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
+        return self._counts.snapshot()
 
     def where(self, name: str = "") -> str:
         return f"{self.uri}/{name}" if name else self.uri
@@ -429,7 +447,7 @@ class RemoteStore:
             raise self._missing(name, missing) from None
         except OSError as err:
             raise self._unreachable(err) from None
-        self._count(meta_bytes=len(data), meta_fetches=1)
+        self._counts.add(meta_bytes=len(data), meta_fetches=1)
         return data
 
     def manifest_bytes(self) -> bytes:
@@ -470,7 +488,7 @@ class RemoteStore:
             with self.fs.open_input_stream(self._path(name)) as f:
                 while chunk := f.read(1 << 22):
                     h.update(chunk)
-                    self._count(meta_bytes=len(chunk))
+                    self._counts.add(meta_bytes=len(chunk))
         except FileNotFoundError:
             raise self._missing(name, "re-run `plm data prepare`") from None
         except OSError as err:
@@ -533,7 +551,7 @@ class RemoteStore:
         def ends(row) -> np.ndarray:
             start, size = int(row[OFFSET] + row[DOCS_AT]), 4 * int(row[N_DOCS])
             data = f.read_at(size, start) if size else b""
-            self._count(meta_bytes=len(data), meta_fetches=1)
+            self._counts.add(meta_bytes=len(data), meta_fetches=1)
             return np.frombuffer(data, "<u4")
 
         try:
@@ -586,15 +604,14 @@ class RemoteStore:
             pending.result()  # a prefetch of it running here: wait (its errors: below)
         mm = self.blocks.open(key, row[SIZE]) if self.blocks.fits(row[SIZE]) else None
         if mm is not None:
-            self._count(cache_hits=1)
+            self._counts.add(cache_hits=1)
             out: tuple[Any, bool] = (mm, False)
         else:
             out = self._fetch(shard, b, row, key)
         with self._lock:
             if (shard, b) not in self._seen:
                 self._seen.add((shard, b))
-                self._counts["read_bytes"] += row[SIZE]
-                self._counts["blocks_read"] += 1
+                self._counts.add(read_bytes=row[SIZE], blocks_read=1)
             last, self._last[shard] = self._last.get(shard), b
         if not self._hinted and last == b - 1 and self.prefetch_blocks:
             self._readahead(shard, b, shard_sha256)
@@ -612,7 +629,7 @@ class RemoteStore:
             data = self._file(shard).read_at(row[SIZE], row[OFFSET])
         except OSError as err:
             raise self._unreachable(err) from None
-        self._count(fetched_bytes=len(data), blocks_fetched=1)
+        self._counts.add(fetched_bytes=len(data), blocks_fetched=1)
         if len(data) != row[SIZE]:
             raise ShardError(
                 f"{self.where(shard)}: block {b} at byte {row[OFFSET]} (+{row[SIZE]} bytes) "
@@ -637,7 +654,7 @@ class RemoteStore:
             if fd is None:  # another process fetches it
                 mm = self.blocks.wait(key, size)
                 if mm is not None:
-                    self._count(cache_hits=1)
+                    self._counts.add(cache_hits=1)
                     return mm, False
                 continue
             try:
@@ -700,7 +717,7 @@ class RemoteStore:
         except Exception:  # noqa: BLE001 - the reader meets the error when it needs the block
             return
         if fresh:
-            self._count(prefetched=1)
+            self._counts.add(prefetched=1)
         if isinstance(out, mmap.mmap):
             out.close()
 

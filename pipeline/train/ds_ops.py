@@ -49,6 +49,7 @@ import shutil
 import sys
 import sysconfig
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -300,13 +301,19 @@ def prepare_cpu_adam(announce: bool) -> None:
     """Before ``deepspeed.initialize`` of a config that offloads the optimizer: build (the
     first time, announced) and load DeepSpeed's CPU Adam op, so DeepSpeed finds it loaded.
     ConfigError when it cannot be built here (there is no fallback)."""
-    builder = _builder(CPU_ADAM)
+    _require(CPU_ADAM, _cpu_adam_unavailable, announce)
+
+
+def _require(op: Op, unavailable: Callable[[OpUnavailable], ConfigError], announce: bool) -> None:
+    """Build (the first time, announced) and load ``op``, which the run cannot go without:
+    ``unavailable(reason)`` is the ConfigError raised where it cannot be built here."""
+    builder = _builder(op)
     if builder is None:
         return
     try:
-        _load(CPU_ADAM, builder, announce)
+        _load(op, builder, announce)
     except OpUnavailable as err:
-        raise _cpu_adam_unavailable(err) from None
+        raise unavailable(err) from None
 
 
 # --- ZeRO-Infinity: offload to the host's local disk ("nvme") ---------------------------------
@@ -383,13 +390,7 @@ def prepare_aio(ds: dict, announce: bool) -> None:
     if not nvme_sections(ds):
         return
     _nvme_folder(ds)
-    builder = _builder(AIO)
-    if builder is None:
-        return
-    try:
-        _load(AIO, builder, announce)
-    except OpUnavailable as err:
-        raise _aio_unavailable(err) from None
+    _require(AIO, _aio_unavailable, announce)
 
 
 def plan_lines(offload: bool, cpu_shm_allreduce: bool, world_size: int,

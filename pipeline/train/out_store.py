@@ -45,6 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.config import ConfigError, is_uri, redact_uri
+from pipeline.data.remote import Counters
 
 UPLOAD_RETRY_S = 900.0  # train.upload_retry_s's default
 _FIRST_PAUSE_S, _MAX_PAUSE_S = 0.5, 30.0
@@ -283,11 +284,8 @@ class RemoteOut(OutStore):
         self._mirrored: list[str] = []
         self._jobs: queue.Queue = queue.Queue()
         self._error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._counts = dict.fromkeys(
-            ("uploaded_bytes", "uploaded_files", "fetched_bytes", "fetched_files",
-             "cached_files", "retries"), 0,
-        )  # fmt: skip
+        self._counts = Counters("uploaded_bytes", "uploaded_files", "fetched_bytes",
+                                "fetched_files", "cached_files", "retries")  # fmt: skip
         self._warned = 0.0
         self._thread = threading.Thread(target=self._run, name="out-store-upload", daemon=True)
         self._thread.start()
@@ -299,14 +297,8 @@ class RemoteOut(OutStore):
     def _path(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
 
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                self._counts[k] += v
-
     def stats(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._counts)
+        return self._counts.snapshot()
 
     # --- before any work -----------------------------------------------------------------------
     def check(self) -> None:
@@ -374,7 +366,7 @@ class RemoteOut(OutStore):
                         "still names the last checkpoint every rank uploaded: the same "
                         "command resumes from it"
                     ) from None
-                self._count(retries=1)
+                self._counts.add(retries=1)
                 if now - self._warned > 60:  # once a minute at most, on this rank
                     self._warned = now
                     print(
@@ -406,7 +398,7 @@ class RemoteOut(OutStore):
                 raise OSError(f"{rel}: the store holds {got} bytes, {size} were sent")
 
         self._retrying(f"uploading {src.name} to {self.where(rel)}", put)
-        self._count(uploaded_bytes=size, uploaded_files=1)
+        self._counts.add(uploaded_bytes=size, uploaded_files=1)
 
     def _put_bytes(self, rel: str, data: bytes) -> None:
         def put() -> None:
@@ -419,7 +411,7 @@ class RemoteOut(OutStore):
                     f.write(data)
 
         self._retrying(f"writing {self.where(rel)}", put)
-        self._count(uploaded_bytes=len(data), uploaded_files=1)
+        self._counts.add(uploaded_bytes=len(data), uploaded_files=1)
 
     def _run(self) -> None:
         with ThreadPoolExecutor(_PARALLEL, thread_name_prefix="out-store-put") as pool:
@@ -581,7 +573,7 @@ class RemoteOut(OutStore):
                 raise FileNotFoundError(f"{self.where(rel)} is missing")
             dst = self.local / rel
             if dst.is_file() and dst.stat().st_size == info.size:
-                self._count(cached_files=1)
+                self._counts.add(cached_files=1)
                 return None
 
             def get() -> None:
@@ -596,7 +588,7 @@ class RemoteOut(OutStore):
                     tmp.unlink(missing_ok=True)
 
             self._retrying(f"fetching {self.where(rel)}", get)
-            self._count(fetched_bytes=info.size, fetched_files=1)
+            self._counts.add(fetched_bytes=info.size, fetched_files=1)
             return rel, info.size
 
         with ThreadPoolExecutor(_PARALLEL) as pool:
