@@ -8,22 +8,18 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 import threading
 import time
 import urllib.request
 
 import pytest
-from s3_server import _free_port, _moto_command
+from s3_server import _free_port, start_moto
 
 
 def _start_moto(tmp_path, **env):
     port = _free_port()
     log = open(tmp_path / f"moto-{port}.log", "wb")  # noqa: SIM115
-    proc = subprocess.Popen(
-        _moto_command(port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        env={**os.environ, **env},
-    )  # fmt: skip
+    proc = start_moto(port, log, env={**os.environ, **env})
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -31,7 +27,9 @@ def _start_moto(tmp_path, **env):
             urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
             return proc, port
         except OSError:
-            assert proc.poll() is None and time.monotonic() < deadline, "moto did not start"
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise AssertionError("moto did not start") from None
             time.sleep(0.1)
 
 
@@ -103,8 +101,10 @@ def outage_s3_fixture(tmp_path, monkeypatch):
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": relay.endpoint}  # fmt: skip
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    boto3.client("s3", endpoint_url=relay.endpoint).create_bucket(Bucket="plm-own")
-    yield relay
-    relay.stop()
-    os.kill(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
+    try:
+        boto3.client("s3", endpoint_url=relay.endpoint).create_bucket(Bucket="plm-own")
+        yield relay
+    finally:
+        relay.stop()
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -44,6 +44,21 @@ def _moto_command(port: int) -> list[str]:
     return [exe, "-H", "127.0.0.1", "-p", str(port)]
 
 
+def _die_with_parent() -> None:
+    """In the server's process before exec: SIGTERM when the test process ends, however it
+    ends (a pytest killed by a timeout runs no teardown, and the server has a session of its
+    own)."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+
+
+def start_moto(port: int, log, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A moto server on 127.0.0.1:``port``, its output into the open file ``log``."""
+    return subprocess.Popen(_moto_command(port), stdout=log, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+
+
 @dataclass
 class S3:
     endpoint: str
@@ -87,9 +102,7 @@ def s3_server(tmp_path_factory):
     port = _free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            _moto_command(port), stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        proc = start_moto(port, out)
     endpoint = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
