@@ -52,31 +52,15 @@ RANK_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED":
 MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
-def experiment(model: str, data: Path) -> str:
-    arch = "gpt2" if model.startswith("gpt2") else "bert"
-    objective = "clm" if arch == "gpt2" else "mlm"
-    return f"""name: big-{model}
-model: {{arch: {arch}, preset: {model}, dropout: 0.0, attention_dropout: 0.0}}
-objective: {{kind: {objective}}}
-data: {{path: {data}, seq_len: 128, workers: 0}}
-train:
-  max_steps: 3
-  micro_batch_size: 1
-  grad_accum: 1
-  lr: 1.0e-4
-  warmup_steps: 0
-  schedule: linear
-  seed: 1234
-  precision: fp32
-  log_every: 1
-  eval_every: 0
-  save_every: 2
-  bundle_every: 0
-  keep_last: 2
-  bundle_shard_mb: 512
-deepspeed: configs/deepspeed/zero3.json
-mlflow: {{register: false}}
-"""
+def experiment(model: str, data: Path) -> list[str]:
+    """``plm train``'s config and overrides: the preset ``model`` at seq 128, 3 steps."""
+    gpt2 = model.startswith("gpt2")
+    return [str(REPO / "configs/test/bert-base-fp32.yaml"), f"name=big-{model}",
+            f"model.arch={'gpt2' if gpt2 else 'bert'}", f"model.preset={model}",
+            f"objective.kind={'clm' if gpt2 else 'mlm'}", f"data.path={data}",
+            "data.seq_len=128", "train.max_steps=3", "train.schedule=linear",
+            "train.save_every=2", "train.keep_last=2", "train.bundle_shard_mb=512",
+            "deepspeed=configs/deepspeed/zero3.json"]  # fmt: skip
 
 
 def make_data(work: Path) -> Path:
@@ -188,11 +172,9 @@ def main() -> int:
                      "cap": rigmod.parse_size(args.cap)}  # fmt: skip
     try:
         shared = rig.shared
-        cfg = shared / "big.yaml"
-        cfg.write_text(experiment(args.model, data))
         logs = shared / "logs"
         logs.mkdir()
-        plm_train = [sys.executable, "-m", "pipeline.cli", "train", str(cfg)]
+        plm_train = [sys.executable, "-m", "pipeline.cli", "train", *experiment(args.model, data)]
 
         def per_node(run_dir: Path, extra: list[str]):
             """One `plm train` per host, the torchrun-style environment saying who it is
@@ -237,9 +219,7 @@ def main() -> int:
     ref_dir = work / "reference"
     shutil.rmtree(ref_dir, ignore_errors=True)
     t0 = time.monotonic()
-    cfg_local = work / "big.yaml"
-    cfg_local.write_text(experiment(args.model, data))
-    ref = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", str(cfg_local),
+    ref = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", *experiment(args.model, data),
                           f"train.out_dir={ref_dir}", "train.grad_accum=2", "train.save_every=0",
                           f"mlflow.tracking_uri=sqlite:///{ref_dir}.db"],
                          env={**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)},
@@ -264,14 +244,13 @@ def lost_host(args, rigmod, work: Path, data: Path, total: int) -> dict:
     agents = {}
     try:
         shared = rig.shared
-        cfg = shared / "big.yaml"
-        cfg.write_text(experiment(args.model, data))
         run_dir = shared / "lost"
         logs = shared / "logs"
         logs.mkdir()
         cmd = [sys.executable, str(REPO / "launch" / "elastic_train.py"), "--nnodes", "2:3",
                "--nproc-per-node", "1", "--rdzv-endpoint", "node0:29400", "--last-call", "10",
-               "--skip-dry-run", str(cfg), f"train.out_dir={run_dir}", "train.max_steps=5",
+               "--skip-dry-run", *experiment(args.model, data), f"train.out_dir={run_dir}",
+               "train.max_steps=5",
                "train.save_every=2", "train.global_batch=6", "train.keep_last=5",
                "train.collective_timeout_s=60", f"mlflow.tracking_uri=sqlite:///{run_dir}.db"]  # fmt: skip
         env = {**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)}

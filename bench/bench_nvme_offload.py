@@ -44,25 +44,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from benchlib import add_common_args, load1, prepare_data  # noqa: E402
 
 CGROUP = Path("/sys/fs/cgroup/memory")
-EXPERIMENT = """name: bench-nvme
-model: {{arch: bert, preset: bert-base, dropout: 0.0, attention_dropout: 0.0}}
-objective: {{kind: mlm}}
-data: {{path: {data}, seq_len: {seq}, workers: 0}}
-train:
-  max_steps: {steps}
-  micro_batch_size: 1
-  grad_accum: 1
-  lr: 1.0e-4
-  warmup_steps: 0
-  seed: 1234
-  precision: fp32
-  log_every: 1
-  eval_every: 0
-  save_every: 0
-  bundle_every: 0
-  resume: never
-mlflow: {{register: false}}
-"""
+BIG = REPO / "configs/test/bert-base-fp32.yaml"
 RANK_ENV = {
     "DS_ACCELERATOR": "cpu",
     "OMP_NUM_THREADS": "1",
@@ -127,8 +109,9 @@ def one_run(args, work: Path, name: str, ds_json: Path, cap: int | None) -> dict
     nvme = work / "nvme" / name
     shutil.rmtree(nvme, ignore_errors=True)
     env = {**os.environ, **RANK_ENV, "PLM_NVME_PATH": str(nvme)}
-    argv = [sys.executable, "-m", "pipeline.cli", "train", str(work / "bench-nvme.yaml"),
-            f"deepspeed={ds_json}", f"train.out_dir={run_dir}",
+    argv = [sys.executable, "-m", "pipeline.cli", "train", str(BIG), "name=bench-nvme",
+            f"data.path={args.data}", f"data.seq_len={args.seq}", f"train.max_steps={args.steps}",
+            "train.resume=never", f"deepspeed={ds_json}", f"train.out_dir={run_dir}",
             f"mlflow.tracking_uri=sqlite:///{work}/mlflow.db"]  # fmt: skip
     group = MemoryGroup(f"plm-bench-nvme-{os.getpid()}-{name}", cap)
     try:
@@ -176,10 +159,7 @@ def main() -> int:
         raise SystemExit(f"needs the cgroup v1 memory controller writable at {CGROUP} (root)")
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="bench-nvme-", dir="/var/tmp"))
     work.mkdir(parents=True, exist_ok=True)
-    data = args.data_dir or str(prepare_data(work, "wordpiece", args))
-    (work / "bench-nvme.yaml").write_text(
-        EXPERIMENT.format(data=data, seq=args.seq, steps=args.steps)
-    )
+    args.data = args.data_dir or str(prepare_data(work, "wordpiece", args))
     nvme_json = json.loads((REPO / "configs/deepspeed/zero3-nvme.json").read_text())
     nvme_json["zero_optimization"]["offload_param"]["buffer_size"] = args.buffer_size
     (work / "zero3-nvme.json").write_text(json.dumps(nvme_json, indent=1))

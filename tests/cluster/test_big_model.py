@@ -36,43 +36,24 @@ RANK_ENV = {
     # glibc keeps freed heap memory otherwise: 27 B a parameter instead of 20 (the docs)
     "MALLOC_MMAP_THRESHOLD_": "65536",
 }
-EXPERIMENT = """name: big-test
-model: {{arch: bert, preset: bert-base, dropout: 0.0, attention_dropout: 0.0}}
-objective: {{kind: mlm}}
-data: {{path: {data}, seq_len: 64, workers: 0}}
-train:
-  max_steps: 2
-  micro_batch_size: 1
-  grad_accum: 1
-  lr: 1.0e-4
-  warmup_steps: 0
-  seed: 1234
-  precision: fp32
-  log_every: 1
-  eval_every: 0
-  save_every: 2
-  bundle_every: 0
-  bundle_shard_mb: 100
-deepspeed: {zero3}
-mlflow: {{register: false}}
-"""
+BIG = str(REPO / "configs/test/bert-base-fp32.yaml")
+EXPERIMENT = ["name=big-test", "train.save_every=2", "train.bundle_shard_mb=100"]
 
 
 @pytest.fixture(scope="module")
 def capped():
     """2 hosts of CAP each, no S3 server, no sshd (one process per host, env rendezvous);
-    the data dir, the experiment and a ZeRO-3 JSON with small buckets on the shared dir."""
+    the data dir and a ZeRO-3 JSON with small buckets on the shared dir."""
     name = f"z{os.getpid()}"
     made = small_rig(name, 2, s3=False, ssh=False, mem_per_host=CAP, shared=True)
     try:
         shared = made.shared
-        data = build_data_dir(shared)
+        build_data_dir(shared)  # shared/data
         zero3 = json.loads((REPO / "configs/deepspeed/zero3.json").read_text())
         zero3["zero_optimization"].update(
             reduce_bucket_size=5_000_000, stage3_prefetch_bucket_size=5_000_000
         )
         (shared / "zero3.json").write_text(json.dumps(zero3))
-        (shared / "big.yaml").write_text(EXPERIMENT.format(data=data, zero3=shared / "zero3.json"))
         yield made
     finally:
         rigmod.down(name)
@@ -81,7 +62,8 @@ def capped():
 def train(rig, hosts: list[str], run_dir, *overrides: str) -> list[subprocess.CompletedProcess]:
     """`plm train` once on each host (rank = its place in ``hosts``); if one fails, the
     others are stopped. Returns each host's process, output captured."""
-    argv = [sys.executable, "-m", "pipeline.cli", "train", str(rig.shared / "big.yaml"),
+    argv = [sys.executable, "-m", "pipeline.cli", "train", BIG, *EXPERIMENT,
+            f"data.path={rig.shared / 'data'}", f"deepspeed={rig.shared / 'zero3.json'}",
             f"train.out_dir={run_dir}", f"mlflow.tracking_uri=sqlite:///{run_dir}.db",
             *overrides]  # fmt: skip
     procs = []
