@@ -32,6 +32,34 @@ def on(rig: rigmod.Rig, host: str, argv: list[str], *, env: dict | None = None,
     return proc
 
 
+def s3_fs(rig: rigmod.Rig):
+    """The rig's S3 server, as the laptop reaches it (pyarrow's S3 filesystem)."""
+    import pyarrow.fs as pafs
+
+    return pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
+                             secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
+
+
+MLFLOW_PORT = 5000
+
+
+def start_mlflow(rig: rigmod.Rig, db: str, artifacts: str, log: str) -> tuple[str, str]:
+    """`mlflow server` on node0, as docs/cluster.md starts it: its sqlite store ``db`` on
+    node0's own disk, artifacts proxied to ``artifacts`` (an s3:// URI), no job workers,
+    output appended to ``log`` (a path on the laptop). Its URL by name and by address."""
+    node0 = rig.hosts[0]
+    out = open(log, "ab")  # noqa: SIM115  (the server's, for as long as it runs)
+    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    rig.popen("node0", [
+        tool("mlflow"), "server", "--host", node0.address, "--port", str(MLFLOW_PORT),
+        "--allowed-hosts", f"{node0.address}:{MLFLOW_PORT},node0:{MLFLOW_PORT}",
+        "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", artifacts,
+        "--workers", "1",
+    ], env=env, cwd="/", stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+    wait_port(node0.address, MLFLOW_PORT)
+    return f"http://node0:{MLFLOW_PORT}", f"http://{node0.address}:{MLFLOW_PORT}"
+
+
 def wait_port(address: str, port: int, timeout: float = 120) -> None:
     import socket
 

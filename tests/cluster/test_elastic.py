@@ -32,7 +32,7 @@ import time
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO, on, small_rig, tool, wait_port
+from cluster_util import MLFLOW_PORT, REPO, on, s3_fs, small_rig, start_mlflow
 from conftest import build_data_dir
 
 from pipeline import rig as rigmod
@@ -52,12 +52,6 @@ ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 DETECT_S = 20  # train.collective_timeout_s: a silent host is noticed within it
 BUCKET = rigmod.S3_BUCKET
 RUN = "elastic/run"  # the run's prefix in the bucket
-MLFLOW_PORT = 5000
-
-
-def s3_fs(rig) -> pafs.S3FileSystem:
-    return pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
-                             secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
 
 
 def parse(text: str) -> list[dict]:
@@ -94,19 +88,11 @@ def training_pids(rig, host: str) -> list[int]:
     return found
 
 
-def start_mlflow(rig) -> None:
-    """`mlflow server` on node0: its database on node0's disk (/mnt/local/mlflow), kept
-    through the whole-cluster loss; artifacts on S3."""
-    node0 = rig.hosts[0]
-    log = open(f"{rig.root}/hosts/node0/local/mlflow/server.log", "ab")  # noqa: SIM115
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    rig.popen("node0", [
-        tool("mlflow"), "server", "--host", node0.address, "--port", str(MLFLOW_PORT),
-        "--allowed-hosts", f"{node0.address}:{MLFLOW_PORT},node0:{MLFLOW_PORT}",
-        "--backend-store-uri", "sqlite:////mnt/local/mlflow/mlflow.db",
-        "--artifacts-destination", f"s3://{BUCKET}/elastic/mlflow", "--workers", "1",
-    ], env=env, cwd="/", stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    wait_port(node0.address, MLFLOW_PORT)
+def mlflow_on_node0(rig) -> None:
+    """Its database on node0's disk (/mnt/local/mlflow), kept through the whole-cluster
+    loss; artifacts on S3."""
+    start_mlflow(rig, "/mnt/local/mlflow/mlflow.db", f"s3://{BUCKET}/elastic/mlflow",
+                 f"{rig.root}/hosts/node0/local/mlflow/server.log")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +110,7 @@ def scenario(rig, base) -> dict:
     data = build_data_dir(base)  # on the laptop, then on the bucket
     pafs.copy_files(str(data), f"{BUCKET}/elastic/data", destination_filesystem=s3_fs(rig))
     on(rig, "node0", ["mkdir", "/mnt/local/mlflow"])
-    start_mlflow(rig)
+    mlflow_on_node0(rig)
     seed = int.from_bytes(os.urandom(2), "big")
     kill_at = random.Random(seed).randint(8, 24)
     print(f"elastic scenario: seed {seed}, node2 killed at step {kill_at}")
@@ -206,7 +192,7 @@ def scenario(rig, base) -> dict:
         for h in rig.hosts:  # new hosts with empty disks; the tracking database kept
             rig.wipe(h.name, keep=("mlflow",))
         events["empty"] = {h: on(rig, h, ["ls", "-A", "/tmp"]).stdout.split() for h in needed}
-        start_mlflow(rig)
+        mlflow_on_node0(rig)
         for host in needed:
             logs[host] = open(agents[host][1]).read()
             start(host, attempt=2)

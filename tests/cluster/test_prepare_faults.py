@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO, assert_same_shards, on, tool
+from cluster_util import REPO, assert_same_shards, on, s3_fs, tool
 from conftest import synthetic_corpus
 
 from pipeline import rig as rigmod
@@ -164,11 +164,6 @@ def ray_cluster(rig, tmp_path_factory):
 
 def corpus_texts() -> dict[str, str]:
     return {"a.txt": synthetic_corpus(300, seed=11), "b.txt": synthetic_corpus(200, seed=12)}
-
-
-def s3_fs(rig: rigmod.Rig) -> pafs.S3FileSystem:
-    return pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
-                             secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
 
 
 @pytest.fixture(scope="module")

@@ -33,7 +33,17 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO, assert_same_shards, listeners, on, small_rig, tool, wait_port
+from cluster_util import (
+    MLFLOW_PORT,
+    REPO,
+    assert_same_shards,
+    listeners,
+    on,
+    s3_fs,
+    small_rig,
+    start_mlflow,
+    tool,
+)
 from conftest import synthetic_corpus
 
 from pipeline import rig as rigmod
@@ -41,7 +51,6 @@ from pipeline import rig as rigmod
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.distributed]
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
-MLFLOW_PORT = 5000
 GCS_PORT, DASHBOARD_PORT = 6379, 8265
 STEPS = ["train.max_steps=6", "train.save_every=3", "train.eval_every=0", "train.log_every=1"]
 RANK_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -56,8 +65,8 @@ PREPARE = ["--shard-docs", "40", "--valid-fraction", "0.1", "--split-bytes", "20
 
 @pytest.fixture(scope="module")
 def rig():
-    """3 hosts that share nothing but the bucket; this module's own (the session's rig
-    still has a shared dir for the modules not converted yet)."""
+    """3 hosts that share nothing but the bucket; this module's own, so that the tutorial's
+    Ray cluster and MLflow server use the default ports on hosts nothing else touched."""
     name = f"u{os.getpid()}"
     made = small_rig(name, 3)
     try:
@@ -65,11 +74,6 @@ def rig():
         yield made
     finally:
         rigmod.down(name)
-
-
-def s3_fs(rig) -> pafs.S3FileSystem:
-    return pafs.S3FileSystem(endpoint_override=rig.s3_endpoint, access_key=rig.aws_key,
-                             secret_key=rig.aws_secret, region="us-east-1", scheme="http")  # fmt: skip
 
 
 def laptop(rig, argv: list[str], cwd, **env) -> subprocess.CompletedProcess:
@@ -184,17 +188,8 @@ def test_near_dedup_on_the_cluster_gives_the_bytes_of_one_cpu(rig, ray_cluster, 
 @pytest.fixture(scope="module")
 def mlflow_server(rig):
     """`mlflow server` on node0: sqlite on node0's own disk, artifacts proxied to S3."""
-    node0 = rig.hosts[0]
-    log = open(f"{rig.root}/hosts/node0/local/mlflow.log", "wb")  # noqa: SIM115
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
-    rig.popen("node0", [
-        tool("mlflow"), "server", "--host", node0.address, "--port", str(MLFLOW_PORT),
-        "--allowed-hosts", f"{node0.address}:{MLFLOW_PORT},node0:{MLFLOW_PORT}",
-        "--backend-store-uri", "sqlite:////mnt/local/mlflow.db",
-        "--artifacts-destination", f"s3://{BUCKET}/mlflow", "--workers", "1",
-    ], env=env, cwd="/", stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-    wait_port(node0.address, MLFLOW_PORT)
-    return f"http://node0:{MLFLOW_PORT}", f"http://{node0.address}:{MLFLOW_PORT}"
+    return start_mlflow(rig, "/mnt/local/mlflow.db", f"s3://{BUCKET}/mlflow",
+                        f"{rig.root}/hosts/node0/local/mlflow.log")  # fmt: skip
 
 
 def store_rows(rig, prefix: str) -> list[dict]:
