@@ -4,9 +4,9 @@ default: the machine's files read-only on every host, files copied onto a host w
 
 - Ray: the head with no CPUs on node0, workers on node1 and node2, token authentication
   (each host's own copy of the token); the tokenizer trained from the laptop straight to
-  `s3://`, then `ray job submit` of `plm data prepare` from s3:// to s3://: the shards are
-  the bytes of a local one-CPU run and the manifest names the hosts that wrote them; the
-  same with `--near-dedup on`;
+  `s3://`, then `ray job submit` of `plm data prepare --near-dedup on` from s3:// to s3://
+  (a corpus with planted near-duplicates): the shards, counts and rejects are those of a
+  local one-CPU run and the manifest names the hosts that wrote them;
 - one MLflow server on node0 (its store on node0's disk, the artifacts on S3);
 - training across 2 hosts x 2 ranks with `train.out_dir=s3://...`, the `deepspeed`
   launcher over ssh/pdsh from node0: the losses equal a one-host run with the same global
@@ -117,18 +117,26 @@ def submit(cluster, args: list[str], **env: str) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def prepared(rig, ray_cluster, tmp_path_factory):
-    """Steps 1b-2: a corpus on S3, the tokenizer from the laptop to S3, the data job from
+    """Steps 1b-2: a corpus on S3 (two text files and, for `--near-dedup on`, jsonl files
+    with planted near-duplicates), the tokenizer from the laptop to S3, the data job from
     s3:// to s3:// on the cluster, and the same `plm data prepare` on the laptop on one CPU."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import planted_corpus
+
     work = tmp_path_factory.mktemp("tutorial")
     s3 = s3_fs(rig)
     texts = {"a.txt": synthetic_corpus(300, seed=1), "b.txt": synthetic_corpus(200, seed=2)}
+    docs, pairs = planted_corpus.generate(300_000, seed=5)
+    planted = planted_corpus.write(work / "planted", docs, pairs, n_files=2)
+    texts.update((path.name, path.read_text()) for path in planted)
     for name, text in texts.items():
         with s3.open_output_stream(f"{BUCKET}/corpus/{name}") as f:
             f.write(text.encode())
     laptop(rig, [sys.executable, "-m", "pipeline.cli", "data", "tokenizer", "--input",
                  f"s3://{BUCKET}/corpus/", "--kind", "wordpiece", "--vocab-size", "300",
                  "--output", f"s3://{BUCKET}/tok"], work)  # fmt: skip
-    prepare = ["--input", f"s3://{BUCKET}/corpus/", "--tokenizer", f"s3://{BUCKET}/tok", *PREPARE]
+    prepare = ["--input", f"s3://{BUCKET}/corpus/", "--tokenizer", f"s3://{BUCKET}/tok", *PREPARE,
+               "--near-dedup", "on"]  # fmt: skip
     # Without the token the cluster refuses the laptop.
     refused = submit(ray_cluster, ["--", *prepare, "--output", f"s3://{BUCKET}/refused"],
                      HOME=str(work))  # fmt: skip
@@ -143,7 +151,10 @@ def prepared(rig, ray_cluster, tmp_path_factory):
     return {"uri": f"s3://{BUCKET}/data", "local": local, "work": work}
 
 
-def test_prepare_from_s3_to_s3_on_the_cluster(rig, prepared):
+def test_prepare_with_near_dedup_from_s3_to_s3_on_the_cluster(rig, prepared):
+    """The shards, counts and reject examples of the cluster's job are those of a local
+    one-CPU run, `--near-dedup on` included: the signatures are computed where the units
+    are written, the band reducers and the components run anywhere."""
     from pipeline.data.shards import manifest_bytes
 
     ours, theirs = assert_same_shards(s3_fs(rig), f"{BUCKET}/data", prepared["local"])
@@ -152,34 +163,6 @@ def test_prepare_from_s3_to_s3_on_the_cluster(rig, prepared):
     assert theirs["stats"]["writer_hosts"] == ["node1", "node2"]
     assert ours["stats"]["writer_hosts"] == [os.uname().nodename]
     assert manifest_bytes(theirs["tokenizer"]) == manifest_bytes(ours["tokenizer"])
-
-
-def test_near_dedup_on_the_cluster_gives_the_bytes_of_one_cpu(rig, ray_cluster, prepared):
-    """`--near-dedup on` across the two worker nodes: the signatures are computed where
-    the units are written, the band reducers and the components run anywhere; shards,
-    counts and reject examples are those of a local one-CPU run."""
-    sys.path.insert(0, str(REPO / "bench"))
-    import planted_corpus
-
-    s3, work = s3_fs(rig), prepared["work"]
-    docs, pairs = planted_corpus.generate(300_000, seed=5)
-    corpus = work / "near-corpus"
-    planted_corpus.write(corpus, docs, pairs, n_files=2)
-    (corpus / "pairs.jsonl").unlink()
-    for path in sorted(corpus.iterdir()):
-        with s3.open_output_stream(f"{BUCKET}/near/corpus/{path.name}") as f:
-            f.write(path.read_bytes())
-    prepare = ["--input", f"s3://{BUCKET}/near/corpus/", "--tokenizer", f"s3://{BUCKET}/tok",
-               "--shard-docs", "40", "--split-bytes", "30000", "--near-dedup", "on"]  # fmt: skip
-    done = submit(ray_cluster, ["--job-id", f"plm-near-{secrets.token_hex(3)}", "--", *prepare,
-                                "--output", f"s3://{BUCKET}/near/shards"],
-                  HOME=str(work), RAY_AUTH_TOKEN_PATH=str(ray_cluster["token"]))  # fmt: skip
-    assert done.returncode == 0 and "SUCCEEDED" in done.stderr, done.stdout + done.stderr
-    local = work / "near-local"
-    laptop(rig, [sys.executable, "-m", "pipeline.cli", "data", "prepare", *prepare, "--output",
-                 str(local), "--num-cpus", "1"], work)  # fmt: skip
-    ours, theirs = assert_same_shards(s3, f"{BUCKET}/near/shards", local)
-    assert theirs["stats"]["writer_hosts"] == ["node1", "node2"]
     assert ours["rejected"]["near_duplicate"] >= 10
     for key in ("rejected", "reject_examples", "totals", "data_config"):
         assert theirs[key] == ours[key], key
@@ -303,7 +286,7 @@ def test_per_node_launch_resumes_from_the_store_bit_for_bit(rig, prepared, hostf
     """The form for containers and Slurm steps: the same command on every node with its
     --node-rank (the hostfile copied onto each). It resumes the hostfile run's step-3
     checkpoint from a copy of the run under another prefix: no host has a file of it staged,
-    so each fetches its ranks' files from the store."""
+    so each rank fetches its own files (and those every rank reads) from the store."""
     first, _, _ = hostfile_run
     s3 = s3_fs(rig)
     src, dst = f"{BUCKET}/{first}", f"{BUCKET}/runs/per-node"
@@ -328,6 +311,15 @@ def test_per_node_launch_resumes_from_the_store_bit_for_bit(rig, prepared, hostf
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "resumed from" in outs[0]
+    # Each rank fetched its own files and the ones every rank reads, none of another rank's.
+    for node, out in enumerate(outs):
+        for rank in (2 * node, 2 * node + 1):
+            line = next(x for x in out.splitlines() if f"rank {rank}: fetched" in x)
+            names = set(line.rsplit(": ", 1)[1].split(", "))
+            assert f"trainer_rank{rank}.pt" in names and "COMPLETE" in names, line
+            theirs = [n for r in range(4) if r != rank for n in names
+                      if f"rank{r}." in n or f"rank_{r}_" in n]  # fmt: skip
+            assert not theirs, line
     want, got = losses(store_rows(rig, first)), losses(store_rows(rig, "runs/per-node"))
     assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]  # bitwise
     with s3.open_input_stream(f"{dst}/checkpoints/latest") as f:

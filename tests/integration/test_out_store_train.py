@@ -1,97 +1,24 @@
 """`plm train` with train.out_dir on an S3 server (moto's server mode): real DeepSpeed (CPU,
-gloo), real MLflow. The store-level details are in tests/unit/test_out_store.py."""
+gloo), real MLflow. The store-level details are in tests/unit/test_out_store.py; a resume
+from the store on empty disks, bit for bit, each rank fetching its own files, and one on
+another world size (the universal conversion) are in the cluster tests
+(tests/cluster/test_train_cluster.py, tests/cluster/test_elastic.py)."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-from conftest import REPO, free_port, one_plm_line, plm
+from conftest import REPO, one_plm_line, plm
 from s3_outage import _start_moto, outage_s3_fixture  # noqa: F401  (outage_s3)
 
 pytestmark = pytest.mark.slow
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
-_TRAIN = (
-    "import sys; from pipeline.config import load_config; "
-    "from pipeline.train.trainer import train; "
-    "r = train(load_config(sys.argv[1], sys.argv[3:]), "
-    "stop_after=None if sys.argv[2] == 'none' else int(sys.argv[2])); print('STEPS', r.steps)"
-)
-
-
-def ranks(cwd: Path, world: int, stop_after: int | None, overrides, per_rank=()) -> list[str]:
-    """``train(cfg, stop_after)`` in ``world`` processes (the env a launcher sets);
-    ``per_rank``: a function rank -> extra overrides. Their outputs; asserts exit 0."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
-               "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-               "PYTHONUNBUFFERED": "1", "DS_ACCELERATOR": "cpu"}  # fmt: skip
-        extra = list(per_rank(rank)) if per_rank else []
-        cmd = [sys.executable, "-c", _TRAIN, BERT, str(stop_after).lower(), *overrides, *extra]
-        procs.append(subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
-    outs = [p.communicate(timeout=900)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0] * world, "\n".join(o[-3000:] for o in outs)
-    return outs
-
-
-def losses(rows: list[dict]) -> dict[int, float]:
-    return {r["step"]: r["step_loss"] for r in rows if "step_loss" in r}
-
-
-def store_rows(s3, uri: str) -> list[dict]:
-    return [json.loads(x) for x in s3.get(f"{uri}/metrics.jsonl").decode().splitlines()]
-
-
-def test_train_on_s3_resumes_bitwise_from_an_empty_cache(s3, tiny_data, tmp_path):
-    """2 ranks, ZeRO-2, out_dir on S3: stopped at step 4, resumed on nodes whose staging
-    folders are empty: each rank fetches its own files only, the losses are those of an
-    uninterrupted local run bit for bit, one MLflow run, metrics.jsonl and the final
-    bundle on the store, nothing named s3: in the working directory. Then 1 rank resumes
-    the 2-rank checkpoint from the store (the universal conversion)."""
-    uri = s3.prefix("run")
-    common = [f"data.path={tiny_data}", "train.max_steps=8", "train.save_every=4",
-              "train.eval_every=0", "mlflow.register=false",
-              "deepspeed=configs/deepspeed/zero2.json"]  # fmt: skip
-    ranks(tmp_path, 2, None, [*common, f"train.out_dir={tmp_path / 'local'}"])
-    expect = losses([json.loads(x) for x in (tmp_path / "local" / "metrics.jsonl").open()])
-
-    def stage(name):
-        return lambda r: [f"train.local_dir={tmp_path / name / f'rank{r}'}"]
-
-    ranks(tmp_path, 2, 4, [*common, f"train.out_dir={uri}"], stage("a"))
-    assert s3.get(f"{uri}/checkpoints/latest") == b"step00000004"
-    run_id = s3.get(f"{uri}/mlflow_run_id")
-    outs = ranks(tmp_path, 2, None, [*common, f"train.out_dir={uri}"], stage("b"))
-    for rank, out in enumerate(outs):
-        line = next(x for x in out.splitlines() if f"rank {rank}: fetched" in x)
-        names = set(line.split(": ", 2)[2].split(", "))
-        assert f"trainer_rank{rank}.pt" in names and "COMPLETE" in names, line
-        assert f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt" in names, line
-        assert not any(f"rank_{1 - rank}_" in n or f"rank{1 - rank}." in n for n in names), line
-    assert f"resumed from {uri}/checkpoints/step00000004 at step 4" in outs[0]
-    got = losses(store_rows(s3, uri))
-    assert sorted(got) == list(range(1, 9))
-    assert got == expect  # bit for bit
-    assert s3.get(f"{uri}/mlflow_run_id") == run_id  # one MLflow run through it all
-    assert s3.get(f"{uri}/checkpoints/latest") == b"step00000008"
-    assert len(s3.get(f"{uri}/bundles/final/model.safetensors")) > 0
-    assert not (tmp_path / "s3:").exists()
-
-    out = ranks(tmp_path, 1, None, [*common[:-1], "train.max_steps=10", f"train.out_dir={uri}",
-                                    f"train.local_dir={tmp_path / 'c'}"])[0]  # fmt: skip
-    assert "converted" in out and "at step 8 (written by 2 ranks, now 1)" in out, out[-3000:]
-    assert s3.get(f"{uri}/checkpoints/step00000008/universal/COMPLETE")
-    assert s3.get(f"{uri}/checkpoints/latest") == b"step00000010"
 
 
 def _wait_for(pred, timeout=300.0, what=""):
