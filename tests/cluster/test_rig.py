@@ -244,6 +244,7 @@ def test_kill_stops_a_hosts_processes_by_pid_and_keeps_the_host(capped):
         outside.kill()
 
 
+@pytest.mark.slow  # over 5 s: out of the fast tier
 def test_without_a_shared_dir_hosts_share_nothing_writable(capped, tmp_path):
     """The default rig: the machine's files (the software too) read-only on every host,
     only its own /tmp, /mnt/local, home dirs and /dev/shm writable; a file reaches a host

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -22,6 +23,7 @@ def run_pytest(tmp_path, body: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # over 5 s: out of the fast tier
 def test_a_long_test_gets_a_still_running_line(tmp_path):
     out = run_pytest(tmp_path, "def test_slow():\n    time.sleep(3.5)")
     lines = [x for x in out.splitlines() if x.startswith("[still running after ")]

@@ -142,6 +142,7 @@ def trained(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow  # over 5 s: out of the fast tier
 def test_wordpiece_word_starts_from_ids_equal_word_ids(trained):
     tok = trained["wordpiece"]
     continuation = wordpiece_continuations(tok)
@@ -177,6 +178,7 @@ def _random_texts(seed: int, n: int) -> list[str]:
     return ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30))) for _ in range(n)]
 
 
+@pytest.mark.slow  # over 5 s: out of the fast tier
 @pytest.mark.parametrize("lowercase", [False, True])
 def test_segmenter_batch_path_equals_the_offsets_path(trained, tmp_path, lowercase):
     """Sentence marks + encode_batch_fast give the pieces encode_batch + offsets give."""
@@ -583,6 +585,7 @@ def check_jsonl_reader(tmp_path, cases: int, seed: int) -> None:
                 assert got == want, (data, max_doc_bytes, part, batch_bytes)
 
 
+@pytest.mark.slow  # over 5 s: out of the fast tier
 def test_pyarrow_jsonl_batches_equal_the_line_by_line_reader(tmp_path):
     check_jsonl_reader(tmp_path, 800, seed=4)
 

@@ -334,6 +334,7 @@ def test_builtin_python_docs_is_real_english_and_deterministic():
     assert digest_of(source).hexdigest() == want.hexdigest()
 
 
+@pytest.mark.slow  # over 5 s: out of the fast tier
 def test_builtin_corpus_does_not_depend_on_patched_hooks(monkeypatch):
     """Ray replaces sys.excepthook; the corpus (and so the shards) must not change."""
     import sys

@@ -40,6 +40,7 @@ def test_an_export_transformers_cannot_represent_is_one_line(tmp_path):
     assert "is not a model bundle" in one_plm_line(proc)
 
 
+@pytest.mark.slow  # over 5 s: out of the fast tier
 def test_export_into_a_pipe_prints_no_progress_bar(tmp_path):
     """transformers' "Writing model shards" bar is for terminals: piped, `plm export` says
     only where the folder went (with -v the libraries' output is left as it is)."""
