@@ -1,4 +1,4 @@
-"""Resuming on another number of ranks (`train.resume: auto`), ZeRO 0-3, real DeepSpeed
+"""Resuming on another number of ranks (`train.resume: auto`), ZeRO 0, 2 and 3, real DeepSpeed
 (CPU, gloo) and MLflow: 2 ranks -> 1 rank and 1 rank -> 2 ranks, against an uninterrupted
 2-rank run of the same global batch.
 
@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 DRIVER = str(REPO / "tests" / "integration" / "elastic_driver.py")
-STAGES = ("zero0", "zero1", "zero2", "zero3")
+# ZeRO-1 is left out: its checkpoint and its universal conversion are ZeRO-2's (DeepSpeed's
+# one stage-1/2 optimizer writes both); tests/unit/test_train_engine.py builds all four.
+STAGES = ("zero0", "zero2", "zero3")
 # name -> (DeepSpeed config, extra overrides). bert-tiny has no dropout; the last variant
 # turns it on: its draws are seeded per global micro-batch, so they survive the change too.
 VARIANTS = {stage: (stage, []) for stage in STAGES}
