@@ -36,8 +36,10 @@ completion left to the store's upload thread is waited for by the next ``save()`
 load in turn); the S3 server's CPU seconds during each s3 run are recorded (on a 2-core
 machine the server, which a real deployment runs elsewhere, competes with training;
 --server-nice 19 lets it yield the CPU to training).
-Prints one table and the ratios (goal: blocked s3 / local <= 1.1; wire / rank's files
-<= 1.05); --json writes everything.
+Per run also the training process's own CPU seconds (the same steps and saves in both
+modes: for s3 the difference is what the upload client costs a node). Prints one table
+and the ratios (goal: blocked s3 / local <= 1.1; wire / rank's files <= 1.05); --json
+writes everything.
 """
 
 from __future__ import annotations
@@ -188,7 +190,7 @@ def rank_main(args) -> None:
     out = {"mode": args.mode, "params": trainer.n_params, "median_step_s": median,
            "saves": saves, "bytes": sum(p.stat().st_size for p in
                                         (trainer.ckpt.root / saves[-1]["tag"]).iterdir()),
-           "store": trainer.out.stats()}  # fmt: skip
+           "store": trainer.out.stats(), "process_cpu_s": time.process_time()}  # fmt: skip
     trainer.stream.close()
     Path(args.result).write_text(json.dumps(out, indent=1))
 
@@ -302,16 +304,17 @@ def main() -> int:
           f"{first['bytes'] / 2**20:.0f} MiB (rank 0's files), {args.rounds} round(s) of "
           f"{args.saves} saves per out_dir, load {load1():.2f}")  # fmt: skip
     print(f"{'out_dir':<8} {'median step':>12} {'save()':>8} {'held (median, range)':>24}"
-          f" {'blocked (median, range)':>26} {'S3 server CPU':>14}")  # fmt: skip
+          f" {'blocked (median, range)':>26} {'S3 server CPU':>14} {'training process CPU':>21}")  # fmt: skip
     for m in ("local", "s3"):
         steps = statistics.median(r["median_step_s"] for r in results[m])
         held = [s["held_s"] for s in saves[m]]
         blk = [s["blocked_s"] for s in saves[m]]
         cpu = sum(r["server_cpu_s"] for r in results[m]) if m == "s3" else 0.0
+        own = statistics.median(r["process_cpu_s"] for r in results[m])
         print(f"{m:<8} {steps:>11.3f}s {med[m, 'save_s']:>7.3f}s "
               f"{med[m, 'held_s']:>8.3f}s ({min(held):.3f}-{max(held):.3f}) "
               f"{med[m, 'blocked_s']:>9.3f}s ({min(blk):.3f}-{max(blk):.3f}) "
-              f"{cpu:>13.1f}s")  # fmt: skip
+              f"{cpu:>13.1f}s {own:>20.1f}s")  # fmt: skip
     held_ratio = med["s3", "held_s"] / max(med["local", "held_s"], 1e-9)
     ratio = med["s3", "blocked_s"] / max(med["local", "blocked_s"], 1e-9)
     r = results["resume"]
