@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 import sys
 import threading
@@ -365,6 +366,98 @@ def test_laptop_loads_the_registered_model_and_node1_finetunes_it(
     mv = client.get_model_version_by_alias("bert-rig-verb", "current")
     run = client.get_run(mv.run_id)
     assert run.data.tags.get("source_uri") == "models:/bert-rig@current"
+
+
+def _trainer_pids(rig, host: str) -> list[int]:
+    found = []
+    for pid in rig.pids(host):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if b"pipeline.cli\0train" in cmd:
+            found.append(pid)
+    return found
+
+
+def test_the_store_out_of_reach_mid_upload_never_leaves_latest_on_a_partial_checkpoint(
+    rig, prepared, tmp_path
+):
+    """node2 trains alone (one rank; the data and MLflow's store on its own disk, out_dir on
+    the bucket). Its link is cut (`ip link set down`: the bucket out of its reach) while a
+    checkpoint uploads, and comes back 8 s later: training goes on, the uploads are retried,
+    the run finishes with its last checkpoints whole on the store. Cut again with the
+    trainer killed meanwhile: `latest` on the store names a whole checkpoint, never the one
+    in flight, and the same command resumes from it. A bucket that does not exist: one
+    `plm:` line, exit 2, before any step."""
+    s3, uri, stage = s3_fs(rig), f"s3://{BUCKET}/runs/outage", "/mnt/local/outage-stage"
+    on(rig, "node2", [sys.executable, "-c", "import pyarrow.fs as f; f.copy_files("
+                      f"'s3://{BUCKET}/data', '/mnt/local/data')"])  # fmt: skip
+    args = [sys.executable, "-m", "pipeline.cli", "train", BERT, "data.path=/mnt/local/data",
+            f"train.out_dir={uri}", f"train.local_dir={stage}", "train.save_every=5",
+            "train.eval_every=0", "train.keep_last=2", "mlflow.register=false",
+            "mlflow.tracking_uri=sqlite:////mnt/local/outage.db"]  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **RANK_ENV}
+    veth = rig.host("node2").veth
+
+    def start(steps: int, log: str) -> subprocess.Popen:
+        out = open(tmp_path / log, "wb")  # noqa: SIM115
+        return rig.popen("node2", [*args, f"train.max_steps={steps}"], env=env, cwd="/",
+                         stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+
+    def staged(step: int) -> bool:
+        folder = f"{stage}/checkpoints/step{step:08d}"
+        return on(rig, "node2", ["test", "-d", folder], check=False).returncode == 0
+
+    def wait_for(check, what: str, proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + 300
+        while not check():
+            assert proc.poll() is None and time.monotonic() < deadline, what
+            time.sleep(0.2)
+
+    def whole(tag: str) -> bool:
+        names = {i.base_name for i in s3.get_file_info(pafs.FileSelector(
+            f"{BUCKET}/runs/outage/checkpoints/{tag}", allow_not_found=True))}  # fmt: skip
+        return {"COMPLETE", "mp_rank_00_model_states.pt", "trainer_rank0.pt"} <= names
+
+    def latest() -> str:
+        with s3.open_input_stream(f"{BUCKET}/runs/outage/checkpoints/latest") as f:
+            return f.read().decode().strip()
+
+    proc = start(30, "first.log")
+    try:
+        wait_for(lambda: staged(10), "a second checkpoint staged", proc)
+        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        time.sleep(8)
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+    assert proc.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-4000:]
+    text = (tmp_path / "first.log").read_text()
+    assert "retrying for up to" in text, text[-3000:]
+    assert latest() == "step00000030" and whole("step00000030") and whole("step00000025")
+    assert not whole("step00000020")  # keep_last=2 on the store
+
+    proc = start(400, "second.log")
+    try:
+        wait_for(lambda: staged(40), "a checkpoint staged after the resume", proc)
+        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        time.sleep(2)
+        for pid in _trainer_pids(rig, "node2"):
+            os.kill(pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    finally:
+        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+    tag = latest()
+    assert "step00000030" <= tag <= "step00000040" and whole(tag), tag
+    done = on(rig, "node2", [*args, f"train.max_steps={int(tag[4:]) + 2}"], env=env)
+    assert f"resumed from {uri}/checkpoints/{tag}" in done.stdout, done.stdout[-3000:]
+
+    missing = on(rig, "node2", [*args[:6], "train.out_dir=s3://no-such-bucket/run",
+                                *args[7:], "train.max_steps=2"], env=env, check=False)  # fmt: skip
+    lines = [x for x in missing.stderr.splitlines() if x.startswith("plm:")]
+    assert missing.returncode == 2 and len(lines) == 1, missing.stderr[-3000:]
+    assert "s3://no-such-bucket/run" in lines[0] and "does not exist" in lines[0], lines
+    assert "step 1:" not in missing.stdout
 
 
 def test_what_listens_where(rig, ray_cluster, mlflow_server):
