@@ -32,6 +32,19 @@ def on(rig: rigmod.Rig, host: str, argv: list[str], *, env: dict | None = None,
     return proc
 
 
+def pids_of(rig: rigmod.Rig, host: str, *markers: bytes) -> list[int]:
+    """The processes of ``host`` whose command line (NUL-separated) holds one of ``markers``."""
+    found = []
+    for pid in rig.pids(host):
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+        except OSError:  # gone already
+            continue
+        if any(m in cmd for m in markers):
+            found.append(pid)
+    return found
+
+
 def s3_fs(rig: rigmod.Rig):
     """The rig's S3 server, as the laptop reaches it (pyarrow's S3 filesystem)."""
     import pyarrow.fs as pafs

@@ -32,7 +32,7 @@ import time
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import MLFLOW_PORT, REPO, on, s3_fs, small_rig, start_mlflow
+from cluster_util import MLFLOW_PORT, REPO, on, pids_of, s3_fs, small_rig, start_mlflow
 from conftest import build_data_dir
 
 from pipeline import rig as rigmod
@@ -77,15 +77,7 @@ def latest(rig) -> int:
 
 def training_pids(rig, host: str) -> list[int]:
     """The host's elastic agent and ranks (not the MLflow server, sshd or the holder)."""
-    found = []
-    for pid in rig.pids(host):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if b"torch.distributed.run" in cmd or b"pipeline.cli" in cmd:
-            found.append(pid)
-    return found
+    return pids_of(rig, host, b"torch.distributed.run", b"pipeline.cli")
 
 
 def mlflow_on_node0(rig) -> None:

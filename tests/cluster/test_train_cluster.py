@@ -40,6 +40,7 @@ from cluster_util import (
     assert_same_shards,
     listeners,
     on,
+    pids_of,
     s3_fs,
     small_rig,
     start_mlflow,
@@ -312,12 +313,13 @@ def test_per_node_launch_resumes_from_the_store_bit_for_bit(rig, prepared, hostf
     outs = [p.communicate(timeout=600)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "resumed from" in outs[0]
-    # Each rank fetched its own files and the ones every rank reads, none of another rank's.
+    # Each rank fetched its own files (the ones every rank reads: one rank of the node),
+    # none of another rank's.
     for node, out in enumerate(outs):
         for rank in (2 * node, 2 * node + 1):
             line = next(x for x in out.splitlines() if f"rank {rank}: fetched" in x)
             names = set(line.rsplit(": ", 1)[1].split(", "))
-            assert f"trainer_rank{rank}.pt" in names and "COMPLETE" in names, line
+            assert f"trainer_rank{rank}.pt" in names, line
             theirs = [n for r in range(4) if r != rank for n in names
                       if f"rank{r}." in n or f"rank_{r}_" in n]  # fmt: skip
             assert not theirs, line
@@ -368,37 +370,34 @@ def test_laptop_loads_the_registered_model_and_node1_finetunes_it(
     assert run.data.tags.get("source_uri") == "models:/bert-rig@current"
 
 
-def _trainer_pids(rig, host: str) -> list[int]:
-    found = []
-    for pid in rig.pids(host):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
-        except OSError:
-            continue
-        if b"pipeline.cli\0train" in cmd:
-            found.append(pid)
-    return found
-
-
 def test_the_store_out_of_reach_mid_upload_never_leaves_latest_on_a_partial_checkpoint(
     rig, prepared, tmp_path
 ):
-    """node2 trains alone (one rank; the data and MLflow's store on its own disk, out_dir on
-    the bucket). Its link is cut (`ip link set down`: the bucket out of its reach) while a
-    checkpoint uploads, and comes back 8 s later: training goes on, the uploads are retried,
-    the run finishes with its last checkpoints whole on the store. Cut again with the
-    trainer killed meanwhile: `latest` on the store names a whole checkpoint, never the one
-    in flight, and the same command resumes from it. A bucket that does not exist: one
-    `plm:` line, exit 2, before any step."""
+    """node2 trains alone (one rank; the data and MLflow's store on its own disk, its working
+    directory too: a sqlite store keeps artifacts in ./mlruns; out_dir on the bucket). Its
+    link goes down (`ip link set eth0 down` in its namespace: the bucket out of reach)
+    while checkpoints upload, and comes back 8 s later: the upload in flight stalls and
+    goes on when the link is back (TCP's retransmissions, no error: the retries after an
+    error are tests/unit/test_out_store.py's), training goes on until the next save, which
+    waits for it (one checkpoint in flight), and the run finishes with its last checkpoints
+    whole on the store. Down again with the trainer killed meanwhile: `latest` on the
+    store names a whole checkpoint, never the one in flight, and the same command resumes
+    from it. A bucket that does not exist: one `plm:` line, exit 2, before any step."""
     s3, uri, stage = s3_fs(rig), f"s3://{BUCKET}/runs/outage", "/mnt/local/outage-stage"
     on(rig, "node2", [sys.executable, "-c", "import pyarrow.fs as f; f.copy_files("
                       f"'s3://{BUCKET}/data', '/mnt/local/data')"])  # fmt: skip
-    args = [sys.executable, "-m", "pipeline.cli", "train", BERT, "data.path=/mnt/local/data",
+    # In /mnt/local (nsenter cannot start a command in a folder of the host's own disk).
+    args = ["sh", "-c", 'cd /mnt/local && exec "$@"', "sh", sys.executable, "-m",
+            "pipeline.cli", "train", BERT, "data.path=/mnt/local/data",
             f"train.out_dir={uri}", f"train.local_dir={stage}", "train.save_every=5",
             "train.eval_every=0", "train.keep_last=2", "mlflow.register=false",
             "mlflow.tracking_uri=sqlite:////mnt/local/outage.db"]  # fmt: skip
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **RANK_ENV}
-    veth = rig.host("node2").veth
+    netns = rig.host("node2").netns
+
+    def link(state: str) -> None:  # node2's own end: down, its routes go and connects fail
+        subprocess.run(["ip", "netns", "exec", netns, "ip", "link", "set", "eth0", state],
+                       check=True)  # fmt: skip
 
     def start(steps: int, log: str) -> subprocess.Popen:
         out = open(tmp_path / log, "wb")  # noqa: SIM115
@@ -427,33 +426,32 @@ def test_the_store_out_of_reach_mid_upload_never_leaves_latest_on_a_partial_chec
     proc = start(30, "first.log")
     try:
         wait_for(lambda: staged(10), "a second checkpoint staged", proc)
-        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        link("down")
         time.sleep(8)
     finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        link("up")
     assert proc.wait(timeout=600) == 0, (tmp_path / "first.log").read_text()[-4000:]
-    text = (tmp_path / "first.log").read_text()
-    assert "retrying for up to" in text, text[-3000:]
     assert latest() == "step00000030" and whole("step00000030") and whole("step00000025")
     assert not whole("step00000020")  # keep_last=2 on the store
 
     proc = start(400, "second.log")
     try:
         wait_for(lambda: staged(40), "a checkpoint staged after the resume", proc)
-        subprocess.run(["ip", "link", "set", veth, "down"], check=True)
+        link("down")
         time.sleep(2)
-        for pid in _trainer_pids(rig, "node2"):
+        for pid in pids_of(rig, "node2", b"pipeline.cli\0train"):
             os.kill(pid, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
-        subprocess.run(["ip", "link", "set", veth, "up"], check=True)
+        link("up")
     tag = latest()
     assert "step00000030" <= tag <= "step00000040" and whole(tag), tag
     done = on(rig, "node2", [*args, f"train.max_steps={int(tag[4:]) + 2}"], env=env)
     assert f"resumed from {uri}/checkpoints/{tag}" in done.stdout, done.stdout[-3000:]
 
-    missing = on(rig, "node2", [*args[:6], "train.out_dir=s3://no-such-bucket/run",
-                                *args[7:], "train.max_steps=2"], env=env, check=False)  # fmt: skip
+    bad = [a if not a.startswith("train.out_dir=") else "train.out_dir=s3://no-such-bucket/run"
+           for a in args]  # fmt: skip
+    missing = on(rig, "node2", [*bad, "train.max_steps=2"], env=env, check=False)
     lines = [x for x in missing.stderr.splitlines() if x.startswith("plm:")]
     assert missing.returncode == 2 and len(lines) == 1, missing.stderr[-3000:]
     assert "s3://no-such-bucket/run" in lines[0] and "does not exist" in lines[0], lines
