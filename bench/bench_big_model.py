@@ -250,8 +250,7 @@ def lost_host(args, rigmod, work: Path, data: Path, total: int) -> dict:
         cmd = [sys.executable, str(REPO / "launch" / "elastic_train.py"), "--nnodes", "2:3",
                "--nproc-per-node", "1", "--rdzv-endpoint", "node0:29400", "--last-call", "10",
                "--skip-dry-run", *experiment(args.model, data), f"train.out_dir={run_dir}",
-               "train.max_steps=5",
-               "train.save_every=2", "train.global_batch=6", "train.keep_last=5",
+               "train.max_steps=5", "train.save_every=2", "train.global_batch=6", "train.keep_last=5",
                "train.collective_timeout_s=60", f"mlflow.tracking_uri=sqlite:///{run_dir}.db"]  # fmt: skip
         env = {**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)}
         for h in rig.hosts:

@@ -9,8 +9,6 @@ import os
 import signal
 import socket
 import threading
-import time
-import urllib.request
 
 import pytest
 from s3_server import _free_port, start_moto
@@ -18,19 +16,7 @@ from s3_server import _free_port, start_moto
 
 def _start_moto(tmp_path, **env):
     port = _free_port()
-    log = open(tmp_path / f"moto-{port}.log", "wb")  # noqa: SIM115
-    proc = start_moto(port, log, env={**os.environ, **env})
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-            return proc, port
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise AssertionError("moto did not start") from None
-            time.sleep(0.1)
+    return start_moto(port, tmp_path / f"moto-{port}.log", env={**os.environ, **env}), port
 
 
 class Outage:

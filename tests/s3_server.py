@@ -53,10 +53,24 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
 
 
-def start_moto(port: int, log, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A moto server on 127.0.0.1:``port``, its output into the open file ``log``."""
-    return subprocess.Popen(_moto_command(port), stdout=log, stderr=subprocess.STDOUT, env=env,
-                            start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+def start_moto(port: int, log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A moto server on 127.0.0.1:``port``, its output in the file ``log``, once it answers
+    (RuntimeError with the log's end if it does not within 60 s)."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(_moto_command(port), stdout=out, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError(
+                    f"moto_server did not start: {log.read_text()[-2000:]}"
+                ) from None
+            time.sleep(0.1)
 
 
 @dataclass
@@ -101,21 +115,9 @@ def s3_server(tmp_path_factory):
     """The endpoint URL of a moto S3 server holding the bucket ``plm-test``."""
     port = _free_port()
     log = tmp_path_factory.mktemp("moto") / "moto.log"
-    with open(log, "wb") as out:
-        proc = start_moto(port, out)
+    proc = start_moto(port, log)
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).close()
-                break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(
-                        f"moto_server did not start: {log.read_text()[-2000:]}"
-                    ) from None
-                time.sleep(0.1)
         import boto3
 
         boto3.client(

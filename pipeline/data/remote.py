@@ -66,9 +66,6 @@ _STALE_PART_S = 60.0  # a .part file not written to for this long: its fetcher d
 _WAIT_S = 0.005  # poll interval while another process fetches a block
 
 
-# --- a store's faults, told before any work ---------------------------------------------------
-
-
 class Counters:
     """Named integer counters that threads add to (``add(name=delta)``) and a caller reads
     (``snapshot()``). A pickled or forked copy starts again at zero: the counts are the
@@ -95,6 +92,9 @@ class Counters:
 
     def __setstate__(self, names: tuple[str, ...]) -> None:
         self.__init__(*names)
+
+
+# --- a store's faults, told before any work ---------------------------------------------------
 
 
 class StoreError(ConfigError):

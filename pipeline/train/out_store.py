@@ -45,7 +45,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from pipeline.config import ConfigError, is_uri, redact_uri
-from pipeline.data.remote import Counters
+from pipeline.data.remote import Counters, store_fault
 
 UPLOAD_RETRY_S = 900.0  # train.upload_retry_s's default
 _FIRST_PAUSE_S, _MAX_PAUSE_S = 0.5, 30.0
@@ -70,8 +70,6 @@ class UploadError(RuntimeError):
 
 def _lasting(err: OSError) -> bool:
     """A fault that waiting does not mend: access denied, no such bucket."""
-    from pipeline.data.remote import store_fault
-
     line = store_fault("s3://x", "", err) or ""
     return "access denied" in line or "not found" in line
 
@@ -261,8 +259,6 @@ class RemoteOut(OutStore):
         try:
             self.fs, base = pafs.FileSystem.from_uri(self.uri)
         except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
-            from pipeline.data.remote import store_fault
-
             raise ConfigError(
                 store_fault(self.uri, "train.out_dir", err)
                 or f"train.out_dir={self.shown}: not a usable filesystem URI "
@@ -306,8 +302,6 @@ class RemoteOut(OutStore):
         small object written and deleted (each rank: each host has its own credentials)."""
         import pyarrow.fs as pafs
 
-        from pipeline.data.remote import store_fault
-
         what = f"train.out_dir={self.shown}"
         try:
             if self.fs.type_name in ("s3", "gcs"):
@@ -344,8 +338,6 @@ class RemoteOut(OutStore):
         """``call()`` until it works, pausing 0.5 s doubling to 30 s, for at most
         ``retry_s`` after the first failure; an UploadError then. Access denied or no
         such bucket is no outage: one ConfigError line at once."""
-        from pipeline.data.remote import store_fault
-
         deadline, pause = None, _FIRST_PAUSE_S
         while True:
             try:
