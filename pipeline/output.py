@@ -44,3 +44,12 @@ def quiet_ray_auth_notice() -> None:
     if not VERBOSE:
         name = "ray._private.authentication.authentication_token_setup"
         logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def rank_line(msg: str, *, err: bool = False) -> None:
+    """One line from one of several ranks that share a pipe (the `deepspeed` launcher gives a
+    node's ranks one stdout): written in one call, so another rank's line cannot land inside it
+    (``print`` writes the text and the newline apart)."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(msg + "\n")
+    stream.flush()

@@ -36,7 +36,6 @@ import os
 import queue
 import re
 import shutil
-import sys
 import tempfile
 import threading
 import time
@@ -46,6 +45,7 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, is_uri, redact_uri
 from pipeline.data.remote import Counters, store_fault
+from pipeline.output import rank_line
 
 UPLOAD_RETRY_S = 900.0  # train.upload_retry_s's default
 _FIRST_PAUSE_S, _MAX_PAUSE_S = 0.5, 30.0
@@ -361,11 +361,10 @@ class RemoteOut(OutStore):
                 self._counts.add(retries=1)
                 if now - self._warned > 60:  # once a minute at most, on this rank
                     self._warned = now
-                    print(
+                    rank_line(
                         f"[plm train] rank {self.rank}: {what} failed ({text}); retrying for up "
                         f"to {self.retry_s:g} s, training goes on",
-                        file=sys.stderr,
-                        flush=True,
+                        err=True,
                     )
                 time.sleep(min(pause, max(0.0, deadline - now)))
                 pause = min(pause * 2, _MAX_PAUSE_S)

@@ -13,7 +13,6 @@ import math
 import os
 import random
 import signal
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from pipeline.data.mixture import open_sources
 from pipeline.data.shards import DataDir
 from pipeline.data.stream import MixSource
 from pipeline.models.blocks import numel
+from pipeline.output import rank_line
 from pipeline.train import engine as ds_engine
 from pipeline.train import faults, parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for, uploads_as_checkpoint_errors
@@ -512,10 +512,9 @@ class Trainer:
         names, nbytes = getattr(self.ckpt, "fetched", ([], 0))
         if names:  # a store: what this rank fetched, said by every rank
             listed = ": " + ", ".join(names) if len(names) <= 8 else ""
-            print(
+            rank_line(
                 f"[plm train] rank {self.rank}: fetched {len(names)} files ({nbytes / 2**20:.2f} "
-                f"MiB) of {self.ckpt.where(tag)} into {self.ckpt.root / tag}{listed}",
-                flush=True,
+                f"MiB) of {self.ckpt.where(tag)} into {self.ckpt.root / tag}{listed}"
             )
         extra = ""
         if "resumed_world_size" in state:
@@ -961,7 +960,7 @@ class Trainer:
         except Exception as err:
             if status == "FINISHED":
                 raise
-            print(f"[plm train] rank {self.rank}: {err}", file=sys.stderr, flush=True)
+            rank_line(f"[plm train] rank {self.rank}: {err}", err=True)
 
     def log_host_memory(self) -> None:
         """Collective: each rank's peak resident memory (the process's high-water mark: what

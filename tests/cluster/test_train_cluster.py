@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import signal
 import subprocess
@@ -317,12 +318,14 @@ def test_per_node_launch_resumes_from_the_store_bit_for_bit(rig, prepared, hostf
     # none of another rank's.
     for node, out in enumerate(outs):
         for rank in (2 * node, 2 * node + 1):
-            line = next(x for x in out.splitlines() if f"rank {rank}: fetched" in x)
-            names = set(line.rsplit(": ", 1)[1].split(", "))
-            assert f"trainer_rank{rank}.pt" in names, line
+            said = re.search(rf"rank {rank}: fetched \d+ files \([^)]*\) of \S+ into \S+: "
+                             r"([\w.]+(?:, [\w.]+)*)", out)  # fmt: skip
+            assert said, out[-3000:]
+            names = set(said[1].split(", "))
+            assert f"trainer_rank{rank}.pt" in names, said[0]
             theirs = [n for r in range(4) if r != rank for n in names
                       if f"rank{r}." in n or f"rank_{r}_" in n]  # fmt: skip
-            assert not theirs, line
+            assert not theirs, said[0]
     want, got = losses(store_rows(rig, first)), losses(store_rows(rig, "runs/per-node"))
     assert [got[s] for s in (4, 5, 6)] == [want[s] for s in (4, 5, 6)]  # bitwise
     with s3.open_input_stream(f"{dst}/checkpoints/latest") as f:
