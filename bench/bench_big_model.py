@@ -40,6 +40,7 @@ import argparse
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 import time
@@ -129,9 +130,13 @@ def run_on_hosts(rig, hosts: list[str], argv_of, env: dict, log_dir: Path, name:
         text = log.read_text(errors="replace")
         peaks = [x.split("per rank: ")[1] for x in text.splitlines() if "per rank: " in x]
         steps = [x.split("] ", 1)[1][:60] for x in text.splitlines() if "] step " in x]
+        saves = [float(x.split("the save took ")[1].split()[0]) for x in text.splitlines()
+                 if "the save took " in x]  # fmt: skip
+        held = [x.split("] ", 1)[1] for x in text.splitlines() if "checkpoints held training" in x]
         out.append({"host": h, "exit": code, "oom_kills": (m["oom_kills"] or 0) - before[h],
                     "peak": m["peak"], "rank_peaks": peaks[-1] if peaks else None,
-                    "last_step_line": steps[-1] if steps else None, "log": str(log)})  # fmt: skip
+                    "last_step_line": steps[-1] if steps else None, "log": str(log),
+                    "save_calls_s": saves, "saves_held": held[-1] if held else None})  # fmt: skip
     return out, wall
 
 
@@ -315,6 +320,10 @@ def lost_host(args, rigmod, work: Path, data: Path, total: int) -> dict:
                                         peaks_before[h.name], "oom_kills": m["oom_kills"],
                                         "rank_peaks": peaks[-1] if peaks else None}  # fmt: skip
         results["steps"] = sorted({r["step"] for r in rows() if "step_loss" in r})
+        said = (logs / "lost-node0.log").read_text(errors="replace").splitlines()
+        results["conversion"] = next((x for x in said if "to a universal checkpoint" in x), None)
+        with sqlite3.connect(f"{run_dir}.db") as db:  # one MLflow run through the loss
+            results["mlflow_runs"] = [r[0] for r in db.execute("select status from runs")]
     finally:
         for proc in agents.values():
             if proc.poll() is None:
@@ -334,6 +343,7 @@ def report_lost_host(r: dict) -> None:
     print(f"  exit codes {r['codes']}, steps {r['steps']}, wall {r['wall_s']:.0f} s")
     print(f"  host loss -> end of the next step: {r['loss_to_next_step_s']:.1f} s; "
           f"trainer: {r['change']}")  # fmt: skip
+    print(f"  {r.get('conversion')}\n  MLflow runs (status): {r.get('mlflow_runs')}")
     for h, m in r["hosts"].items():
         print(f"  {h}: cgroup peak {m['peak'] / gib:.2f} GiB (before the loss "
               f"{m['peak_before_loss'] / gib:.2f}), OOM kills {m['oom_kills']}, "
@@ -354,6 +364,8 @@ def report(r: dict) -> None:
             print(f"  {key:15s} {h['host']}: exit {h['exit']}, OOM kills {h['oom_kills']}, "
                   f"cgroup peak {h['peak'] / gib:.2f} GiB (with page cache), "
                   f"ranks' resident peaks {h.get('rank_peaks', '-')}  ({r[key]['wall_s']:.0f} s)")  # fmt: skip
+            if h.get("save_calls_s"):
+                print(f"  {'':15s} save calls {h['save_calls_s']} s; {h['saves_held']}")
     two, ref = r.get("two_hosts", {}).get("losses", {}), r["reference"]["losses"]
     for step in sorted(ref):
         if str(step) in two or step in two:

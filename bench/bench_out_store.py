@@ -35,7 +35,8 @@ completion left to the store's upload thread is waited for by the next ``save()`
 --rounds N runs local then s3 N times, each a fresh process (so both see the machine's
 load in turn); the S3 server's CPU seconds during each s3 run are recorded (on a 2-core
 machine the server, which a real deployment runs elsewhere, competes with training;
---server-nice 19 lets it yield the CPU to training).
+--server-nice 19 lets it yield the CPU to training; --server-cpu 1 gives it a CPU of its
+own and training the others, as if it ran elsewhere).
 Per run also the training process's own CPU seconds (the same steps and saves in both
 modes: for s3 the difference is what the upload client costs a node). Prints one table
 and the ratios (goal: blocked s3 / local <= 1.1; wire / rank's files <= 1.05); --json
@@ -62,6 +63,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
 from benchlib import add_common_args, load1, prepare_data  # noqa: E402
+
+
+def server_setup(args) -> None:
+    """In the S3 server's process, before it starts: its nice value and CPU."""
+    os.nice(args.server_nice)
+    if args.server_cpu is not None:
+        os.sched_setaffinity(0, {args.server_cpu})
+
+
+def training_setup(args) -> None:
+    """In a training process, before it starts: every CPU but the server's."""
+    if args.server_cpu is not None:
+        os.sched_setaffinity(0, os.sched_getaffinity(0) - {args.server_cpu})
 
 
 def _free_port() -> int:
@@ -237,6 +251,9 @@ def main() -> int:
     ap.add_argument("--server-nice", type=int, default=0,
                     help="the S3 server's nice value (19: it yields the CPU to training, "
                     "as a server elsewhere would)")  # fmt: skip
+    ap.add_argument("--server-cpu", type=int, default=None,
+                    help="pin the S3 server to this CPU and both modes' training processes "
+                    "to the others (a server elsewhere, as a real store is)")  # fmt: skip
     ap.add_argument("--mode", choices=["local", "s3"], help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--tmp", help=argparse.SUPPRESS)
@@ -254,7 +271,7 @@ def main() -> int:
     moto = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
                              str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True,
-                            preexec_fn=lambda: os.nice(args.server_nice))  # fmt: skip
+                            preexec_fn=lambda: server_setup(args))  # fmt: skip
     try:
         for _ in range(600):
             try:
@@ -283,7 +300,8 @@ def main() -> int:
                        "--round", str(rnd), "--store-uri", args.store_uri]  # fmt: skip
                 load0, moto0 = load1(), _cpu_s(moto.pid)
                 print(f"round {rnd}: running {mode} (load {load0:.2f})", flush=True)
-                subprocess.run(cmd, check=True, env={**env, "DS_ACCELERATOR": "cpu"})
+                subprocess.run(cmd, check=True, env={**env, "DS_ACCELERATOR": "cpu"},
+                               preexec_fn=lambda: training_setup(args))  # fmt: skip
                 res = json.loads(result.read_text())
                 res.update(load_before=load0, load_after=load1(),
                            server_cpu_s=_cpu_s(moto.pid) - moto0)  # fmt: skip

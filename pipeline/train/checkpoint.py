@@ -11,8 +11,9 @@ Layout of one checkpoint::
 
 A checkpoint resumes on another number of ranks (``resume_plan`` / ``to_universal``):
 ZeRO-0 state is not partitioned and loads as it is; ZeRO 1-3 partitions are converted
-once with DeepSpeed's ``ds_to_universal`` into ``<tag>/universal/`` (fp32 weights and
-Adam moments per parameter) and loaded with ``checkpoint.load_universal``.
+once into ``<tag>/universal/`` (fp32 weights and Adam moments per parameter; ZeRO-3 by
+every rank, pipeline/train/universal.py; ZeRO 1-2 by DeepSpeed's ``ds_to_universal`` on
+rank 0) and loaded with ``checkpoint.load_universal``.
 
 Loading a checkpoint runs no code from it: our trainer state is read with
 ``torch.load(weights_only=True)``, and so is every DeepSpeed file (model states, ZeRO
@@ -41,7 +42,7 @@ into its node's staging folder, ``root``, and uploads the files it owns in the
 background; a save is pending until every rank's uploads are confirmed, and only then
 does rank 0 write ``COMPLETE`` and ``latest`` on the store, last). A resume fetches what
 this rank loads (``load``: its own files and the ones every rank reads; a universal
-conversion: the whole checkpoint, on rank 0) into the staging folder first.
+conversion: what each rank's share needs) into the staging folder first.
 """
 
 from __future__ import annotations
@@ -68,11 +69,12 @@ import torch.distributed as dist
 import yaml
 
 from pipeline.data.shards import atomic_write_bytes
+from pipeline.train import universal
 from pipeline.train.out_store import OutStore, UploadError, owner
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
-UNIVERSAL = "universal"  # <tag>/universal: the tag converted by ds_to_universal
+UNIVERSAL = universal.UNIVERSAL  # <tag>/universal: the tag converted (to_universal)
 
 
 class CheckpointError(RuntimeError):
@@ -507,49 +509,70 @@ class CheckpointManager:
         return state
 
     def to_universal(self, tag: str) -> float:
-        """Convert ``tag`` with DeepSpeed's ``ds_to_universal`` into ``<tag>/universal``
-        (rank 0 converts, the others wait); returns the seconds it took (0 if done before).
-        Written to a temp folder and renamed, so a killed conversion is redone, not used."""
-        out = self.root / tag / UNIVERSAL
-        rel = f"{CHECKPOINTS}/{tag}"
-        seconds = 0.0
-        if self.rank == 0 and not self.store.exists(f"{rel}/{UNIVERSAL}/{COMPLETE}"):
-            from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+        """Collective: convert ``tag`` into ``<tag>/universal`` (once: a finished conversion
+        has its COMPLETE); returns the seconds it took (0 if done before).
 
-            t0 = time.perf_counter()
-            # The whole checkpoint (every rank's partitions) into this node's folder.
-            self.store.fetch(p for p, _ in self.store.list_files(rel) if f"/{UNIVERSAL}/" not in p)
-            tmp = self.root / tag / f".{UNIVERSAL}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.rmtree(out, ignore_errors=True)
-            args = argparse.Namespace(
-                input_folder=str(self.root / tag), output_folder=str(tmp),
-                num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
-                strict=True, inject_missing_state=True,
-            )  # fmt: skip
-            log = io.StringIO()  # its progress bars and prints: kept for errors only
-            try:
-                with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-                    with weights_only_loads():
-                        ds_to_universal(args)
-            except UnsafeCheckpointFile as err:
-                raise CheckpointError(str(err)) from None
-            except Exception as err:
-                raise CheckpointError(
-                    f"converting {self.root / tag} to a universal checkpoint failed: "
-                    f"{type(err).__name__}: {err}\n{log.getvalue()[-2000:]}"
-                ) from err
-            done = json.dumps(self.meta(tag)).encode("utf-8")
-            (tmp / COMPLETE).write_bytes(done)
-            os.replace(tmp, out)
-            # On a store: the conversion's files, then its COMPLETE, last.
-            (out / COMPLETE).unlink()
-            self.store.upload_tree(f"{rel}/{UNIVERSAL}")
-            self.store.wait()
-            self.store.write_bytes(f"{rel}/{UNIVERSAL}/{COMPLETE}", done)
-            seconds = time.perf_counter() - t0
+        ZeRO-3 (the model may fit no host): every rank of this world takes a share
+        (pipeline/train/universal.py). ZeRO 1-2 (the weights are whole on every rank):
+        DeepSpeed's ``ds_to_universal`` on rank 0, over the whole checkpoint fetched into
+        its node, the others waiting. Either way a conversion killed before its COMPLETE
+        is redone, not used."""
+        rel = f"{CHECKPOINTS}/{tag}"
+        todo = [not self.store.exists(f"{rel}/{UNIVERSAL}/{COMPLETE}")]
+        dist.broadcast_object_list(todo, src=0)  # rank 0's answer is everyone's
+        if not todo[0]:
+            return 0.0
+        t0 = time.perf_counter()
+        stage = self.meta(tag).get("zero_stage")
+        try:
+            with weights_only_loads():
+                if stage == 3:
+                    universal.convert_zero3(self.store, rel, self.rank, self.world_size)
+                else:  # rank 0 converts; every rank learns whether it failed
+                    universal.together("conversion", self._ds_to_universal, tag)
+        except UnsafeCheckpointFile as err:
+            raise CheckpointError(str(err)) from None
+        except Exception as err:
+            raise CheckpointError(
+                f"converting {self.where(tag)} to a universal checkpoint failed: "
+                f"{type(err).__name__}: {err}"
+            ) from err
+        if self.rank == 0:  # on a store: after the conversion's files, last
+            self.store.write_bytes(
+                f"{rel}/{UNIVERSAL}/{COMPLETE}", json.dumps(self.meta(tag)).encode()
+            )
         dist.barrier()
-        return seconds
+        return time.perf_counter() - t0
+
+    def _ds_to_universal(self, tag: str) -> None:
+        """DeepSpeed's whole conversion on rank 0 (ZeRO 1-2), uploaded when done."""
+        if self.rank != 0:
+            return
+        from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
+
+        rel = f"{CHECKPOINTS}/{tag}"
+        out = self.root / tag / UNIVERSAL
+        # The whole checkpoint (every rank's partitions) into this node's folder.
+        self.store.fetch(p for p, _ in self.store.list_files(rel) if f"/{UNIVERSAL}/" not in p)
+        tmp = self.root / tag / f".{UNIVERSAL}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.store.clear(f"{rel}/{UNIVERSAL}")
+        args = argparse.Namespace(
+            input_folder=str(self.root / tag), output_folder=str(tmp),
+            num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False,
+            strict=True, inject_missing_state=True,
+        )  # fmt: skip
+        log = io.StringIO()  # its progress bars and prints: kept for errors only
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                ds_to_universal(args)
+        except UnsafeCheckpointFile:
+            raise
+        except Exception as err:
+            raise RuntimeError(f"{err}\n{log.getvalue()[-2000:]}") from err
+        os.replace(tmp, out)
+        self.store.upload_tree(f"{rel}/{UNIVERSAL}")
+        self.store.wait()
 
     # --- writing -------------------------------------------------------------------------
     def save(

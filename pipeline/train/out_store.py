@@ -138,6 +138,9 @@ class OutStore:
     def upload_tree(self, rel: str) -> None:  # noqa: B027
         """Queue every file under folder ``rel``."""
 
+    def upload_files(self, rels: Iterable[str]) -> None:  # noqa: B027
+        """Queue these files (paths relative to the root, written under ``local``)."""
+
     defers = False  # ``later`` runs its call after the queued uploads, off the caller
 
     def later(self, call: Callable[[], None]) -> None:
@@ -447,6 +450,10 @@ class RemoteOut(OutStore):
             list(pool.map(put, files))
 
         self._queue(job)
+
+    def upload_files(self, rels: Iterable[str]) -> None:
+        rels = sorted(rels)
+        self._queue(lambda pool: list(pool.map(lambda r: self._put_file(self.local / r, r), rels)))
 
     defers = True
 

@@ -414,6 +414,7 @@ class Trainer:
         self.tokens_seen = 0
         self.skipped = 0
         self.n_checkpoints = 0
+        self.save_call_s = 0.0  # this process's time in Trainer.save's checkpoint call
         self.resumed_from: str | None = None
         self.stopper = GracefulStop(cfg.train.stop_grace_s, self._killed_by_timer)
         self.stop_agreed = False  # every rank saw a stop signal's flag in the same all-reduce
@@ -486,7 +487,16 @@ class Trainer:
             cfg = cfg.model_copy(update={"train": t.model_copy(update={"grad_accum": ga})})
         if plan["universal"]:
             plan["convert_s"] = self.ckpt.to_universal(tag)
-            done = f"in {plan['convert_s']:.1f} s" if plan["convert_s"] else "(converted before)"
+            import resource
+
+            # Before anything is built: this process's high-water mark is the conversion's.
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+            by = f"by {self.world} ranks" if stage == 3 else "on rank 0"
+            done = (
+                f"in {plan['convert_s']:.1f} s {by}, rank 0's peak resident memory {peak:.2f} GiB"
+                if plan["convert_s"]
+                else "(converted before)"
+            )
             self.log(
                 f"converted {where} (ZeRO-{stage}, {saved_world} ranks) to a universal "
                 f"checkpoint {done}"
@@ -760,14 +770,26 @@ class Trainer:
             "tokenizer_fingerprint": self.data.manifest.get("tokenizer", {}).get("fingerprint"),
             "vocab_size": self.meta["vocab_size"],
         }  # fmt: skip
+        t0 = time.perf_counter()
         tag = self.ckpt.save(
             self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config,
             batch_meta,
         )  # fmt: skip
+        took = time.perf_counter() - t0
+        self.save_call_s += took
         self.n_checkpoints += 1
-        writing = " (its files written in the background)" if self.ckpt.pending else ""
-        self.log(f"checkpoint {self.ckpt.where(tag)}{writing}")
+        writing = ", its files written in the background" if self.ckpt.pending else ""
+        self.log(f"checkpoint {self.ckpt.where(tag)} (the save took {took:.2f} s{writing})")
         return tag
+
+    def log_save_cost(self) -> None:
+        """What this run's saves held training up on rank 0: the save calls, and the
+        optimizer updates that waited for an asynchronous save's writes."""
+        writes = self.ckpt.writer.blocked_s if self.ckpt.writer else 0.0
+        self.log(
+            f"checkpoints held training {self.save_call_s + writes:.2f} s in all (save calls "
+            f"{self.save_call_s:.2f} s, updates waiting for writes {writes:.2f} s)"
+        )
 
     def save_complete(self) -> str:
         """Collective: a complete checkpoint of this step (what the end of a run, a stop
@@ -902,6 +924,7 @@ class Trainer:
                     f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in final_eval.items())
                 )
             bundle_dir = self.bundle("final")
+            self.log_save_cost()
             self.log_host_memory()
             if self.rank == 0:
                 self.tracker.await_server()  # after an outage: the model is logged if it can

@@ -1,0 +1,150 @@
+"""A ZeRO-3 checkpoint converted to a universal one by every rank of the new world.
+
+An elastic resume on another number of ranks loads a universal checkpoint: per parameter,
+its fp32 weights and Adam moments whole (DeepSpeed's layout, ``<tag>/universal/zero/<name>/
+{fp32,exp_avg,exp_avg_sq}.pt``). DeepSpeed's ``ds_to_universal`` makes it in one process that
+reads every old rank's files; under ZeRO-3, where no host may hold the whole model, and with
+nothing shared but a bucket, the work is spread here over the ranks of the new world, with
+DeepSpeed's own per-file and per-parameter steps:
+
+1. **extract**: old rank ``d``'s optimizer partition is read by new rank ``d % world`` (one
+   file in memory at a time: 12 bytes x parameters / old world), which writes each
+   parameter's fragment of it (``extract_zero_shards_stage3``) under ``<tag>/universal-parts/``
+   and uploads them;
+2. **merge**: the parameters are dealt to the ranks by size (largest first, to the rank with
+   the fewest elements so far); a rank fetches its parameters' fragments and joins them
+   (``merge_zero3_slices``: one parameter in memory at a time) into ``<tag>/universal/zero/``;
+   rank 0 also writes the optimizer's common state, and each rank copies the model-states
+   files of the old ranks it read.
+
+Each rank's uploads are confirmed before the next step starts; the caller writes the
+universal folder's ``COMPLETE`` last. With a local out_dir (a folder every host sees) the
+same steps read and write in place and nothing travels. A rank's failure is every rank's:
+each step ends with all of them learning whether one failed.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import torch
+import torch.distributed as dist
+
+from pipeline.train.out_store import OutStore
+
+UNIVERSAL = "universal"
+PARTS = "universal-parts"  # the fragments between the two steps; deleted at the end
+OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+MODEL_FILE = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+
+
+class ConversionFailed(RuntimeError):
+    """One rank's step failed; raised on every rank with that rank's words."""
+
+
+def deal_by_size(sizes: dict[str, int], world: int) -> list[list[str]]:
+    """The names dealt to ``world`` ranks, largest first, each to the rank holding the fewest
+    elements so far (ties: the lower rank): the same answer on every rank."""
+    load, dealt = [0] * world, [[] for _ in range(world)]
+    for name in sorted(sizes, key=lambda n: (-sizes[n], n)):
+        r = min(range(world), key=lambda i: (load[i], i))
+        load[r] += sizes[name]
+        dealt[r].append(name)
+    return dealt
+
+
+def together(step: str, call, *args) -> None:
+    """``call(*args)`` on this rank; then every rank learns whether any failed, and raises."""
+    error = None
+    try:
+        call(*args)
+    except Exception as err:  # told to every rank below, then raised as theirs
+        error = (type(err).__name__, str(err), err)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error and error[:2])
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if not failed:
+        return
+    if error is not None:
+        raise error[2]  # this rank's own, as it was raised
+    rank, (kind, text) = failed[0]
+    raise ConversionFailed(
+        f"the universal conversion's {step} failed on rank {rank}: {kind}: {text}"
+    )
+
+
+def convert_zero3(store: OutStore, rel: str, rank: int, world: int) -> None:
+    """Collective: ZeRO-3 checkpoint folder ``rel`` (relative to the store's root) into
+    ``rel/universal`` (without its COMPLETE: the caller's). DeepSpeed's torch.load calls run
+    as the caller set them up (``weights_only_loads``)."""
+    from deepspeed.checkpoint.ds_to_universal import (
+        extract_zero_shards_stage3,
+        merge_zero3_slices,
+    )
+
+    local = store.local
+    out, parts = f"{rel}/{UNIVERSAL}", f"{rel}/{PARTS}"
+    # What the old world left: its optimizer partitions, one per old rank.
+    old = {}
+    for name, is_dir in store.list_dir(rel):
+        m = OPTIM_FILE.match(name)
+        if m and not is_dir:
+            if int(m[2]) != 0:
+                raise ValueError(f"{store.where(rel)}: {name} is of a tensor-parallel run")
+            old[int(m[1])] = name
+    if sorted(old) != list(range(len(old))) or not old:
+        raise ValueError(f"{store.where(rel)}: ZeRO-3 partitions of ranks {sorted(old)}")
+    old_world = len(old)
+    mine = [d for d in range(old_world) if d % world == rank]
+
+    # A leftover of a conversion killed before its COMPLETE: gone before anyone writes.
+    store.clear(out)
+    store.clear(parts)
+    store.wait()
+    dist.barrier()
+
+    shapes: list[dict[str, torch.Size]] = []  # per parameter group: name -> shape
+
+    def extract() -> None:
+        store.fetch([f"{rel}/{MODEL_FILE.format(0)}"])
+        model0 = local / rel / MODEL_FILE.format(0)
+        shapes.extend(torch.load(model0, map_location="cpu")["param_shapes"])
+        for d in mine:
+            files = [f"{rel}/{old[d]}", f"{rel}/{MODEL_FILE.format(d)}"]
+            store.fetch(files)
+            grid = [[str(local / rel / old[e]) if e == d else None for e in range(old_world)]]
+            extract_zero_shards_stage3(grid, [shapes], old_world, str(local / parts), (0, d))
+            model = local / out / MODEL_FILE.format(d)
+            model.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(local / files[1], model)
+            suffix = f".{d:02d}"  # the fragment files of old rank d
+            written = [p for p in (local / parts).rglob("*") if p.name.endswith(suffix)]
+            store.upload_files([f"{out}/{model.name}", *(store.relative(p) for p in written)])
+        if rank == 0:
+            from deepspeed.checkpoint.ds_to_universal import _save_optimizer_state_stage3
+
+            args = type("Args", (), {"output_folder": str(local / out)})
+            _save_optimizer_state_stage3(args, [str(local / rel / old[0])])
+            store.upload_files([f"{out}/zero/optimizer_state.pt"])
+        store.wait()
+
+    together("extraction", extract)
+
+    sizes = {n: max(1, int(torch.Size(s).numel())) for group in shapes for n, s in group.items()}
+    names = deal_by_size(sizes, world)[rank]
+
+    def merge() -> None:
+        by_param: dict[str, list[str]] = {}
+        for path, _ in store.list_files(parts):
+            by_param.setdefault(path[len(parts) + 1 :].split("/", 1)[0], []).append(path)
+        for name in names:
+            store.fetch(by_param.get(name, []))
+            merge_zero3_slices(old_world, str(local / out / "zero"), str(local / parts), name)
+            store.upload_files(store.relative(p) for p in (local / out / "zero" / name).iterdir())
+        store.wait()
+
+    together("merge", merge)
+    if rank == 0:
+        store.delete_tree(parts)  # on the store (or the shared folder) and this node's copy
+    shutil.rmtree(local / parts, ignore_errors=True)  # every other node's
