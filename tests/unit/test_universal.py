@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import REPO, free_port
 
+from pipeline.train.out_store import OutStore
 from pipeline.train.universal import deal_by_size
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
@@ -31,8 +32,10 @@ from pipeline.config import TrainSection
 ds_engine.init_distributed()
 import torch.distributed as dist
 rank, world = dist.get_rank(), dist.get_world_size()
-root, what = sys.argv[1], sys.argv[2]
-mgr = CheckpointManager(root, keep_last=2, rank=rank, world_size=world, asynchronous=False)
+from pipeline.train.out_store import OutStore
+root, what, staging = sys.argv[1], sys.argv[2], sys.argv[3]  # staging: this rank's own disk
+out = OutStore.open(root, staging.format(rank=rank), rank, 0) if staging else root
+mgr = CheckpointManager(out, keep_last=2, rank=rank, world_size=world, asynchronous=False)
 if what == "save":
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(50, 24), torch.nn.Linear(24, 24),
@@ -59,14 +62,14 @@ else:
 """
 
 
-def ranks(world: int, root: Path, what: str) -> list[str]:
+def ranks(world: int, root: Path | str, what: str, staging: str = "") -> list[str]:
     port = free_port()
     procs = []
     for r in range(world):
         env = {**os.environ, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(world),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "DS_ACCELERATOR": "cpu",
                "OMP_NUM_THREADS": "1"}  # fmt: skip
-        procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(root), what], env=env,
+        procs.append(subprocess.Popen([sys.executable, "-c", RANK, str(root), what, staging], env=env,
                                       cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True))  # fmt: skip
     outs = [p.communicate(timeout=600) for p in procs]
@@ -88,9 +91,20 @@ def test_deal_by_size_balances_and_agrees():
     assert deal_by_size(sizes, 1) == [sorted(sizes, key=lambda n: (-sizes[n], n))]
 
 
-def test_three_ranks_convert_two_ranks_zero3_as_deepspeed_does(tmp_path):
-    ranks(2, tmp_path, "save")
-    tag = tmp_path / "checkpoints" / "step00000002"
+@pytest.mark.parametrize("where", ["shared folder", "s3"])
+def test_three_ranks_convert_two_ranks_zero3_as_deepspeed_does(where, tmp_path, request):
+    """``shared folder``: a local out_dir every rank sees. ``s3``: nothing shared, each rank
+    a node of its own (its own staging folder), the files travelling through the store."""
+    if where == "s3":
+        request.getfixturevalue("s3")
+        root, staging = f"s3://plm-test/universal-{tmp_path.name}", str(tmp_path / "old{rank}")
+    else:
+        root, staging = tmp_path, ""
+    ranks(2, root, "save", staging)
+    view = OutStore.open(str(root), str(tmp_path / "view"), 0, 0)  # what the store holds
+    rel = "checkpoints/step00000002"
+    view.fetch(p for p, _ in view.list_files(rel))
+    tag = view.local / rel
     assert sorted(p.name for p in tag.glob("*optim_states.pt")) == [
         f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt" for d in (0, 1)
     ]
@@ -104,24 +118,35 @@ def test_three_ranks_convert_two_ranks_zero3_as_deepspeed_does(tmp_path):
         num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
         inject_missing_state=True))  # fmt: skip
 
-    outs = ranks(3, tmp_path, "convert")
+    staging = staging.replace("old", "new")
+    outs = ranks(3, root, "convert", staging)
     assert all(out.startswith("SECONDS") for out in outs), outs
+    view.fetch(p for p, _ in view.list_files(f"{rel}/universal"))
     ours, ref = tag / "universal", tmp_path / "ref" / "universal"
     files = sorted(p.relative_to(ours).as_posix() for p in ours.rglob("*") if p.is_file())
     want = sorted(p.relative_to(ref).as_posix() for p in ref.rglob("*") if p.is_file())
     assert files == sorted([*want, "COMPLETE"])
     assert any(f.endswith("/exp_avg_sq.pt") for f in files)
-    for rel in want:
-        a, b = tensors(ours / rel), tensors(ref / rel)
-        if rel.endswith(("_states.pt", "optimizer_state.pt")):  # copied, or saved as DeepSpeed does
-            assert (ours / rel).read_bytes() == (ref / rel).read_bytes(), rel
+    for rel_file in want:
+        a, b = tensors(ours / rel_file), tensors(ref / rel_file)
+        if rel_file.endswith(("_states.pt", "optimizer_state.pt")):  # copied / DeepSpeed's own
+            assert (ours / rel_file).read_bytes() == (ref / rel_file).read_bytes(), rel_file
             continue
-        assert a.keys() == b.keys(), rel
+        assert a.keys() == b.keys(), rel_file
         for k in a:
-            assert torch.equal(a[k], b[k]), (rel, k)
-    assert not (tag / "universal-parts").exists()
+            assert torch.equal(a[k], b[k]), (rel_file, k)
+    assert not view.list_files(f"{rel}/universal-parts")  # the fragments are gone
+    if where == "s3":
+        # Each new rank fetched only what its share needed: new rank 2 read no old
+        # partition (old ranks 0 and 1 went to new ranks 0 and 1) and left no fragments.
+        node2 = tmp_path / "new2" / rel
+        assert not list(node2.glob("*optim_states.pt")), sorted(node2.iterdir())
+        assert not (node2 / "universal-parts").exists()
+        assert (tmp_path / "new1" / rel / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
     # Done once: a second call converts nothing.
-    assert all(float(out.split()[1]) == 0.0 for out in ranks(3, tmp_path, "convert"))
+    assert all(float(out.split()[1]) == 0.0 for out in ranks(3, root, "convert", staging))
+    if where == "s3":
+        return
 
     # A partition that fails to load on the rank reading it (old rank 1: new rank 1) stops
     # every rank with that error, and leaves no COMPLETE.
