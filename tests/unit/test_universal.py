@@ -91,17 +91,13 @@ def test_deal_by_size_balances_and_agrees():
     assert deal_by_size(sizes, 1) == [sorted(sizes, key=lambda n: (-sizes[n], n))]
 
 
-@pytest.mark.parametrize("where", ["shared folder", "s3"])
-def test_three_ranks_convert_two_ranks_zero3_as_deepspeed_does(where, tmp_path, request):
-    """``shared folder``: a local out_dir every rank sees. ``s3``: nothing shared, each rank
-    a node of its own (its own staging folder), the files travelling through the store."""
-    if where == "s3":
-        request.getfixturevalue("s3")
-        root, staging = f"s3://plm-test/universal-{tmp_path.name}", str(tmp_path / "old{rank}")
-    else:
-        root, staging = tmp_path, ""
-    ranks(2, root, "save", staging)
-    view = OutStore.open(str(root), str(tmp_path / "view"), 0, 0)  # what the store holds
+def test_three_ranks_convert_two_ranks_zero3_as_deepspeed_does(s3, tmp_path):
+    """Nothing shared: each rank a node of its own (its own staging folder), the files
+    travelling through the store. (A local out_dir, a folder every rank sees, runs the same
+    steps in place: tests/integration/test_elastic_resume.py converts ZeRO-3 so.)"""
+    root = f"s3://plm-test/universal-{tmp_path.name}"
+    ranks(2, root, "save", str(tmp_path / "old{rank}"))
+    view = OutStore.open(root, str(tmp_path / "view"), 0, 0)  # what the store holds
     rel = "checkpoints/step00000002"
     view.fetch(p for p, _ in view.list_files(rel))
     tag = view.local / rel
@@ -118,7 +114,7 @@ def test_three_ranks_convert_two_ranks_zero3_as_deepspeed_does(where, tmp_path, 
         num_extract_workers=1, num_merge_workers=1, keep_temp_folder=False, strict=True,
         inject_missing_state=True))  # fmt: skip
 
-    staging = staging.replace("old", "new")
+    staging = str(tmp_path / "new{rank}")
     outs = ranks(3, root, "convert", staging)
     assert all(out.startswith("SECONDS") for out in outs), outs
     view.fetch(p for p, _ in view.list_files(f"{rel}/universal"))
@@ -136,24 +132,21 @@ def test_three_ranks_convert_two_ranks_zero3_as_deepspeed_does(where, tmp_path, 
         for k in a:
             assert torch.equal(a[k], b[k]), (rel_file, k)
     assert not view.list_files(f"{rel}/universal-parts")  # the fragments are gone
-    if where == "s3":
-        # Each new rank fetched only what its share needed: new rank 2 read no old
-        # partition (old ranks 0 and 1 went to new ranks 0 and 1) and left no fragments.
-        node2 = tmp_path / "new2" / rel
-        assert not list(node2.glob("*optim_states.pt")), sorted(node2.iterdir())
-        assert not (node2 / "universal-parts").exists()
-        assert (tmp_path / "new1" / rel / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+    # Each new rank fetched only what its share needed: new rank 2 read no old partition
+    # (old ranks 0 and 1 went to new ranks 0 and 1) and kept no fragments.
+    node2 = tmp_path / "new2" / rel
+    assert not list(node2.glob("*optim_states.pt")), sorted(node2.iterdir())
+    assert not (node2 / "universal-parts").exists()
+    assert (tmp_path / "new1" / rel / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
     # Done once: a second call converts nothing.
     assert all(float(out.split()[1]) == 0.0 for out in ranks(3, root, "convert", staging))
-    if where == "s3":
-        return
 
     # A partition that fails to load on the rank reading it (old rank 1: new rank 1) stops
     # every rank with that error, and leaves no COMPLETE.
-    shutil.rmtree(ours)
-    (tag / "zero_pp_rank_1_mp_rank_00_optim_states.pt").write_bytes(b"not a checkpoint")
-    outs = ranks(3, tmp_path, "convert")
     bad = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    view.delete_tree(f"{rel}/universal")
+    view.write_bytes(f"{rel}/{bad}", b"not a checkpoint")
+    outs = ranks(3, root, "convert", str(tmp_path / "again{rank}"))
     assert all(out.startswith("ERROR") and bad in out for out in outs), outs
     assert "extraction failed on rank 1" in outs[0] and "extraction failed on rank 1" in outs[2]
-    assert not (ours / "COMPLETE").exists()
+    assert not view.exists(f"{rel}/universal/COMPLETE")
