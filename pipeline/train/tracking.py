@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import re
+import sqlite3
 import subprocess
 import sys
 import time
@@ -33,7 +34,7 @@ from typing import Any
 
 from pipeline.config import REPO_ROOT, ConfigError
 from pipeline.tracking_uri import resolve_tracking_uri
-from pipeline.train.mlflow_store import create_new_store
+from pipeline.train.mlflow_store import create_new_store, sqlite_path
 
 RUN_ID_FILE = "mlflow_run_id"
 SYNCED_FILE = "mlflow_synced"  # rows of metrics.jsonl that MLflow holds
@@ -185,6 +186,44 @@ def check_server(uri: str, experiment: str) -> None:
             raise ConfigError(refusal(uri, status, _server_words(body), experiment)) from None
     except Exception:  # anything else: the tracker's own start deals with it
         return
+
+
+def check_local_artifacts(uri: str, experiment: str) -> None:
+    """Before the first step, for a ``sqlite:///`` store: the folder MLflow will write this
+    run's artifacts to (the experiment's artifact location; for a new experiment MLflow's
+    default, ./mlruns in the working directory) can be written. A ConfigError otherwise:
+    the run would train, then fail every artifact upload as if the store were away."""
+    db = sqlite_path(uri)
+    if db is None:
+        return
+    location = None
+    if db.is_file():
+        with (
+            contextlib.suppress(sqlite3.Error),
+            contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn,
+        ):
+            row = conn.execute(
+                "select artifact_location from experiments where name = ?", (experiment,)
+            ).fetchone()
+            location = row[0] if row else None
+    if location is None:
+        where = Path.cwd() / "mlruns"
+        why = "MLflow's default for a new experiment in a sqlite:/// store: ./mlruns in the working directory"
+    elif "://" not in location or location.startswith("file://"):
+        where = Path(urllib.parse.urlparse(location).path if "://" in location else location)
+        why = f"experiment {experiment!r}'s artifact location"
+    else:
+        return  # an object store or a server: not a folder of this host
+    probe = where
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if os.access(probe, os.W_OK):
+        return
+    raise ConfigError(
+        f"MLflow would keep this run's artifacts (its model, the bundles) in {where} ({why}), "
+        f"and {probe} cannot be written here: run plm from a writable directory, or set "
+        "mlflow.tracking_uri (or MLFLOW_TRACKING_URI) to an MLflow server"
+    )
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -346,6 +385,7 @@ class Tracker:
         check_server(resolve_tracking_uri(tracking_uri), experiment)
         if not self.enabled:
             return
+        check_local_artifacts(resolve_tracking_uri(tracking_uri), experiment)  # rank 0's
         self._start_args = dict(tracking_uri=tracking_uri, experiment=experiment,
                                 run_name=run_name, params=params, tags=tags, resume=resume)  # fmt: skip
         self.run_dir.mkdir(parents=True, exist_ok=True)

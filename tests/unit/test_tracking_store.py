@@ -5,6 +5,8 @@ MLflow's migrations start from the right revision."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -97,3 +99,44 @@ def test_an_existing_store_or_another_mlflow_is_left_to_mlflow(tmp_path, monkeyp
     assert mlflow_store.create_new_store(f"sqlite:///{other}") is False
     assert not other.exists()
     assert list(tmp_path.iterdir()) == [db]  # no temporary file left behind
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"), reason="needs root")
+def test_artifacts_a_run_cannot_write_are_one_line_before_any_step(tmp_path):
+    """A sqlite:/// store run from a read-only working directory (a bind mount made read-only
+    in a mount namespace of its own): MLflow would put a new experiment's artifacts in
+    ./mlruns there, so the check refuses before any step, naming the folder. An experiment
+    whose artifact location is writable passes from there."""
+    db = tmp_path / "store" / "mlflow.db"
+    db.parent.mkdir()
+    mlflow_store.create_store(db)
+    from mlflow import MlflowClient
+
+    MlflowClient(f"sqlite:///{db}").create_experiment("kept", str(tmp_path / "artifacts"))
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    code = (
+        "import sys\n"
+        "from pipeline.config import ConfigError\n"
+        "from pipeline.train.tracking import check_local_artifacts\n"
+        "for name in sys.argv[2:]:\n"
+        "    try:\n"
+        "        check_local_artifacts(sys.argv[1], name)\n"
+        "        print(name, 'ok')\n"
+        "    except ConfigError as err:\n"
+        "        print(name, 'refused:', err)\n"
+    )
+    script = (
+        f'mount --bind "{ro}" "{ro}" && mount -o remount,ro,bind "{ro}" && cd "{ro}" && exec "$@"'
+    )
+    proc = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, "sh", sys.executable, "-c", code,
+         f"sqlite:///{db}", "new-experiment", "kept"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    new, kept = proc.stdout.splitlines()
+    assert new.startswith("new-experiment refused: MLflow would keep this run's artifacts"), new
+    assert f"in {ro}/mlruns (MLflow's default for a new experiment" in new
+    assert f"and {ro} cannot be written here" in new
+    assert kept == "kept ok"
