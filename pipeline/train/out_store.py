@@ -268,6 +268,13 @@ class RemoteOut(OutStore):
                 f"({' '.join(str(err).split())[:200]})",
                 machine_wide=True,
             ) from None
+        if isinstance(self.fs, pafs.S3FileSystem):
+            # Each part uploaded by the thread writing the file (ours, _PARALLEL of them),
+            # not handed to pyarrow's background pool: about a third of the client CPU per
+            # byte on this VM (256 MiB to moto: 0.3 against 1.0 CPU s), CPU a training step
+            # shares (BENCHMARKS.md, object storage). The options from_uri resolved are kept.
+            rebuild, (options,) = self.fs.__reduce__()
+            self.fs = rebuild({**options, "background_writes": False})
         self.base = base.rstrip("/")
         root = Path(local_dir).expanduser() if local_dir else default_staging_root()
         self.local = root if local_dir else root / f"{self.name}-{_digest(self.uri)}"
