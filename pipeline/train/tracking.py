@@ -200,7 +200,9 @@ def check_local_artifacts(uri: str, experiment: str) -> None:
     if db.is_file():
         with (
             contextlib.suppress(sqlite3.Error),
-            contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True)) as conn,
+            contextlib.closing(
+                sqlite3.connect(f"file:{urllib.parse.quote(str(db))}?mode=ro", uri=True)
+            ) as conn,
         ):
             row = conn.execute(
                 "select artifact_location from experiments where name = ?", (experiment,)
