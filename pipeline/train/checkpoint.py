@@ -523,7 +523,8 @@ class CheckpointManager:
         if not todo[0]:
             return 0.0
         t0 = time.perf_counter()
-        stage = self.meta(tag).get("zero_stage")
+        meta = self.meta(tag)
+        stage = meta.get("zero_stage")
         try:
             with weights_only_loads():
                 if stage == 3:
@@ -538,9 +539,7 @@ class CheckpointManager:
                 f"{type(err).__name__}: {err}"
             ) from err
         if self.rank == 0:  # on a store: after the conversion's files, last
-            self.store.write_bytes(
-                f"{rel}/{UNIVERSAL}/{COMPLETE}", json.dumps(self.meta(tag)).encode()
-            )
+            self.store.write_bytes(f"{rel}/{UNIVERSAL}/{COMPLETE}", json.dumps(meta).encode())
         dist.barrier()
         return time.perf_counter() - t0
 

@@ -384,10 +384,11 @@ class Tracker:
         server (``check_server``: a refusal ends the run there)."""
         _short_http_timeouts()
         # Every rank asks (each exits 2 alike; rank 0 prints the line), before any step.
-        check_server(resolve_tracking_uri(tracking_uri), experiment)
+        uri = resolve_tracking_uri(tracking_uri)
+        check_server(uri, experiment)
         if not self.enabled:
             return
-        check_local_artifacts(resolve_tracking_uri(tracking_uri), experiment)  # rank 0's
+        check_local_artifacts(uri, experiment)  # rank 0's
         self._start_args = dict(tracking_uri=tracking_uri, experiment=experiment,
                                 run_name=run_name, params=params, tags=tags, resume=resume)  # fmt: skip
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -395,7 +396,7 @@ class Tracker:
             self._rows = len(self._jsonl.read_text(encoding="utf-8").splitlines())
             synced = self.run_dir / SYNCED_FILE
             self._sent = int(synced.read_text()) if synced.is_file() else self._rows
-        self.uri = resolve_tracking_uri(tracking_uri)
+        self.uri = uri
         if defer:
             self._deferred = []  # the calls made meanwhile, made once the run started
         else:

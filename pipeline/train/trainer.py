@@ -51,6 +51,13 @@ class TrainingDiverged(RuntimeError):
     """Too many non-finite losses in a row; the last good state was checkpointed."""
 
 
+def peak_resident_gib() -> float:
+    """This process's resident high-water mark, GiB (the page cache not counted)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
 @dataclass
 class RunResult:
     run_dir: Path
@@ -487,10 +494,7 @@ class Trainer:
             cfg = cfg.model_copy(update={"train": t.model_copy(update={"grad_accum": ga})})
         if plan["universal"]:
             plan["convert_s"] = self.ckpt.to_universal(tag)
-            import resource
-
-            # Before anything is built: this process's high-water mark is the conversion's.
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB -> GiB
+            peak = peak_resident_gib()  # before anything is built: the conversion's
             by = f"by {self.world} ranks" if stage == 3 else "on rank 0"
             done = (
                 f"in {plan['convert_s']:.1f} s {by}, rank 0's peak resident memory {peak:.2f} GiB"
@@ -989,10 +993,7 @@ class Trainer:
         """Collective: each rank's peak resident memory (the process's high-water mark: what
         the host had to hold for it, the page cache not counted), in the log and as MLflow
         metrics ``host_peak_gib/rank<r>``."""
-        import resource
-
-        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-        mine = torch.tensor([kib / 2**20], dtype=torch.float64, device=self.dev)
+        mine = torch.tensor([peak_resident_gib()], dtype=torch.float64, device=self.dev)
         peaks = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(peaks, mine)
         gib = [float(x) for x in peaks]

@@ -37,6 +37,13 @@ UNIVERSAL = "universal"
 PARTS = "universal-parts"  # the fragments between the two steps; deleted at the end
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_FILE = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
+STATES = ("fp32", "exp_avg", "exp_avg_sq")  # per parameter: what extract writes, merge joins
+
+
+def fragment(parts: str, name: str, state: str, d: int) -> str:
+    """Where DeepSpeed's extract step writes old rank ``d``'s fragment of a parameter's state
+    (``dump_param_fragment``: tensor-parallel index 0, the old rank in two digits)."""
+    return f"{parts}/{name}/0/{state}.{d:02d}"
 
 
 class ConversionFailed(RuntimeError):
@@ -110,6 +117,7 @@ def convert_zero3(store: OutStore, rel: str, rank: int, world: int) -> None:
         store.fetch([f"{rel}/{MODEL_FILE.format(0)}"])
         model0 = local / rel / MODEL_FILE.format(0)
         shapes.extend(torch.load(model0, map_location="cpu")["param_shapes"])
+        params = [n for group in shapes for n in group]
         for d in mine:
             files = [f"{rel}/{old[d]}", f"{rel}/{MODEL_FILE.format(d)}"]
             store.fetch(files)
@@ -118,9 +126,8 @@ def convert_zero3(store: OutStore, rel: str, rank: int, world: int) -> None:
             model = local / out / MODEL_FILE.format(d)
             model.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(local / files[1], model)
-            suffix = f".{d:02d}"  # the fragment files of old rank d
-            written = [p for p in (local / parts).rglob("*") if p.name.endswith(suffix)]
-            store.upload_files([f"{out}/{model.name}", *(store.relative(p) for p in written)])
+            written = [fragment(parts, n, state, d) for n in params for state in STATES]
+            store.upload_files([f"{out}/{model.name}", *written])
         if rank == 0:
             from deepspeed.checkpoint.ds_to_universal import _save_optimizer_state_stage3
 
@@ -135,13 +142,10 @@ def convert_zero3(store: OutStore, rel: str, rank: int, world: int) -> None:
     names = deal_by_size(sizes, world)[rank]
 
     def merge() -> None:
-        by_param: dict[str, list[str]] = {}
-        for path, _ in store.list_files(parts):
-            by_param.setdefault(path[len(parts) + 1 :].split("/", 1)[0], []).append(path)
         for name in names:
-            store.fetch(by_param.get(name, []))
+            store.fetch(fragment(parts, name, st, d) for st in STATES for d in range(old_world))
             merge_zero3_slices(old_world, str(local / out / "zero"), str(local / parts), name)
-            store.upload_files(store.relative(p) for p in (local / out / "zero" / name).iterdir())
+            store.upload_files(f"{out}/zero/{name}/{state}.pt" for state in STATES)
         store.wait()
 
     together("merge", merge)
