@@ -83,6 +83,22 @@ def build_data_dir(root: Path, shard_docs: int = 40, kind: str = "wordpiece") ->
     return Path(run_prepare(cfg))
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Groups for pytest-xdist's `--dist loadgroup` (CI runs `-n 2`): a group runs whole on
+    one worker, in collection order. The rehearsal cluster's tests share one rig (and their
+    namespaces must not overlap), the per-architecture tests share the family runs, and any
+    other module keeps its module fixtures: each is built once, as without xdist."""
+    for item in items:
+        if item.get_closest_marker("cluster"):
+            group = "rig"
+        elif "family_runs" in item.fixturenames:
+            group = "family"
+        else:
+            group = item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     """One local Ray for a whole module (start-up costs seconds); run_prepare reuses it."""
