@@ -32,7 +32,11 @@ synchronised first on CUDA:
   ds_config.json, the three barriers of ``CheckpointManager.save``, COMPLETE, ``latest``,
   pruning the checkpoint that ``keep_last`` drops, and the rest (``prune_bundles``, the
   log line, reading the metrics window);
-- bytes: the files of the checkpoint folder (every rank's), after the save.
+- bytes: the files of the checkpoint folder (every rank's), after the save;
+- memory: after the timed saves, one more save whose writes are waited for at once (no
+  step in between): rank 0's peak resident memory (VmHWM, reset first) above what it held
+  before the call. A synchronous save's is torch.save's; an asynchronous one's is what the
+  writer holds or copies.
 
 Prints one table per world size and a summary with the ratio save blocked / step; --json
 writes everything. The checkpoints go under --out-dir (default: a temp dir in /var/tmp),
@@ -193,7 +197,9 @@ def rank_main(args) -> None:
     trainer = Trainer(cfg)
     rank, world = trainer.rank, trainer.world
     if cfg.train.async_save:  # installed now, so that instrument() wraps its save
-        trainer.ckpt.writer = ckpt_mod.SnapshotWriter.install(trainer.engine)
+        trainer.ckpt.writer = ckpt_mod.SnapshotWriter.install(
+            trainer.engine, trainer.ckpt.save_buffer_bytes, ckpt_mod._deepspeed_safe_globals()
+        )
     it = iter(trainer.stream)
     steps: list[float] = []
     saves: list[dict] = []
@@ -247,14 +253,34 @@ def rank_main(args) -> None:
         saves.append({"tag": tag, "blocked_s": blocked, "parts": parts.seconds,
                       "bytes": nbytes, "fsync_after_s": flush_s, "bundle_s": bundle_s,
                       "writing_steps_s": writing_steps, "finish_wait_s": finish_wait})  # fmt: skip
+    # Memory: one more save, then its writes waited for at once (no step in between, so
+    # no activations): the rank's peak resident memory above what it held before the call.
+    _reset_peak_rss()
+    before = _rss_kib("VmRSS")
+    trainer.save()
+    trainer.ckpt.finish()
+    save_extra_mib = (_rss_kib("VmHWM") - before) / 1024
     if rank == 0:
         out = {
             "world": world, "params": trainer.n_params, "vocab_size": trainer.meta["vocab_size"],
             "steps_s": steps, "saves": saves, "torch_threads": _threads(),
+            "rss_before_save_mib": before / 1024, "save_peak_extra_mib": save_extra_mib,
             "rank0_files": sorted(p.name for p in (trainer.ckpt.root / saves[-1]["tag"]).iterdir()),
         }  # fmt: skip
         Path(args.result).write_text(json.dumps(out, indent=1))
     trainer.stream.close()
+
+
+def _reset_peak_rss() -> None:
+    """VmHWM starts again from the current resident size (Linux: clear_refs 5)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _threads() -> int:
@@ -337,12 +363,17 @@ def report(res: dict) -> dict:
     flushes = ", ".join(f"{s['fsync_after_s']:.2f}" for s in res["saves"])
     print(f"fsync of the checkpoint's files after the save (not part of it): {flushes} s")
     writing = [t for s in res["saves"] for t in s.get("writing_steps_s", [])]
+    print(
+        f"rank 0's peak resident memory above the {res['rss_before_save_mib']:,.0f} MiB it "
+        f"held, one more save and its writes: {res['save_peak_extra_mib']:,.0f} MiB"
+    )
     return {"world": res["world"], "params": res["params"], "bytes": nbytes, "step_s": step,
             "steps": len(res["steps_s"]), "blocked_s": med, "blocked_min": min(blocked),
             "blocked_max": max(blocked), "ratio": med / step, "fsync_after_s": flush,
             "with_bundle_s": with_bundle, "ratio_with_bundle": with_bundle / step,
             "writing_step_s": statistics.median(writing) if writing else None,
-            "finish_wait_s": statistics.median(s.get("finish_wait_s", 0.0) for s in res["saves"])}  # fmt: skip
+            "finish_wait_s": statistics.median(s.get("finish_wait_s", 0.0) for s in res["saves"]),
+            "save_peak_extra_mib": res["save_peak_extra_mib"]}  # fmt: skip
 
 
 def main() -> None:
@@ -401,16 +432,17 @@ def main() -> None:
     print(
         "| ranks | async_save | bytes per checkpoint | step (median) s | save blocked (median, "
         "range) s | **save blocked / step** | save + bundle s | (save + bundle) / step "
-        "| step while writing s | wait for the writes s | fsync after the save s |"
+        "| step while writing s | wait for the writes s | fsync after the save s "
+        "| peak memory above the step's, a save and its writes |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in summary:
         writing = f"{s['writing_step_s']:.2f}" if s["writing_step_s"] is not None else "-"
         print(f"| {s['world']} | {s['async']} | {s['bytes'] / 2**20:,.0f} MiB | {s['step_s']:.2f} "
               f"({s['steps']} steps) | {s['blocked_s']:.2f} ({s['blocked_min']:.2f}-"
               f"{s['blocked_max']:.2f}) | **{s['ratio']:.2f}** | {s['with_bundle_s']:.2f} | "
               f"{s['ratio_with_bundle']:.2f} | {writing} | {s['finish_wait_s']:.2f} | "
-              f"{s['fsync_after_s']:.2f} |")  # fmt: skip
+              f"{s['fsync_after_s']:.2f} | {s['save_peak_extra_mib']:,.0f} MiB |")  # fmt: skip
     print(f"whole run {time.perf_counter() - started:.0f} s")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "disk": disk,

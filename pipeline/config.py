@@ -414,10 +414,13 @@ class TrainSection(Strict):
     # restarts the survivors (docs/elastic.md). Longer than the longest pause one rank
     # makes alone (rank 0 writing a bundle and uploading it to MLflow).
     collective_timeout_s: float = Field(300.0, gt=0)
-    # Checkpoints written in the background: a save blocks training only while the state
-    # is copied to host memory; the checkpoint is complete (COMPLETE, `latest`) once every
-    # rank's files are written, noticed at a step boundary (pipeline/train/checkpoint.py).
+    # Checkpoints written in the background: a save copies nothing; the next optimizer
+    # update waits until the files are written; the checkpoint is complete (COMPLETE,
+    # `latest`) once every rank's files are, noticed at a step boundary. Tensors not in
+    # host memory (on a GPU) go to the disk through one reused host buffer of
+    # save_buffer_mb (pipeline/train/snapshot_writer.py).
     async_save: bool = True
+    save_buffer_mb: int = Field(64, gt=0)
     # Ranks whose clocks differ from rank 0's by more than this refuse to start (0: not
     # checked); so do ranks running other software (Python, torch, DeepSpeed, plm source).
     max_clock_skew_s: float = Field(30.0, ge=0)

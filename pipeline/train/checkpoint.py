@@ -26,14 +26,14 @@ DeepSpeed's own ``latest`` is written without waiting for the other ranks, and i
 ``save_latest=False``, load with an explicit tag, and fail loudly if that tag won't load.
 
 Asynchronous saves (``train.async_save``): DeepSpeed's engine hands each state dict to
-``SnapshotWriter``, which writes them in a background thread: tensors already whole in
-host memory are held, not copied, and the next optimizer update waits until they are
-written; others (on a device, views) are copied to host memory first, the only part of a
-save training always waits for. ``save`` then returns with the
-checkpoint pending: no ``COMPLETE``, ``latest`` unchanged. It is finished (``finish``:
-rank 0 writes ``COMPLETE``, moves ``latest``, prunes) once every rank's writes are done:
-at the first step boundary where the trainer's per-step all-reduce says so, or, waiting,
-before the next save and when training ends or stops. A process killed meanwhile leaves
+``SnapshotWriter`` (pipeline/train/snapshot_writer.py), which holds its tensors without
+copying them and writes them in a background thread, through one bounded host buffer
+for tensors not in host memory; the next optimizer update waits until they are written.
+``save`` then returns with the checkpoint pending: no ``COMPLETE``, ``latest``
+unchanged. It is finished (``finish``: rank 0 writes ``COMPLETE``, moves ``latest``,
+prunes) once every rank's writes are done: at the first step boundary where the
+trainer's per-step all-reduce says so, or, waiting, before the next save and when
+training ends or stops. A process killed meanwhile leaves
 ``latest`` on the previous checkpoint, as a killed synchronous save does.
 
 Where the files live is ``OutStore``'s (pipeline/train/out_store.py): ``train.out_dir`` a
@@ -49,16 +49,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import copy
 import io
 import json
 import os
 import pickle
-import queue
 import random
 import re
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -71,6 +68,7 @@ import yaml
 from pipeline.data.shards import atomic_write_bytes
 from pipeline.train import universal
 from pipeline.train.out_store import OutStore, UploadError, owner
+from pipeline.train.snapshot_writer import SnapshotWriter
 
 LATEST = "latest"
 COMPLETE = "COMPLETE"
@@ -93,135 +91,6 @@ def uploads_as_checkpoint_errors():
 
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
-
-
-def _whole_host_storage(t: torch.Tensor) -> bool:
-    """``t`` is in host memory and is its whole storage: saving it writes only its bytes."""
-    return (
-        t.device.type == "cpu"
-        and t.is_contiguous()
-        and t.storage_offset() == 0
-        and t.numel() * t.element_size() == t.untyped_storage().nbytes()
-    )
-
-
-def snapshot(obj: Any, copy_all: bool = True) -> Any:
-    """What a background write of a state dict holds: containers rebuilt, other objects
-    deep-copied where they can be (a loss scaler changes as training goes on), and each
-    tensor either copied to host memory (compact: a view copies only its own elements, as
-    DeepSpeed's ``clone_tensors_for_torch_save`` does) or, with ``copy_all=False`` and when
-    it is a whole host storage, held as it is: no copy at all, on the promise that nothing
-    writes it until the write is done (``SnapshotWriter`` makes the next optimizer update
-    wait for that)."""
-    if isinstance(obj, torch.Tensor):
-        if not copy_all and _whole_host_storage(obj):
-            return obj.detach()  # the same memory: what the optimizer will update in place
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        items = {k: snapshot(v, copy_all) for k, v in obj.items()}
-        if type(obj) is dict:
-            return items
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return items
-    if isinstance(obj, list):
-        return [snapshot(v, copy_all) for v in obj]
-    if isinstance(obj, tuple):
-        items = [snapshot(v, copy_all) for v in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else tuple(items)
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return obj
-    try:
-        return copy.deepcopy(obj)
-    except Exception:  # an object that cannot be copied (a config holding a lock): as is
-        return obj
-
-
-class SnapshotWriter:
-    """DeepSpeed's checkpoint engine for asynchronous saves: ``save`` snapshots the state
-    dict (``snapshot``) and queues it; a background thread writes the queue in order, with
-    the same ``torch.save`` call (and so the same bytes) as DeepSpeed's own engine, and
-    fsyncs each file (a synchronous save leaves that to the kernel's write-back).
-
-    Host memory: the snapshot copies nothing that is already a whole tensor in host memory
-    (on the CPU: the parameters, ZeRO's fp32 partitions, Adam's moments): it holds them,
-    and the engine's next optimizer update (``_take_model_step``, the only place that
-    writes them) first waits for the queued writes. So a save costs no second copy of the
-    rank's state; the forward and backward passes of the next step overlap the writes,
-    and a step is held back only when writing takes longer than they do (``blocked_s``
-    adds up that wait). Tensors on a device, and views into a larger buffer, are copied
-    to host memory as before."""
-
-    def __init__(self, base):
-        self.base = base  # DeepSpeed's TorchCheckpointEngine: loading, dirs, commit
-        self.queue: queue.Queue = queue.Queue()
-        self.error: BaseException | None = None
-        self.blocked_s = 0.0  # time optimizer updates waited for the writes, in all
-        self.thread = threading.Thread(target=self._run, name="checkpoint-writer", daemon=True)
-        self.thread.start()
-
-    @classmethod
-    def install(cls, engine) -> SnapshotWriter:
-        writer = cls(engine.checkpoint_engine)
-        engine.checkpoint_engine = writer
-        take_model_step = engine._take_model_step
-
-        def written_then_step(*args, **kwargs):
-            writer.wait_before_update()
-            return take_model_step(*args, **kwargs)
-
-        engine._take_model_step = written_then_step
-        return writer
-
-    def wait_before_update(self) -> None:
-        """The held tensors are about to change: wait until the queued writes are done."""
-        if self.queue.unfinished_tasks:
-            t0 = time.perf_counter()
-            self.wait()
-            self.blocked_s += time.perf_counter() - t0
-
-    def __getattr__(self, name: str):  # create, commit, makedirs, load, ...: DeepSpeed's
-        return getattr(self.base, name)
-
-    def preserves_storage_sharing(self) -> bool:
-        return False  # the snapshot is compact already: DeepSpeed need not clone first
-
-    def is_decoupled(self) -> bool:
-        return False
-
-    def save(self, state_dict, path: str) -> None:
-        if self.error is not None:
-            raise self.error
-        self.queue.put((snapshot(state_dict, copy_all=False), path))
-
-    def _run(self) -> None:
-        while True:
-            state, path = self.queue.get()
-            try:
-                if self.error is None:
-                    zipfile = getattr(self.base, "zipfile_serialization", True)
-                    torch.save(state, path, _use_new_zipfile_serialization=zipfile)
-                    fd = os.open(path, os.O_RDONLY)  # on the disk before COMPLETE names it
-                    try:
-                        os.fsync(fd)
-                    finally:
-                        os.close(fd)
-            except BaseException as err:  # noqa: BLE001  (raised on the training thread)
-                self.error = err
-            finally:
-                del state
-                self.queue.task_done()
-
-    def busy(self) -> bool:
-        if self.error is not None:
-            raise self.error
-        return self.queue.unfinished_tasks > 0
-
-    def wait(self) -> None:
-        self.queue.join()
-        if self.error is not None:
-            raise self.error
 
 
 _TAG = re.compile(r"step\d{8,}")
@@ -363,8 +232,10 @@ class CheckpointManager:
         world_size: int,
         asynchronous: bool = False,
         bundles: str | Path | None = None,
+        save_buffer_mb: int = 64,
     ):
-        """``run_dir``: train.out_dir (a folder or a URI) or its ``OutStore``."""
+        """``run_dir``: train.out_dir (a folder or a URI) or its ``OutStore``;
+        ``save_buffer_mb``: the asynchronous writer's host buffer (train.save_buffer_mb)."""
         if isinstance(run_dir, OutStore):
             self.store = run_dir
         else:
@@ -374,6 +245,7 @@ class CheckpointManager:
         self.rank = rank
         self.world_size = world_size
         self.asynchronous = asynchronous
+        self.save_buffer_bytes = save_buffer_mb << 20
         self.bundles = bundles  # bundles beside the checkpoints: pruned with them
         self.writer: SnapshotWriter | None = None
         self.pending: tuple[str, dict[str, Any]] | None = None  # (tag, COMPLETE's meta)
@@ -591,7 +463,9 @@ class CheckpointManager:
         self.store.clear(f"{CHECKPOINTS}/{tag}")  # a leftover of an interrupted save
         dist.barrier()
         if self.asynchronous and self.writer is None:
-            self.writer = SnapshotWriter.install(engine)
+            self.writer = SnapshotWriter.install(
+                engine, self.save_buffer_bytes, _deepspeed_safe_globals()
+            )
         engine.save_checkpoint(
             str(self.root), tag=tag, client_state={"step": step}, save_latest=False
         )

@@ -378,7 +378,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ckpt = CheckpointManager(
             self.out, cfg.train.keep_last, self.rank, self.world, cfg.train.async_save,
-            bundles="bundles",
+            bundles="bundles", save_buffer_mb=cfg.train.save_buffer_mb,
         )  # fmt: skip
         # Resuming on another number of ranks: the global batch is kept (grad_accum
         # adjusted) and ZeRO 1-3 state is converted to a universal checkpoint, before

@@ -218,8 +218,8 @@ def test_an_asynchronous_save_is_complete_only_once_written(tmp_path, monkeypatc
     """train.async_save: save() returns after the snapshot; until the background writes
     are done the checkpoint has no COMPLETE and `latest` names the previous one (what a
     kill -9 then leaves); the next optimizer update waits for the writes (the host tensors
-    are held, not copied), so training on does not change what is written; the files are
-    the bytes a synchronous save of the same state writes, and they load."""
+    are held, not copied), so training on does not change what is written; the files hold
+    the records a synchronous save of the same state writes, and they load."""
     import threading
 
     from pipeline.train import checkpoint as ckpt_mod
@@ -261,8 +261,8 @@ def test_an_asynchronous_save_is_complete_only_once_written(tmp_path, monkeypatc
     sync_folder = tmp_path / "sync" / "checkpoints" / tag
     written = sorted(p.name for p in sync_folder.glob("*.pt") if not p.name.startswith("trainer_"))
     assert written, list(sync_folder.iterdir())
-    for name in written:
-        assert (folder / name).read_bytes() == (sync_folder / name).read_bytes(), name
+    for name in written:  # the same records (the writer leaves their CRC-32 out)
+        assert records(folder / name) == records(sync_folder / name), name
     fresh, _ = tiny_engine(seed=7)
     mgr.load(fresh, tag)
     for k, v in weights(fresh).items():
@@ -297,16 +297,97 @@ def test_a_failed_background_write_raises_and_leaves_latest(tmp_path, monkeypatc
     assert mgr.latest() == first
 
 
-def test_an_asynchronous_snapshot_holds_whole_host_tensors_and_copies_views():
-    """No second copy of a rank's state: whole host tensors are held (same memory), a view
-    into a larger buffer is copied compact (saving the view would write the whole buffer)."""
-    from pipeline.train.checkpoint import snapshot
+def test_an_asynchronous_save_holds_tensors_and_writes_them_through_a_bounded_buffer(tmp_path):
+    """No copy of a rank's state when the save is called: whole host tensors are held
+    (same memory), views stand in as untouched placeholders whose source is the view
+    itself. The writer's file (skeleton, then each record filled; views and a
+    non-contiguous tensor copied through a buffer smaller than one of them) loads to the
+    same tensors as torch.save's, and its records equal torch.save's but for the CRC."""
+    from pipeline.train.snapshot_writer import SnapshotWriter, hold
 
     flat = torch.arange(10.0)
-    state = {"whole": flat, "view": flat[2:4], "n": 3}
-    held = snapshot(state, copy_all=False)
-    assert held["whole"].data_ptr() == flat.data_ptr()
-    assert held["view"].data_ptr() != flat.data_ptr()
-    assert held["view"].untyped_storage().nbytes() == 2 * 4
-    copied = snapshot(state)
-    assert copied["whole"].data_ptr() != flat.data_ptr()
+    grid = torch.arange(48, dtype=torch.bfloat16).reshape(6, 8)
+    state = {
+        "whole": flat,
+        "view": flat[2:7],  # contiguous, inside a larger storage
+        "columns": grid[:, 1:5],  # not contiguous: through the buffer, row by row
+        "scalar": torch.tensor(3, dtype=torch.int64)[()],
+        "empty": torch.zeros(0),
+        "nested": [{"mask": torch.tensor([True, False, True])}, (torch.ones(2, 3),)],
+        "n": 3,
+    }
+    skeleton, sources = hold(state)
+    assert skeleton["whole"].data_ptr() == flat.data_ptr()
+    assert sources[id(skeleton["view"])].data_ptr() == flat[2:].data_ptr()  # held, not copied
+    assert skeleton["view"].untyped_storage().nbytes() == 5 * 4
+
+    class Engine:  # what install() wraps: DeepSpeed's checkpoint engine and update
+        checkpoint_engine = None
+
+        def _take_model_step(self):
+            return None
+
+    writer = SnapshotWriter.install(Engine(), buffer_bytes=16, safe_globals=[])
+    writer.save(state, str(tmp_path / "ours.pt"))
+    writer.wait()
+    torch.save({k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items()},
+               tmp_path / "theirs.pt")  # fmt: skip
+    ours = torch.load(tmp_path / "ours.pt", weights_only=True)
+    theirs = torch.load(tmp_path / "theirs.pt", weights_only=True)
+    assert ours.keys() == theirs.keys() and ours["n"] == 3
+    for a, b in zip(tensors_of(ours), tensors_of(theirs), strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert writer.fallbacks == 0
+    assert records(tmp_path / "ours.pt") == records(tmp_path / "theirs.pt")
+
+
+class Holder:
+    """An object with a tensor in it (the writer's walk opens containers, not objects)."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+
+
+def test_a_tensor_inside_an_object_is_written_the_plain_way(tmp_path):
+    """A state whose tensor hides in an object cannot be paired with its records (one
+    record more than the tensors the walk finds): that file is written by a plain
+    torch.save, the same tensors; a state without one is written the bounded way."""
+    from pipeline.train.snapshot_writer import SnapshotWriter, hold
+
+    writer = SnapshotWriter(None, buffer_bytes=8, safe_globals=[Holder])
+    flat = torch.arange(6.0)
+    writer._write(*hold({"view": flat[1:4], "n": 1}), str(tmp_path / "a.pt"))
+    assert writer.fallbacks == 0
+    writer._write(*hold({"view": flat[1:4], "obj": Holder(flat)}), str(tmp_path / "b.pt"))
+    assert writer.fallbacks == 1
+    with torch.serialization.safe_globals([Holder]):
+        back = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert torch.equal(back["view"], flat[1:4]) and torch.equal(back["obj"].tensor, flat)
+
+
+def tensors_of(obj):
+    from pipeline.train.snapshot_writer import tensors_in
+
+    return list(tensors_in(obj))
+
+
+def records(path) -> dict[str, bytes]:
+    """A torch.save file's records (but its random serialization id), read raw: the
+    asynchronous writer leaves their CRC-32 out, which zipfile's reader would refuse."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return {n.split("/", 1)[1]: raw_record(path, z.getinfo(n)) for n in z.namelist()
+                if not n.endswith("serialization_id")}  # fmt: skip
+
+
+def raw_record(path, info) -> bytes:
+    """A stored (uncompressed) zip member's bytes, read past its local header."""
+    import struct
+
+    with open(path, "rb") as f:
+        f.seek(info.header_offset)
+        header = f.read(30)
+        name_len, extra_len = struct.unpack("<HH", header[26:30])
+        f.seek(info.header_offset + 30 + name_len + extra_len)
+        return f.read(info.file_size)
