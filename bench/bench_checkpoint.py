@@ -253,6 +253,7 @@ def rank_main(args) -> None:
         saves.append({"tag": tag, "blocked_s": blocked, "parts": parts.seconds,
                       "bytes": nbytes, "fsync_after_s": flush_s, "bundle_s": bundle_s,
                       "writing_steps_s": writing_steps, "finish_wait_s": finish_wait})  # fmt: skip
+    files = sorted(p.name for p in (trainer.ckpt.root / saves[-1]["tag"]).iterdir())
     # Memory: one more save, then its writes waited for at once (no step in between, so
     # no activations): the rank's peak resident memory above what it held before the call.
     _reset_peak_rss()
@@ -265,7 +266,7 @@ def rank_main(args) -> None:
             "world": world, "params": trainer.n_params, "vocab_size": trainer.meta["vocab_size"],
             "steps_s": steps, "saves": saves, "torch_threads": _threads(),
             "rss_before_save_mib": before / 1024, "save_peak_extra_mib": save_extra_mib,
-            "rank0_files": sorted(p.name for p in (trainer.ckpt.root / saves[-1]["tag"]).iterdir()),
+            "rank0_files": files,
         }  # fmt: skip
         Path(args.result).write_text(json.dumps(out, indent=1))
     trainer.stream.close()

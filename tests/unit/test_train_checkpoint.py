@@ -341,6 +341,26 @@ def test_an_asynchronous_save_holds_tensors_and_writes_them_through_a_bounded_bu
     assert records(tmp_path / "ours.pt") == records(tmp_path / "theirs.pt")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_device_tensors_go_to_the_file_through_the_pinned_buffer(tmp_path):
+    """On a GPU: device tensors (whole, a view, not contiguous) are held, not copied, and
+    written through one pinned host buffer smaller than each of them."""
+    from pipeline.train.snapshot_writer import SnapshotWriter, hold
+
+    flat = torch.randn(4096, device="cuda")
+    state = {"whole": flat, "view": flat[100:3000], "t": flat.view(64, 64).t()}
+    skeleton, sources = hold(state)
+    assert all(skeleton[k].device.type == "cpu" for k in state)  # placeholders, untouched
+    assert sources[id(skeleton["whole"])].data_ptr() == flat.data_ptr()
+    writer = SnapshotWriter(None, buffer_bytes=1024, safe_globals=[])
+    writer._write(skeleton, sources, str(tmp_path / "d.pt"))
+    assert writer.buffer._buffer.is_pinned() and writer.buffer._buffer.numel() == 1024
+    back = torch.load(tmp_path / "d.pt", weights_only=True)
+    for k, v in state.items():
+        assert back[k].device.type == "cpu" and torch.equal(back[k], v.cpu()), k
+
+
 class Holder:
     """An object with a tensor in it (the writer's walk opens containers, not objects)."""
 
