@@ -104,7 +104,7 @@ def ray_local():
     """One local Ray for a whole module (start-up costs seconds); run_prepare reuses it."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     yield
     ray.shutdown()
 

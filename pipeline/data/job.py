@@ -367,7 +367,10 @@ def _get(refs):
 
 
 def init_ray(address: str | None, num_cpus: int | None) -> bool:
-    """Connect to / start Ray; True when this call started it (and must shut it down)."""
+    """Connect to / start Ray; True when this call started it (and must shut it down).
+    Without an address (``--ray-address``, RAY_ADDRESS) a local Ray of its own starts, with
+    ``num_cpus``: never the cluster a bare ``ray.init()`` would join because ``ray start``
+    left its address in the machine's Ray temp dir."""
     import ray
 
     if ray.is_initialized():
@@ -380,6 +383,7 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
 
         quiet_ray_auth_notice()
         ray.init(
+            address="local",
             num_cpus=num_cpus,
             include_dashboard=False,
             logging_level=logging.WARNING,

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, load_launch_script
+from conftest import REPO, load_launch_script, plm
 
 from pipeline.data.shards import DataDir
 from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
@@ -26,7 +26,9 @@ aio = load_launch_script("all_in_one")
 @pytest.fixture(scope="module")
 def head():
     """A one-node cluster with token auth, its own ports and temp dir; torn down after."""
-    temp_dir = tempfile.mkdtemp(prefix="plmray-", dir="/tmp")  # short: unix socket paths
+    # short: unix socket paths; named "ray" so that RAY_TMPDIR=<its parent> finds it
+    temp_dir = str(Path(tempfile.mkdtemp(prefix="plmray-", dir="/tmp")) / "ray")
+    Path(temp_dir).mkdir()
     token = Path(temp_dir) / "token"
     token.write_text(secrets.token_hex(32))
     gcs, dash, client, nm, om, agent, agent_grpc, rt, metrics, wmin = aio.free_ports(10)
@@ -105,6 +107,19 @@ def test_prepare_runs_as_a_ray_job_with_token_auth(head, tmp_path):
     data = DataDir(out)
     assert data.verify() == []
     assert data.manifest["totals"]["documents_kept"] == 60
+
+    # `plm data prepare` without an address while that cluster runs and is the latest one
+    # `ray start` made (in the Ray temp dir the prepare sees, where a bare ray.init() looks
+    # for one to join): a local Ray of its own with the CPUs asked for, the cluster's shards.
+    assert (Path(head["temp_dir"]) / "ray_current_cluster").is_file()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_TMPDIR"] = str(Path(head["temp_dir"]).parent)
+    local = tmp_path / "local"
+    plm("data", "prepare", *prepare_args[1:5], "--output", str(local), "--shard-docs", "20",
+        "--valid-fraction", "0.1", "--num-cpus", "1", cwd=tmp_path, env=env)  # fmt: skip
+    shards = sorted(p.relative_to(out) for p in out.rglob("*.tar"))
+    assert shards and shards == sorted(p.relative_to(local) for p in local.rglob("*.tar"))
+    assert all((out / s).read_bytes() == (local / s).read_bytes() for s in shards)
 
 
 def test_a_failing_job_exits_non_zero(head, tmp_path):
