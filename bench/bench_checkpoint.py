@@ -197,9 +197,7 @@ def rank_main(args) -> None:
     trainer = Trainer(cfg)
     rank, world = trainer.rank, trainer.world
     if cfg.train.async_save:  # installed now, so that instrument() wraps its save
-        trainer.ckpt.writer = ckpt_mod.SnapshotWriter.install(
-            trainer.engine, trainer.ckpt.save_buffer_bytes, ckpt_mod._deepspeed_safe_globals()
-        )
+        trainer.ckpt.install_writer(trainer.engine)
     it = iter(trainer.stream)
     steps: list[float] = []
     saves: list[dict] = []

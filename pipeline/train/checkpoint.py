@@ -462,10 +462,8 @@ class CheckpointManager:
         folder = self.root / tag
         self.store.clear(f"{CHECKPOINTS}/{tag}")  # a leftover of an interrupted save
         dist.barrier()
-        if self.asynchronous and self.writer is None:
-            self.writer = SnapshotWriter.install(
-                engine, self.save_buffer_bytes, _deepspeed_safe_globals()
-            )
+        if self.asynchronous:
+            self.install_writer(engine)
         engine.save_checkpoint(
             str(self.root), tag=tag, client_state={"step": step}, save_latest=False
         )
@@ -489,6 +487,14 @@ class CheckpointManager:
             self._complete(tag, meta)
         dist.barrier()
         return tag
+
+    def install_writer(self, engine) -> SnapshotWriter:
+        """The asynchronous writer in place of the engine's checkpoint engine (once)."""
+        if self.writer is None:
+            self.writer = SnapshotWriter.install(
+                engine, self.save_buffer_bytes, _deepspeed_safe_globals()
+            )
+        return self.writer
 
     def writes_busy(self) -> bool:
         """This rank still writes (or uploads) the pending checkpoint's files (a write

@@ -65,21 +65,13 @@ def _placeholder(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=t.dtype).set_(storage, 0, t.shape)
 
 
-def hold(obj: Any) -> tuple[Any, dict[int, torch.Tensor]]:
-    """(skeleton, sources): ``obj`` with its containers rebuilt and other objects
-    deep-copied where they can be; a tensor whole in host memory stays as it is, any other
-    is replaced by a placeholder, with ``sources[id(placeholder)]`` the tensor to copy
-    from. No tensor's memory is copied."""
-    sources: dict[int, torch.Tensor] = {}
+def rebuilt(obj: Any, on_tensor, on_other) -> Any:
+    """``obj`` with its dicts, lists and tuples rebuilt (their types kept where they can
+    be), each tensor replaced by ``on_tensor(t)`` and any other object by ``on_other(o)``."""
 
     def walk(o: Any) -> Any:
         if isinstance(o, torch.Tensor):
-            t = o.detach()
-            if whole_host_storage(t):
-                return t
-            stand_in = _placeholder(t)
-            sources[id(stand_in)] = t
-            return stand_in
+            return on_tensor(o)
         if isinstance(o, dict):
             items = {k: walk(v) for k, v in o.items()}
             if type(o) is dict:
@@ -93,14 +85,38 @@ def hold(obj: Any) -> tuple[Any, dict[int, torch.Tensor]]:
         if isinstance(o, tuple):
             items = [walk(v) for v in o]
             return type(o)(*items) if hasattr(o, "_fields") else tuple(items)
-        if o is None or isinstance(o, (bool, int, float, str, bytes)):
-            return o
-        try:
-            return copy.deepcopy(o)
-        except Exception:  # an object that cannot be copied (a config holding a lock): as is
-            return o
+        return on_other(o)
 
-    return walk(obj), sources
+    return walk(obj)
+
+
+def _copied(o: Any) -> Any:
+    """A deep copy of a plain object where it can be made (a loss scaler changes as
+    training goes on); one that cannot be copied (a config holding a lock) as it is."""
+    if o is None or isinstance(o, (bool, int, float, str, bytes)):
+        return o
+    try:
+        return copy.deepcopy(o)
+    except Exception:
+        return o
+
+
+def hold(obj: Any) -> tuple[Any, dict[int, torch.Tensor]]:
+    """(skeleton, sources): ``obj`` with its containers rebuilt and other objects
+    deep-copied where they can be; a tensor whole in host memory stays as it is, any other
+    is replaced by a placeholder, with ``sources[id(placeholder)]`` the tensor to copy
+    from. No tensor's memory is copied."""
+    sources: dict[int, torch.Tensor] = {}
+
+    def held(o: torch.Tensor) -> torch.Tensor:
+        t = o.detach()
+        if whole_host_storage(t):
+            return t
+        stand_in = _placeholder(t)
+        sources[id(stand_in)] = t
+        return stand_in
+
+    return rebuilt(obj, held, _copied), sources
 
 
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
@@ -173,7 +189,7 @@ def fill(fd: int, offset: int, src: torch.Tensor, buffer: HostBuffer) -> None:
     if src.device.type == "cpu" and src.is_contiguous():
         _write_all(fd, _host_bytes(src), offset)
         return
-    rows = src.reshape(-1) if src.is_contiguous() else (src if src.dim() else src.reshape(1))
+    rows = src.reshape(-1) if src.is_contiguous() else src  # (a 0-d tensor is contiguous)
     row_bytes = rows[0].numel() * rows.element_size()
     per_chunk = max(1, buffer.nbytes // row_bytes)
     for first in range(0, rows.shape[0], per_chunk):
@@ -189,18 +205,12 @@ def fill(fd: int, offset: int, src: torch.Tensor, buffer: HostBuffer) -> None:
 
 def materialized(skeleton: Any, sources: dict[int, torch.Tensor]) -> Any:
     """The skeleton with each placeholder replaced by a compact host copy of its source."""
-    if isinstance(skeleton, torch.Tensor):
-        src = sources.get(id(skeleton))
-        return skeleton if src is None else src.to("cpu", copy=True).contiguous()
-    if isinstance(skeleton, dict):
-        items = {k: materialized(v, sources) for k, v in skeleton.items()}
-        return items if type(skeleton) is dict else type(skeleton)(items)
-    if isinstance(skeleton, list):
-        return [materialized(v, sources) for v in skeleton]
-    if isinstance(skeleton, tuple):
-        items = [materialized(v, sources) for v in skeleton]
-        return type(skeleton)(*items) if hasattr(skeleton, "_fields") else tuple(items)
-    return skeleton
+
+    def copied(t: torch.Tensor) -> torch.Tensor:
+        src = sources.get(id(t))
+        return t if src is None else src.to("cpu", copy=True).contiguous()
+
+    return rebuilt(skeleton, copied, lambda o: o)
 
 
 class SnapshotWriter:
