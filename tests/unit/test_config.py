@@ -48,6 +48,14 @@ def test_bad_value_names_key(tmp_path):
         load_config(tmp_path / "missing.yaml")
 
 
+def test_an_asynchronous_save_buffer_of_nothing_is_refused_naming_the_key():
+    """train.save_buffer_mb: the writer's host buffer must hold something."""
+    for bad in (0, -64):
+        with pytest.raises(ConfigError, match=r"train\.save_buffer_mb.*greater than 0"):
+            validate_dict({**BASE, "train": {"save_buffer_mb": bad}})
+    assert validate_dict({**BASE, "train": {"save_buffer_mb": 8}}).train.save_buffer_mb == 8
+
+
 @pytest.mark.parametrize(
     "path", sorted((CONFIGS_DIR / "experiments").glob("*.yaml")), ids=lambda p: p.stem
 )
