@@ -103,6 +103,17 @@ def losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["step_loss"] for r in rows if "step_loss" in r}
 
 
+def step_seconds(run_dir: Path) -> dict[int, float]:
+    """Each step's wall seconds after the first, from metrics.jsonl's row times (one row a
+    step, `train.log_every` 1): the step, its loss's all-reduce and any save it made."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines()]
+    timed = [(r["step"], r["time"]) for r in rows if "step_loss" in r and "time" in r]
+    return {b[0]: b[1] - a[1] for a, b in zip(timed, timed[1:], strict=False)}
+
+
 def run_on_hosts(rig, hosts: list[str], argv_of, env: dict, log_dir: Path, name: str):
     """Start ``argv_of(rank)`` on each host (peaks reset first), wait; per host: exit
     status, OOM kills during the run, peak bytes, the log."""
@@ -202,7 +213,8 @@ def main() -> int:
         run_dir = shared / "two"
         hosts, wall = run_on_hosts(rig, ["node0", "node1"], per_node(run_dir, []), env, logs,
                                    "two")  # fmt: skip
-        results["two_hosts"] = {"hosts": hosts, "wall_s": wall, "losses": losses(run_dir)}
+        results["two_hosts"] = {"hosts": hosts, "wall_s": wall, "losses": losses(run_dir),
+                                "step_s": step_seconds(run_dir)}  # fmt: skip
         bundle = run_dir / "bundles" / "final"
         results["bundle_files"] = sorted(p.name for p in bundle.glob("*.safetensors"))
         resumed = shared / "resumed"
@@ -366,6 +378,9 @@ def report(r: dict) -> None:
                   f"ranks' resident peaks {h.get('rank_peaks', '-')}  ({r[key]['wall_s']:.0f} s)")  # fmt: skip
             if h.get("save_calls_s"):
                 print(f"  {'':15s} save calls {h['save_calls_s']} s; {h['saves_held']}")
+        if r[key].get("step_s"):
+            steps = ", ".join(f"step {k}: {v:.1f} s" for k, v in r[key]["step_s"].items())
+            print(f"  {'':15s} step wall times {steps}")
     two, ref = r.get("two_hosts", {}).get("losses", {}), r["reference"]["losses"]
     for step in sorted(ref):
         if str(step) in two or step in two:

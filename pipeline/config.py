@@ -506,6 +506,10 @@ class MlflowSection(Strict):
     # final_wait_s for it, to end the run and log and register the model.
     retry_every_s: float = Field(30.0, gt=0)
     final_wait_s: float = Field(60.0, ge=0)
+    # How long one artifact request (the bundle's files, the registered model) may wait for
+    # the server's answer: a server proxying artifacts answers once it has stored the file.
+    # The other calls wait 5 s (MLFLOW_HTTP_REQUEST_TIMEOUT, when set, is used for all).
+    upload_timeout_s: float = Field(600.0, gt=0)
 
 
 class ExperimentConfig(Strict):

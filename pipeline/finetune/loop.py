@@ -272,7 +272,8 @@ class Finetuner:
         from pipeline.train.tracking import Tracker, code_version
 
         cfg, t = self.cfg, self.cfg.train
-        tracker = Tracker(self.run_dir, enabled=self.rank == 0)
+        tracker = Tracker(self.run_dir, enabled=self.rank == 0,
+                          upload_timeout_s=cfg.mlflow.upload_timeout_s)  # fmt: skip
         s = self.source
         tags = {
             "stage": "finetune",

@@ -373,6 +373,7 @@ class Trainer:
         self.tracker = Tracker(
             self.run_dir, self.rank == 0, cfg.mlflow.retry_every_s, cfg.mlflow.final_wait_s,
             every_row={"world_size": self.world},  # every row of metrics.jsonl says it
+            upload_timeout_s=cfg.mlflow.upload_timeout_s,
         )  # fmt: skip
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)

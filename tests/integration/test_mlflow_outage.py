@@ -147,3 +147,107 @@ def test_a_finished_run_that_mlflow_lacks_exits_3_with_one_line(tiny_data, tmp_p
     assert "did not answer within mlflow.final_wait_s=0 s" in line, line
     assert "Re-run the same command" in line and "metric rows" in line, line
     assert (run_dir / "checkpoints" / "latest").is_file()  # the training itself is done
+
+
+class SlowArtifactStore:
+    """The server as a client sees it through a TCP relay that holds back the answer to
+    each artifact upload (``PUT /api/2.0/mlflow-artifacts/``) for ``delay_s``, as a server
+    proxying artifacts answers only once it has stored the file on its object store."""
+
+    def __init__(self, target_port: int, delay_s: float):
+        import socket
+        import threading
+
+        self.delay_s, self.target = delay_s, target_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            upload = threading.Event()  # an upload's request went up: hold its answer
+            threading.Thread(target=self._up, args=(client, upstream, upload), daemon=True).start()
+            threading.Thread(
+                target=self._down, args=(upstream, client, upload), daemon=True
+            ).start()
+
+    @staticmethod
+    def _up(a, b, upload) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                if b"PUT /api/2.0/mlflow-artifacts/" in data:
+                    upload.set()
+                b.sendall(data)
+        except OSError:
+            pass
+
+    def _down(self, a, b, upload) -> None:
+        try:
+            while data := a.recv(1 << 16):
+                if upload.is_set():
+                    time.sleep(self.delay_s)
+                    upload.clear()
+                b.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_an_upload_may_wait_longer_for_the_server_than_the_other_calls(tmp_path):
+    """A server that takes 7 s to answer an upload: the bundle's files still arrive
+    (mlflow.upload_timeout_s, 600 by default), while every other call keeps its 5 s
+    (an unreachable server costs seconds); the same upload with upload_timeout_s at 2 is
+    a warning, the tracker's answer to a failed MLflow call. Before, every upload had 5 s,
+    and a 1.17 GiB bundle through the rig's MLflow server to its S3 server failed."""
+    from mlflow import MlflowClient
+
+    from pipeline.train import tracking
+
+    aio = load_launch_script("all_in_one")
+    (tmp_path / "logs").mkdir()
+    server = aio.MlflowServer(tmp_path, tmp_path / "logs")
+    server.start()
+    relay = SlowArtifactStore(int(server.url.rsplit(":", 1)[1]), delay_s=7.0)
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "model.safetensors").write_bytes(os.urandom(1 << 16))
+    os.environ.pop(tracking.TIMEOUT_VAR, None)  # (the autouse fixture restores it)
+    try:
+        for name, timeout_s in (("patient", 600.0), ("hasty", 2.0)):
+            tracker = tracking.Tracker(tmp_path / name, enabled=True, final_wait_s=0,
+                                       upload_timeout_s=timeout_s)  # fmt: skip
+            tracker.start(tracking_uri=relay.url, experiment="slow", run_name=name,
+                          params={}, tags={}, resume=False)  # fmt: skip
+            assert os.environ[tracking.TIMEOUT_VAR] == tracking.SHORT_TIMEOUT_S
+            tracker.log_artifacts(bundle, "model")
+            assert os.environ[tracking.TIMEOUT_VAR] == tracking.SHORT_TIMEOUT_S
+            if name == "patient":
+                assert tracker.warnings == []
+                listed = MlflowClient(server.url).list_artifacts(tracker.run_id, "model")
+                assert [f.path for f in listed] == ["model/model.safetensors"]
+            else:  # (the server may have stored the file: the client stopped waiting)
+                assert len(tracker.warnings) == 1 and "log_artifacts model" in tracker.warnings[0]
+            tracker.end("FINISHED")
+
+        # the user's own MLFLOW_HTTP_REQUEST_TIMEOUT is theirs, uploads included
+        os.environ[tracking.TIMEOUT_VAR] = "3"
+        tracking._short_http_timeouts()
+        with tracking.upload_timeout(600):
+            assert os.environ[tracking.TIMEOUT_VAR] == "3"
+    finally:
+        import mlflow
+
+        if mlflow.active_run() is not None:
+            mlflow.end_run()
+        relay.close()
+        server.stop()

@@ -56,6 +56,14 @@ def test_an_asynchronous_save_buffer_of_nothing_is_refused_naming_the_key():
     assert validate_dict({**BASE, "train": {"save_buffer_mb": 8}}).train.save_buffer_mb == 8
 
 
+def test_an_upload_timeout_of_nothing_is_refused_naming_the_key():
+    """mlflow.upload_timeout_s: how long an artifact upload may wait for the server."""
+    for bad in (0, -1):
+        with pytest.raises(ConfigError, match=r"mlflow\.upload_timeout_s.*greater than 0"):
+            validate_dict({**BASE, "mlflow": {"upload_timeout_s": bad}})
+    assert validate_dict({**BASE, "mlflow": {"upload_timeout_s": 60}}).mlflow.upload_timeout_s == 60
+
+
 @pytest.mark.parametrize(
     "path", sorted((CONFIGS_DIR / "experiments").glob("*.yaml")), ids=lambda p: p.stem
 )
