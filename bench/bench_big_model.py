@@ -95,22 +95,22 @@ def model_size(model: str) -> tuple[int, int]:
     return total, largest
 
 
-def losses(run_dir: Path) -> dict[int, float]:
+def step_rows(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows of steps (none if the run wrote no file)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        return {}
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    return {r["step"]: r["step_loss"] for r in rows if "step_loss" in r}
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "step_loss" in r]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["step_loss"] for r in step_rows(run_dir)}
 
 
 def step_seconds(run_dir: Path) -> dict[int, float]:
     """Each step's wall seconds after the first, from metrics.jsonl's row times (one row a
     step, `train.log_every` 1): the step, its loss's all-reduce and any save it made."""
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        return {}
-    rows = [json.loads(x) for x in path.read_text().splitlines()]
-    timed = [(r["step"], r["time"]) for r in rows if "step_loss" in r and "time" in r]
+    timed = [(r["step"], r["time"]) for r in step_rows(run_dir) if "time" in r]
     return {b[0]: b[1] - a[1] for a, b in zip(timed, timed[1:], strict=False)}
 
 

@@ -24,14 +24,13 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "tests"))  # s3_server.start_moto: the tests' S3 server
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "launch")]  # s3_server, all_in_one
 
 
 def status_bytes(pid: int | str, field: str) -> int:
@@ -115,72 +114,39 @@ def client(phase: str, uri: str, bundle: Path, small: Path, work: Path) -> dict:
 # --- the stores --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_http(url: str, timeout: float = 120) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=2).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-
-
-def start_server(work: Path, artifacts: str, env: dict) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    mlflow = shutil.which("mlflow") or str(Path(sys.executable).parent / "mlflow")
-    log = open(work / "server.log", "ab")  # noqa: SIM115  (the server's, while it runs)
-    proc = subprocess.Popen(
-        [mlflow, "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-         "--backend-store-uri", f"sqlite:///{work / 'server.db'}",
-         "--artifacts-destination", artifacts],
-        env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, stdout=log,
-        stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    wait_http(f"{url}/health")
-    return proc, url
-
-
 def run_target(target: str, bundle: Path, small: Path, work: Path) -> dict:
+    """Both phases against ``target``'s store: its servers started here (the all-in-one's
+    ``mlflow server``; moto for ``server-s3``) and stopped after."""
+    from all_in_one import MlflowServer
+    from s3_server import _free_port, start_moto
+
     work = work / target
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs: list[subprocess.Popen] = []
+    moto, server = None, None
     try:
         if target == "sqlite":
             uri = f"sqlite:///{work / 'mlflow.db'}"
         else:
-            artifacts = str(work / "artifacts")
+            server = MlflowServer(work, work)  # artifacts proxied to work/mlartifacts
             if target == "server-s3":
-                from s3_server import start_moto
-
-                port = free_port()
-                procs.append(start_moto(port, work / "moto.log"))
-                env.update(AWS_ACCESS_KEY_ID="bench", AWS_SECRET_ACCESS_KEY="bench",
-                           AWS_DEFAULT_REGION="us-east-1",
-                           MLFLOW_S3_ENDPOINT_URL=f"http://127.0.0.1:{port}")  # fmt: skip
+                port = _free_port()
+                moto = start_moto(port, work / "moto.log")
+                s3 = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
+                      "AWS_DEFAULT_REGION": "us-east-1",
+                      "MLFLOW_S3_ENDPOINT_URL": f"http://127.0.0.1:{port}"}  # fmt: skip
+                os.environ.update(s3)  # the server's (MlflowServer passes os.environ on)
+                env.update(s3)
                 import boto3
 
-                boto3.client("s3", endpoint_url=env["MLFLOW_S3_ENDPOINT_URL"],
-                             aws_access_key_id="bench", aws_secret_access_key="bench",
-                             region_name="us-east-1").create_bucket(Bucket="artifacts")  # fmt: skip
-                artifacts = "s3://artifacts/mlflow"
-            server, uri = start_server(work, artifacts, env)
-            procs.append(server)
-            env["BENCH_SERVER_PID"] = str(server.pid)
+                boto3.client("s3", endpoint_url=s3["MLFLOW_S3_ENDPOINT_URL"]).create_bucket(
+                    Bucket="artifacts"
+                )
+                server.artifacts = "s3://artifacts/mlflow"
+            server.start()
+            uri = server.url
+            env["BENCH_SERVER_PID"] = str(server.proc.pid)
         result: dict = {"target": target}
         for phase in ("upload", "download"):
             proc = subprocess.run(
@@ -193,9 +159,11 @@ def run_target(target: str, bundle: Path, small: Path, work: Path) -> dict:
             result.update(json.loads(proc.stdout.strip().splitlines()[-1]))
         return result
     finally:
-        for p in reversed(procs):
-            os.killpg(p.pid, signal.SIGTERM)
-            p.wait(timeout=60)
+        if server is not None:
+            server.stop()
+        if moto is not None:
+            moto.terminate()
+            moto.wait(timeout=60)
 
 
 # --- the bundles -------------------------------------------------------------------------

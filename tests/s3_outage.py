@@ -49,13 +49,20 @@ class Outage:
                 return
             with self.lock:
                 self.conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            self._relay(client, upstream)
+
+    def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
+        """One connection: bytes pumped both ways (a subclass may watch or hold them)."""
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     @staticmethod
-    def _pump(a: socket.socket, b: socket.socket) -> None:
+    def _pump(a: socket.socket, b: socket.socket, on_data=None) -> None:
+        """``a``'s bytes to ``b`` until either closes; ``on_data(chunk)`` before each send."""
         try:
             while data := a.recv(1 << 16):
+                if on_data is not None:
+                    on_data(data)
                 b.sendall(data)
         except OSError:
             pass

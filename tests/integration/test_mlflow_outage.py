@@ -11,6 +11,7 @@ import time
 
 import pytest
 from conftest import REPO, load_launch_script, metrics_rows
+from s3_outage import Outage
 
 pytestmark = pytest.mark.slow
 
@@ -149,58 +150,31 @@ def test_a_finished_run_that_mlflow_lacks_exits_3_with_one_line(tiny_data, tmp_p
     assert (run_dir / "checkpoints" / "latest").is_file()  # the training itself is done
 
 
-class SlowArtifactStore:
+class SlowArtifactStore(Outage):
     """The server as a client sees it through a TCP relay that holds back the answer to
     each artifact upload (``PUT /api/2.0/mlflow-artifacts/``) for ``delay_s``, as a server
     proxying artifacts answers only once it has stored the file on its object store."""
 
     def __init__(self, target_port: int, delay_s: float):
-        import socket
+        self.delay_s = delay_s
+        super().__init__(target_port)
+
+    def _relay(self, client, upstream) -> None:
         import threading
 
-        self.delay_s, self.target = delay_s, target_port
-        self.listener = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
-        threading.Thread(target=self._accept, daemon=True).start()
+        upload = threading.Event()  # an upload's request went up: hold its answer
 
-    def _accept(self) -> None:
-        import socket
-        import threading
+        def request(data: bytes) -> None:
+            if b"PUT /api/2.0/mlflow-artifacts/" in data:
+                upload.set()
 
-        while True:
-            try:
-                client, _ = self.listener.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.target))
-            upload = threading.Event()  # an upload's request went up: hold its answer
-            threading.Thread(target=self._up, args=(client, upstream, upload), daemon=True).start()
-            threading.Thread(
-                target=self._down, args=(upstream, client, upload), daemon=True
-            ).start()
+        def answer(_data: bytes) -> None:
+            if upload.is_set():
+                time.sleep(self.delay_s)
+                upload.clear()
 
-    @staticmethod
-    def _up(a, b, upload) -> None:
-        try:
-            while data := a.recv(1 << 16):
-                if b"PUT /api/2.0/mlflow-artifacts/" in data:
-                    upload.set()
-                b.sendall(data)
-        except OSError:
-            pass
-
-    def _down(self, a, b, upload) -> None:
-        try:
-            while data := a.recv(1 << 16):
-                if upload.is_set():
-                    time.sleep(self.delay_s)
-                    upload.clear()
-                b.sendall(data)
-        except OSError:
-            pass
-
-    def close(self) -> None:
-        self.listener.close()
+        for a, b, hook in ((client, upstream, request), (upstream, client, answer)):
+            threading.Thread(target=self._pump, args=(a, b, hook), daemon=True).start()
 
 
 def test_an_upload_may_wait_longer_for_the_server_than_the_other_calls(tmp_path):
@@ -226,7 +200,7 @@ def test_an_upload_may_wait_longer_for_the_server_than_the_other_calls(tmp_path)
         for name, timeout_s in (("patient", 600.0), ("hasty", 2.0)):
             tracker = tracking.Tracker(tmp_path / name, enabled=True, final_wait_s=0,
                                        upload_timeout_s=timeout_s)  # fmt: skip
-            tracker.start(tracking_uri=relay.url, experiment="slow", run_name=name,
+            tracker.start(tracking_uri=relay.endpoint, experiment="slow", run_name=name,
                           params={}, tags={}, resume=False)  # fmt: skip
             assert os.environ[tracking.TIMEOUT_VAR] == tracking.SHORT_TIMEOUT_S
             tracker.log_artifacts(bundle, "model")
@@ -249,5 +223,5 @@ def test_an_upload_may_wait_longer_for_the_server_than_the_other_calls(tmp_path)
 
         if mlflow.active_run() is not None:
             mlflow.end_run()
-        relay.close()
+        relay.stop()
         server.stop()
