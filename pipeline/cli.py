@@ -198,6 +198,28 @@ def _finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    from pipeline.eval.suite import EvalError
+
+    if args.report:
+        from pipeline.eval.evaluate import report_run
+
+        print(report_run(args.report, args.tracking_uri))
+        return 0
+    if not args.suite or not args.models:
+        raise EvalError("plm eval SUITE --models SOURCE [SOURCE ...] (or plm eval --report RUN)")
+    from pipeline.eval.evaluate import evaluate
+    from pipeline.eval.suite import load_suite
+
+    overrides = list(args.overrides)
+    if args.tracking_uri:
+        overrides.append(f"mlflow.tracking_uri={args.tracking_uri}")
+    suite = load_suite(args.suite, overrides)  # bad input: exit 2, before Ray
+    result = evaluate(suite, args.models, args.address, use_ray=not args.no_ray)
+    failed = sum(r.scores is None for r in result.results)
+    return 1 if failed == len(result.results) else 0
+
+
 def _predict(args: argparse.Namespace) -> int:
     from pipeline.finetune.predict import predict
 
@@ -352,6 +374,28 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("overrides", nargs="*", metavar="key=value")
     ft.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ft.set_defaults(func=_finetune)
+
+    ev = sub.add_parser(
+        "eval", help="score checkpoints on a suite of tasks (Ray), rank them in MLflow"
+    )
+    _local(ev, "suite", nargs="?", help="YAML evaluation suite (configs/eval/)")
+    ev.add_argument("overrides", nargs="*", metavar="key=value")
+    ev.add_argument(
+        "--models", nargs="+", default=[], metavar="SOURCE",
+        help="a run's train.out_dir (all its checkpoints), a checkpoint or bundle folder, "
+        "models:/NAME@ALIAS, runs:/ID/model, or random (the untrained baseline)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--address", default=None, help="Ray cluster (else RAY_ADDRESS, else a local Ray)"
+    )
+    ev.add_argument("--no-ray", action="store_true", help="run every cell in this process")
+    ev.add_argument(
+        "--report",
+        metavar="RUN",
+        help="print the table of an evaluation run (or a pretraining run's newest)",
+    )
+    ev.add_argument("--tracking-uri", default=None, help="MLflow store (else MLFLOW_TRACKING_URI)")
+    ev.set_defaults(func=_eval)
 
     pred = sub.add_parser("predict", help="batch inference with a fine-tuned model")
     _local(pred, "model", alternative=f"give {FINETUNED_OR_MLFLOW}", help=FINETUNED_OR_MLFLOW)
@@ -543,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.output import configure
 
     configure(args.verbose)
-    if args.command in ("train", "finetune", "demo", "setup"):  # before DeepSpeed's import
+    if args.command in ("train", "finetune", "eval", "demo", "setup"):  # before DeepSpeed's
         from pipeline.train.ds_ops import configure_environment
 
         configure_environment()

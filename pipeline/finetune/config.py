@@ -37,7 +37,9 @@ TaskType = Literal["classification", "regression", "tagging", "span_qa", "multip
 
 # The metrics each task reports; the first is the default early-stopping metric.
 TASK_METRICS: dict[str, tuple[str, ...]] = {
-    "classification": ("accuracy", "macro_f1"),
+    # mcc: Matthews' correlation (CoLA's metric); f1: the F1 of task.positive_label
+    # (MRPC's, QQP's), reported when that is set
+    "classification": ("accuracy", "macro_f1", "mcc", "f1"),
     "multiple_choice": ("accuracy", "macro_f1"),
     "regression": ("pearson", "spearman", "mse"),
     "tagging": ("entity_f1", "entity_precision", "entity_recall", "token_accuracy"),
@@ -63,6 +65,7 @@ class TaskSection(Strict):
     text_column: str = "text"  # classification / regression / tagging (words) / mc context
     text_pair_column: str | None = None  # set: sentence-pair input (A [SEP] B)
     label_column: str = "label"  # tagging: one label per word; mc: index of the right choice
+    positive_label: str | None = None  # classification: the class whose F1 is reported (f1)
     choices_column: str = "choices"  # multiple_choice: a list of strings per row
     question_column: str = "question"  # span_qa
     context_column: str = "context"  # span_qa
@@ -85,6 +88,8 @@ class TaskSection(Strict):
             raise ValueError("task.crf is only for task.type=tagging")
         if self.text_pair_column and self.type not in ("classification", "regression"):
             raise ValueError("task.text_pair_column is for classification / regression")
+        if self.positive_label is not None and self.type != "classification":
+            raise ValueError("task.positive_label is only for task.type=classification")
         return self
 
 
@@ -137,6 +142,9 @@ class FinetuneConfig(Strict):
     @model_validator(mode="after")
     def _metric_fits_task(self):
         allowed = TASK_METRICS[self.task.type]
+        if self.train.metric == "f1" and self.task.type == "classification":
+            if self.task.positive_label is None:
+                raise ValueError("train.metric f1 needs task.positive_label (the class it scores)")
         if self.train.metric is not None and self.train.metric not in allowed:
             raise ValueError(
                 f"train.metric {self.train.metric!r} is not reported for task.type "

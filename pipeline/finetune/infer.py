@@ -125,6 +125,8 @@ def score(
     if task.type == "multiple_choice":
         return M.classification_scores(p, [int(r[task.label_column]) for r in rows])
     index = {lab: i for i, lab in enumerate(labels)}
-    return M.classification_scores(
-        [index[x] for x in p], [index[str(r[task.label_column])] for r in rows]
-    )
+    pred, gold = [index[x] for x in p], [index[str(r[task.label_column])] for r in rows]
+    out = M.classification_scores(pred, gold) | {"mcc": M.matthews_corrcoef(pred, gold)}
+    if task.positive_label is not None:
+        out["f1"] = M.binary_f1(pred, gold, index.get(task.positive_label, -1))
+    return out

@@ -135,11 +135,14 @@ def prepare(
 
 
 class Finetuner:
-    def __init__(self, cfg: FinetuneConfig):
+    def __init__(self, cfg: FinetuneConfig, track: bool = True):
+        """``track``: log an MLflow run (and register); off for the evaluation suite's
+        cells, whose scores its own run holds (pipeline/eval)."""
         from pipeline.train import engine as ds_engine
         from pipeline.train.trainer import seed_everything
 
         self.cfg = cfg
+        self.track = track
         ds_engine.init_distributed(cfg.train.cpu_shm_allreduce)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.dev = _device()
@@ -272,7 +275,7 @@ class Finetuner:
         from pipeline.train.tracking import Tracker, code_version
 
         cfg, t = self.cfg, self.cfg.train
-        tracker = Tracker(self.run_dir, enabled=self.rank == 0,
+        tracker = Tracker(self.run_dir, enabled=self.rank == 0 and self.track,
                           upload_timeout_s=cfg.mlflow.upload_timeout_s)  # fmt: skip
         s = self.source
         tags = {
@@ -288,14 +291,15 @@ class Finetuner:
             "code_version": code_version(),
             "world_size": str(self.world),
         }
-        tracker.start(
-            tracking_uri=cfg.mlflow.tracking_uri,
-            experiment=cfg.mlflow.experiment or cfg.name,
-            run_name=cfg.mlflow.run_name or self.run_dir.name,
-            params={**cfg.model_dump(mode="json"), "n_labels": len(self.data.labels)},
-            tags=tags,
-            resume=False,
-        )
+        if self.track:
+            tracker.start(
+                tracking_uri=cfg.mlflow.tracking_uri,
+                experiment=cfg.mlflow.experiment or cfg.name,
+                run_name=cfg.mlflow.run_name or self.run_dir.name,
+                params={**cfg.model_dump(mode="json"), "n_labels": len(self.data.labels)},
+                tags=tags,
+                resume=False,
+            )
         train_ex = self.data.examples["train"]
         has_valid = "valid" in self.data.examples
         self.log(
@@ -380,7 +384,7 @@ class Finetuner:
                     tracker.log_metrics({f"test_{k}": v for k, v in test.items()}, step)
                     self.log("test: " + " ".join(f"{k} {v:.4f}" for k, v in test.items()))
                 tracker.log_artifacts(model_dir, "model")
-                if cfg.mlflow.register_model:
+                if cfg.mlflow.register_model and self.track:
                     version = tracker.register(
                         "model",
                         cfg.name,
@@ -426,9 +430,9 @@ def evaluate_saved(
     return score(preds, data.rows["test"], cfg.task, data.labels)
 
 
-def finetune(cfg: FinetuneConfig) -> FinetuneResult:
-    """Entry point of ``plm finetune`` on every rank."""
-    return Finetuner(cfg).run()
+def finetune(cfg: FinetuneConfig, track: bool = True) -> FinetuneResult:
+    """Entry point of ``plm finetune`` on every rank (``track``: as Finetuner's)."""
+    return Finetuner(cfg, track).run()
 
 
 __all__ = ["FinetuneResult", "finetune", "build_task_model", "load_finetuned"]

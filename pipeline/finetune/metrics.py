@@ -136,3 +136,36 @@ def regression_scores(pred: list[float], gold: list[float]) -> dict[str, float]:
 
 def classification_scores(pred: list[int], gold: list[int]) -> dict[str, float]:
     return {"accuracy": accuracy(pred, gold), "macro_f1": macro_f1(pred, gold)}
+
+
+def matthews_corrcoef(pred: list[int], gold: list[int]) -> float:
+    """Matthews correlation in its K-class form (Gorodkin 2004, as sklearn computes it): with
+    t_k / p_k the times class k is gold / predicted, c the correct predictions and s the
+    samples, ``(c*s - t.p) / sqrt((s^2 - p.p) * (s^2 - t.t))``; 0.0 when the denominator is 0
+    (one class only in gold or in the predictions). Two classes: the usual
+    ``(tp*tn - fp*fn) / sqrt((tp+fp)(tp+fn)(tn+fp)(tn+fn))``."""
+    p, g = np.asarray(pred), np.asarray(gold)
+    if len(p) != len(g):
+        raise ValueError(f"{len(p)} predictions for {len(g)} gold labels")
+    if not len(g):
+        return 0.0
+    _, idx = np.unique(np.concatenate([p, g]), return_inverse=True)
+    pi, gi = idx[: len(p)], idx[len(p) :]
+    k = int(idx.max()) + 1
+    t = np.bincount(gi, minlength=k).astype(np.float64)
+    pk = np.bincount(pi, minlength=k).astype(np.float64)
+    c, s = float((pi == gi).sum()), float(len(g))
+    den = (s * s - pk @ pk) * (s * s - t @ t)
+    return float((c * s - t @ pk) / np.sqrt(den)) if den > 0 else 0.0
+
+
+def binary_f1(pred: list[int], gold: list[int], positive: int) -> float:
+    """F1 of the class ``positive`` (GLUE's MRPC / QQP F1): 2tp / (2tp + fp + fn); 0.0 when
+    undefined (the class never predicted nor gold) or when no positive is found."""
+    p, g = np.asarray(pred), np.asarray(gold)
+    tp = int(((p == positive) & (g == positive)).sum())
+    fp, fn = (
+        int(((p == positive) & (g != positive)).sum()),
+        int(((p != positive) & (g == positive)).sum()),
+    )
+    return 2 * tp / (2 * tp + fp + fn) if tp else 0.0

@@ -94,18 +94,19 @@ with warnings.catch_warnings(record=True):
             return ((hidden * m).sum(1) / m.sum(1).clamp(min=1.0)).numpy().astype(np.float32)
 
 
-def log_bundle_model(bundle_dir: str | Path, name: str = "model"):
+def log_bundle_model(bundle_dir: str | Path, name: str = "model", **log_kwargs):
     """Log ``bundle_dir`` as a LoggedModel of the active run; returns MLflow's ModelInfo.
     The signature (a string column, a ``output`` parameter) is given, not inferred from
-    type hints (those cannot declare parameters)."""
+    type hints (those cannot declare parameters). ``log_kwargs``: for
+    ``mlflow.pyfunc.log_model`` (``step``; ``model_id``: into a LoggedModel made before)."""
     from mlflow.models import infer_signature
 
     signature = infer_signature(["a text"], params={"output": "embeddings"})
     entry = Path(__file__).with_name("pyfunc_entry.py")
-    return log_model(entry, BUNDLE_ARTIFACT, bundle_dir, name, signature)
+    return log_model(entry, BUNDLE_ARTIFACT, bundle_dir, name, signature, **log_kwargs)
 
 
-def log_model(entry: Path, artifact: str, folder: str | Path, name: str, signature):
+def log_model(entry: Path, artifact: str, folder: str | Path, name: str, signature, **log_kwargs):
     """``mlflow.pyfunc.log_model`` of a model from code (``entry``, a file that calls
     ``mlflow.models.set_model``: no pickle of our objects) with ``folder`` as its artifact; quiet unless ``plm -v``: MLflow warns about the missing
     type hints and input example (one would load and run the model)."""
@@ -126,4 +127,5 @@ def log_model(entry: Path, artifact: str, folder: str | Path, name: str, signatu
             artifacts={artifact: str(folder)},
             pip_requirements=[requirement],  # no inference: it would import and run the model
             signature=signature,
+            **log_kwargs,
         )

@@ -7,6 +7,7 @@ torchrun-style environment (Kubernetes): the rank and world size come from the e
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import math
@@ -568,6 +569,11 @@ class Trainer:
             defer=True,  # MLflow's start-up after the first step (the row that starts it)
         )
         if self.resumed_from is None:
+            for x in self.sources:  # the UI's "Datasets": each data dir, by its fingerprint
+                name = x.name if len(self.sources) > 1 else Path(x.path.uri).name or x.path.uri
+                self.tracker.log_dataset(
+                    x.path.uri, name, data_fingerprint(x.path.manifest), "training"
+                )
             self.tracker.log_dict(cfg.model_dump(mode="json"), "config/experiment.json")
             self.tracker.log_dict(self.ds_config, "config/deepspeed.json")
             self.tracker.log_artifacts(self.data.tokenizer_path.parent, "tokenizer")
@@ -935,6 +941,8 @@ class Trainer:
                 self.tracker.await_server()  # after an outage: the model is logged if it can
                 self.tracker.log_artifacts(bundle_dir, "model")
                 if cfg.mlflow.register_model:
+                    from pipeline.models.pyfunc import log_bundle_model  # imports MLflow
+
                     version = self.tracker.register(
                         "model",
                         cfg.name,
@@ -946,6 +954,8 @@ class Trainer:
                             "data_fingerprint": mixture_fingerprint(self.sources),
                         },
                         bundle_dir=bundle_dir,
+                        # the LoggedModel at its step (the UI's "Step"; MLflow's default is 0)
+                        log_model=functools.partial(log_bundle_model, step=self.step),
                     )
             with uploads_as_checkpoint_errors():
                 self.out.wait()  # on a store: the final bundle and the checkpoints are there

@@ -1,0 +1,93 @@
+"""The cells run: one Ray task per (model, task, seed), or all in this process.
+
+Ray runs each cell with the CPUs and GPUs the suite's ``workers`` section asks for, on any
+node; a cell whose worker or node died is retried elsewhere (``workers.max_retries``). A
+cell that raises is a failed cell of the table, with its error, and the others go on: it
+is not retried, since the same inputs raise again. Without an address (``--address``,
+RAY_ADDRESS) a local Ray of its own starts, as the data job's does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pipeline.eval.cells import CellSpec, run_cell
+from pipeline.eval.suite import WorkersSection
+
+
+@dataclass
+class CellResult:
+    cell: CellSpec
+    scores: dict[str, float] | None  # None: failed
+    error: str | None = None
+    seconds: float = 0.0
+
+
+def _timed(spec: CellSpec) -> tuple[dict[str, float], float]:
+    t0 = time.perf_counter()
+    scores = run_cell(spec)
+    return scores, time.perf_counter() - t0
+
+
+def run_in_process(
+    cells: list[CellSpec], report: Callable[[CellResult], None] | None = None
+) -> list[CellResult]:
+    out = []
+    for spec in cells:
+        try:
+            scores, seconds = _timed(spec)
+            result = CellResult(spec, scores, seconds=seconds)
+        except Exception as err:  # a failed cell; the suite goes on
+            result = CellResult(spec, None, f"{type(err).__name__}: {err}")
+        out.append(result)
+        if report:
+            report(result)
+    return out
+
+
+def _error_text(err: BaseException) -> str:
+    import ray
+
+    if isinstance(err, ray.exceptions.RayTaskError):
+        cause = err.cause if err.cause is not None else err
+        return f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+    return f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+
+
+def run_on_ray(
+    cells: list[CellSpec],
+    workers: WorkersSection,
+    address: str | None,
+    report: Callable[[CellResult], None] | None = None,
+) -> list[CellResult]:
+    import ray
+
+    from pipeline.data.job import init_ray
+
+    started = init_ray(address, None)
+    try:
+        task = ray.remote(
+            num_cpus=workers.cpus,
+            num_gpus=workers.gpus,
+            max_retries=workers.max_retries,  # a dead worker or node: run it elsewhere
+            retry_exceptions=False,
+        )(_timed)
+        refs = {task.remote(spec): i for i, spec in enumerate(cells)}
+        results: list[CellResult | None] = [None] * len(cells)
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            i = refs[done[0]]
+            try:
+                scores, seconds = ray.get(done[0])
+                results[i] = CellResult(cells[i], scores, seconds=seconds)
+            except Exception as err:  # the cell failed (after its retries, if a node died)
+                results[i] = CellResult(cells[i], None, _error_text(err))
+            if report:
+                report(results[i])
+        return [r for r in results if r is not None]
+    finally:
+        if started:
+            ray.shutdown()
