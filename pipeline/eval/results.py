@@ -176,7 +176,8 @@ def plot(rows: list[Row], candidates: list[Candidate], plans: dict[str, TaskPlan
         ax.set_xlabel("pretraining step")
         ax.set_ylabel(plans[t].metric)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     fig.tight_layout()
     path = out / "scores.png"
     fig.savefig(path, dpi=110)

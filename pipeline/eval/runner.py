@@ -31,6 +31,23 @@ def _timed(spec: CellSpec) -> tuple[dict[str, float], float]:
     return scores, time.perf_counter() - t0
 
 
+# What a launcher sets for a rank; a Ray worker inherits the driver's (a driver that trained
+# in-process has them), but each cell is a single process with a process group of its own.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                      "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")  # fmt: skip
+
+
+def _timed_on_ray(spec: CellSpec) -> tuple[dict[str, float], float]:
+    import os
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):  # this worker's first cell
+        for name in LAUNCHER_VARIABLES:
+            os.environ.pop(name, None)
+    return _timed(spec)
+
+
 def run_in_process(
     cells: list[CellSpec], report: Callable[[CellResult], None] | None = None
 ) -> list[CellResult]:
@@ -73,7 +90,7 @@ def run_on_ray(
             num_gpus=workers.gpus,
             max_retries=workers.max_retries,  # a dead worker or node: run it elsewhere
             retry_exceptions=False,
-        )(_timed)
+        )(_timed_on_ray)
         refs = {task.remote(spec): i for i, spec in enumerate(cells)}
         results: list[CellResult | None] = [None] * len(cells)
         pending = list(refs)

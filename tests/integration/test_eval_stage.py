@@ -1,0 +1,199 @@
+"""`plm eval` end to end on a real pretraining run (bert-tiny, 3 checkpoints, one with the
+bundle training wrote beside it, two turned into bundles here): the suite on a local Ray
+and in one process gives the same table; every checkpoint becomes an MLflow LoggedModel of
+its run with its scores linked to the task's data set; the pretraining run charts
+eval/* at the checkpoints' steps; the best checkpoint is models:/NAME@best; a cell that
+fails is a failed cell and the others go on."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+VERBS = ("reads", "writes")
+SUBJECTS = ["the cat", "a dog", "the parser", "our model", "a student"]
+OBJECTS = ["the book", "a tree", "the token", "a list", "the file"]
+
+
+def sentence(rng: random.Random, verb: str) -> str:
+    return f"{rng.choice(SUBJECTS)} {verb} {rng.choice(OBJECTS)} today"
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def tasks(root: Path) -> dict[str, dict]:
+    """A classification task (which verb) and a pair task (the same verb?), real files."""
+    root.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for split, n, seed in (("train", 24, 1), ("test", 16, 2)):
+        rng = random.Random(seed)
+        verb = [{"text": sentence(rng, VERBS[i % 2]), "label": VERBS[i % 2]} for i in range(n)]
+        pair = []
+        for i in range(n):
+            a, b = VERBS[i % 2], VERBS[(i // 2) % 2]
+            pair.append({"text": sentence(rng, a), "text_pair": sentence(rng, b),
+                         "label": "same" if a == b else "different"})  # fmt: skip
+        out.setdefault("verb", {})[split] = write_jsonl(root / f"verb-{split}.jsonl", verb)
+        out.setdefault("pair", {})[split] = write_jsonl(root / f"pair-{split}.jsonl", pair)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pretrained(tiny_data, tmp_path_factory) -> dict:
+    """15 steps of bert-tiny, checkpoints at 5, 10, 15, a bundle beside the second only."""
+    from pipeline.config import load_config
+    from pipeline.train.trainer import train
+
+    root = tmp_path_factory.mktemp("eval_stage")
+    store = f"sqlite:///{root / 'mlflow.db'}"
+    cfg = load_config(
+        REPO / "configs/test/bert-tiny.yaml",
+        [f"data.path={tiny_data}", f"train.out_dir={root / 'run'}", "train.max_steps=15",
+         "train.save_every=5", "train.keep_last=3", "train.bundle_every=2",
+         "train.eval_every=5", "train.log_every=5", f"mlflow.tracking_uri={store}"],
+    )  # fmt: skip
+    result = train(cfg)
+    files = tasks(root / "tasks")
+    suite = {
+        "name": "stage",
+        "seeds": [0, 1],
+        "budget": {"epochs": 2, "micro_batch_size": 8, "lr": 1.0e-3},
+        "tasks": {
+            "verb": {"kind": "finetune", "task": {"type": "classification", "max_length": 32},
+                     "data": {"train": files["verb"]["train"], "test": files["verb"]["test"]}},
+            "pair": {"kind": "finetune", "task": {"type": "classification", "max_length": 48,
+                                                  "text_pair_column": "text_pair"},
+                     "data": {"train": files["pair"]["train"], "test": files["pair"]["test"]}},
+        },
+        "work_dir": str(root / "work"),
+        "workers": {"cpus": 1},
+        "mlflow": {"tracking_uri": store},
+    }  # fmt: skip
+    path = root / "suite.yaml"
+    path.write_text(yaml.safe_dump(suite))
+    return {"root": root, "run": root / "run", "store": store, "suite": path,
+            "run_id": result.run_id}  # fmt: skip
+
+
+def test_a_bundle_made_from_a_checkpoint_equals_the_one_training_wrote(pretrained, tmp_path):
+    import torch
+
+    from pipeline.eval.checkpoint_bundle import bundle_from_checkpoint
+    from pipeline.models.bundle import read_bundle_config, read_tensors
+
+    run = pretrained["run"]
+    tag = "step00000010"
+    assert (run / "bundles" / tag).is_dir()  # train.bundle_every=2: the second checkpoint's
+    tokenizer = run / "bundles" / tag  # the tokenizer files travel in every bundle
+    made = bundle_from_checkpoint(run / "checkpoints" / tag, tmp_path / "b", tokenizer)
+    ours, theirs = dict(read_tensors(made)), dict(read_tensors(run / "bundles" / tag))
+    assert list(ours) == list(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+    assert read_bundle_config(made)["meta"]["step"] == 10
+
+
+@pytest.fixture(scope="module")
+def evaluated(pretrained, ray_local) -> dict:
+    """The suite on Ray (tracked) and in one process (untracked), same seeds."""
+    from pipeline.eval.evaluate import evaluate
+    from pipeline.eval.suite import load_suite
+
+    suite = load_suite(pretrained["suite"])
+    sources = ["random", str(pretrained["run"])]
+    on_ray = evaluate(suite, sources, use_ray=True)
+    alone = evaluate(suite, sources, use_ray=False, track=False)
+    return {"ray": on_ray, "alone": alone, "suite": suite}
+
+
+def _scores(result) -> dict:
+    return {(r.cell.candidate, r.cell.task, r.cell.seed): r.scores for r in result.results}
+
+
+def test_ray_gives_the_table_of_one_process(evaluated):
+    ray_scores, alone = _scores(evaluated["ray"]), _scores(evaluated["alone"])
+    assert len(ray_scores) == 4 * 2 * 2  # random + 3 checkpoints, 2 tasks, 2 seeds
+    assert all(v is not None for v in ray_scores.values())
+    assert ray_scores == alone  # same seeds, equal metrics
+    labels = [c.label for c in evaluated["ray"].candidates]
+    assert labels == ["random", "step00000005", "step00000010", "step00000015"]
+    assert [c.step for c in evaluated["ray"].candidates] == [0, 5, 10, 15]
+
+
+def test_every_checkpoint_is_a_logged_model_of_its_run_with_its_scores(pretrained, evaluated):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(pretrained["store"])
+    run = client.get_run(pretrained["run_id"])
+    models = client.search_logged_models([run.info.experiment_id])
+    ckpts = {m.name: m for m in models if m.model_type == "plm-checkpoint"}
+    assert set(ckpts) == {f"bert-tiny-step0000000{s}" if s < 10 else f"bert-tiny-step000000{s}"
+                          for s in (5, 10, 15)}  # fmt: skip
+    m = ckpts["bert-tiny-step00000010"]
+    assert m.source_run_id == pretrained["run_id"]
+    assert m.tags["plm.step"] == "10" and m.tags["plm.checkpoint"].endswith("step00000010")
+    assert m.tags["plm.data_fingerprint"]
+    assert "eval_loss" in m.params and "mlm_loss" in m.params  # the losses at that step
+    linked = {(x.key, x.step, x.dataset_name) for x in m.metrics}
+    assert {("verb/accuracy", 10, "verb"), ("pair/accuracy", 10, "pair")} <= linked
+    # the run's data set under "Datasets", by its fingerprint; the final model at its step
+    (inp,) = run.inputs.dataset_inputs
+    assert inp.dataset.digest and inp.tags[0].value == "training"
+    assert [o.step for o in run.outputs.model_outputs] == [15]
+
+
+def test_the_pretraining_run_charts_the_scores_at_the_checkpoints_steps(pretrained, evaluated):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(pretrained["store"])
+    history = client.get_metric_history(pretrained["run_id"], "eval/verb/accuracy")
+    assert sorted(h.step for h in history) == [0, 5, 10, 15]  # random at step 0
+    table = evaluated["ray"].table
+    assert table.is_file() and "verb" in table.read_text()
+    eval_run = client.get_run(evaluated["ray"].run_id)
+    assert eval_run.data.tags["stage"] == "eval" and eval_run.info.status == "FINISHED"
+    files = {f.path for f in client.list_artifacts(eval_run.info.run_id, "eval")}
+    assert {"eval/table.csv", "eval/cells.csv", "eval/scores.png", "eval/suite.json"} <= files
+    assert {d.dataset.name for d in eval_run.inputs.dataset_inputs} == {"verb", "pair"}
+
+
+def test_the_best_checkpoint_is_registered_as_best_and_loads(pretrained, evaluated, tmp_path):
+    from pipeline.finetune.source import resolve_source
+
+    best = evaluated["ray"].best
+    assert evaluated["ray"].registered == "models:/bert-tiny@best"
+    src = resolve_source("models:/bert-tiny@best", pretrained["store"], tmp_path / "dl")
+    meta = yaml.safe_load((src.path / "config.yaml").read_text())["meta"]
+    assert meta["step"] == best.step
+
+
+def test_report_prints_the_table_of_the_newest_evaluation(pretrained, evaluated, capsys):
+    from pipeline.cli import main
+
+    assert main(["eval", "--report", pretrained["run_id"], "--tracking-uri",
+                 pretrained["store"]]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert evaluated["ray"].run_id in out
+    assert out.count("step00000010") >= 2 and "random" in out  # both tasks' rows
+
+
+def test_a_failed_cell_is_a_failed_cell_and_the_others_go_on(pretrained, evaluated, ray_local):
+    from pipeline.eval.runner import run_on_ray
+
+    suite = evaluated["suite"]
+    cells = [r.cell for r in evaluated["ray"].results[:3]]
+    broken = replace(cells[1], bundle="/nonexistent", finetune={
+        **cells[1].finetune, "model": {"source": "/nonexistent", "init": "pretrained"}})  # fmt: skip
+    got = run_on_ray([cells[0], broken, cells[2]], suite.workers, None)
+    assert got[0].scores and got[2].scores
+    assert got[1].scores is None and "nonexistent" in got[1].error
