@@ -306,7 +306,7 @@ def test_a_clue_task_is_planned_from_its_jsonl_layout(tmp_path):
     from tests.unit.test_eval_benchmarks import CLUE, write_task
 
     clue = tmp_path / "clue"
-    for task, (folder, files, _) in CLUE.items():
+    for folder, files, _ in CLUE.values():
         write_task(clue, folder, files)
     raw = {"name": "c", "benchmarks": {"clue": str(clue)}, "work_dir": str(tmp_path / "w"),
            "tasks": {t.lower(): {"kind": "clue", "benchmark_task": t} for t in CLUE}}  # fmt: skip
