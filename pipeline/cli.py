@@ -206,16 +206,23 @@ def _eval(args: argparse.Namespace) -> int:
 
         print(report_run(args.report, args.tracking_uri))
         return 0
-    if not args.suite or not args.models:
-        raise EvalError("plm eval SUITE --models SOURCE [SOURCE ...] (or plm eval --report RUN)")
-    from pipeline.eval.evaluate import evaluate
+    if not args.suite or not (args.models or args.watch):
+        raise EvalError(
+            "plm eval SUITE --models SOURCE [SOURCE ...], plm eval SUITE --watch RUN_DIR "
+            "[--models random], or plm eval --report RUN"
+        )
+    from pipeline.eval.evaluate import evaluate, watch
     from pipeline.eval.suite import load_suite
 
     overrides = list(args.overrides)
     if args.tracking_uri:
         overrides.append(f"mlflow.tracking_uri={args.tracking_uri}")
     suite = load_suite(args.suite, overrides)  # bad input: exit 2, before Ray
-    result = evaluate(suite, args.models, args.address, use_ray=not args.no_ray)
+    if args.watch:
+        result = watch(suite, args.watch, args.models, args.address, not args.no_ray,
+                       args.poll_s)  # fmt: skip
+    else:
+        result = evaluate(suite, args.models, args.address, use_ray=not args.no_ray)
     failed = sum(r.scores is None for r in result.results)
     return 1 if failed == len(result.results) else 0
 
@@ -389,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--address", default=None, help="Ray cluster (else RAY_ADDRESS, else a local Ray)"
     )
     ev.add_argument("--no-ray", action="store_true", help="run every cell in this process")
+    _local(
+        ev,
+        "--watch",
+        metavar="RUN_DIR",
+        help="score each checkpoint of a training run as it is written (--models: the baselines)",
+    )
+    ev.add_argument(
+        "--poll-s", type=float, default=30.0, help="--watch: seconds between looks at the run"
+    )
     ev.add_argument(
         "--report",
         metavar="RUN",

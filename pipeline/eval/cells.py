@@ -3,12 +3,12 @@
 A cell is a plain, picklable ``CellSpec`` (paths and a fine-tuning config as a dict), so
 the same function runs in the driver (``--workers 0``) or in a Ray task on any host that
 sees the paths. A fine-tuning cell is ``plm finetune`` itself without its MLflow run (the
-suite's run holds the scores); a perplexity cell scores held-out text with the model.
+suite's run holds the scores); a zero-shot cell is lm-evaluation-harness on the model's
+`transformers` export (pipeline/eval/zeroshot.py).
 """
 
 from __future__ import annotations
 
-import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,23 +16,19 @@ from typing import Any
 
 import torch
 
-# ELMo's and word2vec's ways are not perplexity by next-token prediction; Transformer-XL
-# and XLNet score text their own ways (memory; permutations): not built yet.
-CAUSAL_ARCHS = ("gpt", "gpt2")
-
 
 @dataclass(frozen=True)
 class CellSpec:
     candidate: int  # index into the resolved candidates
     task: str
     seed: int
-    kind: str  # "finetune" | "perplexity"
+    kind: str  # "finetune", or a zero-shot kind: "perplexity" | "last_word" | "choice"
     bundle: str
     init: str  # "pretrained" | "random"
     scratch: str  # this cell's own folder (removed when it is done)
     finetune: dict[str, Any] | None = None  # plm finetune's config, raw
     extra_evals: dict[str, str] = field(default_factory=dict)  # name -> file: more test sets
-    text_file: str | None = None  # perplexity
+    text_file: str | None = None  # zero-shot: the rows lm-eval reads (jsonl)
     max_length: int = 128
     threads: int = 1
 
@@ -44,9 +40,13 @@ def run_cell(spec: CellSpec) -> dict[str, float]:
     configure_environment()  # a Ray worker on another node has not had the CLI's
     torch.set_num_threads(spec.threads)
     try:
-        if spec.kind == "perplexity":
-            return perplexity(spec)
-        return finetune_cell(spec)
+        if spec.kind == "finetune":
+            return finetune_cell(spec)
+        from pipeline.eval import zeroshot
+
+        Path(spec.scratch).mkdir(parents=True, exist_ok=True)
+        return zeroshot.score(spec.kind, spec.task, spec.text_file or "", spec.bundle,
+                              spec.init, spec.seed, Path(spec.scratch), spec.max_length)  # fmt: skip
     finally:
         shutil.rmtree(spec.scratch, ignore_errors=True)
 
@@ -75,45 +75,3 @@ def finetune_cell(spec: CellSpec) -> dict[str, float]:
             got = score(preds, rows, cfg.task, predictor.meta["labels"])
             scores |= {f"{name}_{k}": v for k, v in got.items()}
     return scores
-
-
-def _model(spec: CellSpec):
-    from pipeline.models.bundle import load_bundle
-
-    model, config = load_bundle(spec.bundle)
-    if spec.init == "random":
-        from pipeline.models.registry import build_model
-
-        torch.manual_seed(spec.seed)
-        model = build_model(config["arch"], model.config)
-    return model.eval(), config
-
-
-def perplexity(spec: CellSpec) -> dict[str, float]:
-    """exp(mean next-token loss) over the file's documents (one a line), each cut into
-    windows of ``max_length`` tokens after a bos token; every token but the first of a
-    document is predicted once."""
-    from tokenizers import Tokenizer
-
-    model, config = _model(spec)
-    tokenizer = Tokenizer.from_file(str(Path(spec.bundle) / "tokenizer.json"))
-    tokenizer.encode_special_tokens = False
-    vocab = int(config["model"]["vocab_size"])
-    bos = int(config["vocab"]["roles"]["bos"])
-    lines = Path(spec.text_file or "").read_text(encoding="utf-8").splitlines()
-    total, count = 0.0, 0
-    with torch.no_grad():
-        for line in lines:
-            if not line.strip():
-                continue
-            ids = [bos, *tokenizer.encode(line, add_special_tokens=False).ids]
-            for start in range(0, len(ids) - 1, spec.max_length - 1):
-                window = torch.tensor([ids[start : start + spec.max_length]])
-                if window.shape[1] < 2:
-                    break
-                logits = model(window)["logits"][0, :-1, :vocab].float()
-                loss = torch.nn.functional.cross_entropy(logits, window[0, 1:], reduction="sum")
-                total += float(loss)
-                count += window.shape[1] - 1
-    mean = total / max(count, 1)
-    return {"perplexity": math.exp(min(mean, 50.0)), "nll": mean, "tokens": float(count)}

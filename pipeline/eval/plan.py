@@ -14,22 +14,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.eval.cells import CAUSAL_ARCHS, CellSpec
+from pipeline.eval import zeroshot
+from pipeline.eval.cells import CellSpec
 from pipeline.eval.sources import Candidate
-from pipeline.eval.suite import EvalError, SuiteConfig, SuiteTask
-from pipeline.finetune.config import TASK_METRICS, FinetuneConfig, TaskSection
+from pipeline.eval.suite import ZERO_SHOT, EvalError, SuiteConfig, SuiteTask
+from pipeline.finetune.config import TASK_METRICS, TaskSection
 
 
 @dataclass
 class TaskPlan:
     name: str
-    kind: str  # "finetune" | "perplexity"
+    kind: str  # "finetune" or a zero-shot kind (suite.ZERO_SHOT)
     metric: str  # the score that ranks checkpoints (a key of the cells' scores)
     files: list[str]  # every file the task reads (its digest's input)
     task: dict[str, Any] | None = None  # plm finetune's task section
     data: dict[str, Any] = field(default_factory=dict)  # plm finetune's data section
     evals: dict[str, str] = field(default_factory=dict)  # scored sets (>1: named scores)
-    text_file: str | None = None
+    text_file: str | None = None  # zero-shot: the rows lm-eval reads, as it reads them
     max_length: int = 128
     train: dict[str, Any] = field(default_factory=dict)  # the task's fine-tuning keys
     digest: str = ""
@@ -89,15 +90,60 @@ def _benchmark_plan(name: str, t: SuiteTask, suite: SuiteConfig, work_dir: Path)
     return TaskPlan(name, "finetune", metric, files, task, data, evals, train=dict(t.train))
 
 
+def _zero_shot_rows(name: str, t: SuiteTask) -> list[dict[str, Any]]:
+    """The rows lm-eval reads: {text}, or {context, choices, label} for choice."""
+    from pipeline.finetune.data import check_columns, read_rows
+
+    path = str(t.data.test)
+    if path.endswith(".txt"):
+        if not Path(path).is_file():
+            raise EvalError(f"tasks.{name}: data.test {path} does not exist")
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        rows = [{"text": x} for x in lines if x.strip()]
+        if t.kind == "choice" or not rows:
+            raise EvalError(f"tasks.{name}: {path} holds no rows for a {t.kind} task "
+                            "(a choice task reads jsonl / csv / parquet rows)")  # fmt: skip
+        return rows
+    columns = t.task or TaskSection(type="multiple_choice")
+    rows = read_rows(path, t.data.format)
+    if t.kind != "choice":
+        check_columns(rows, TaskSection(type="regression", text_column=columns.text_column,
+                                        label_column=columns.text_column), path, True)  # fmt: skip
+        return [{"text": str(r[columns.text_column])} for r in rows]
+    check_columns(rows, TaskSection(type="multiple_choice", text_column=columns.text_column,
+                                    choices_column=columns.choices_column,
+                                    label_column=columns.label_column), path, True)  # fmt: skip
+    out = []
+    for i, r in enumerate(rows, 1):
+        choices, label = r[columns.choices_column], r[columns.label_column]
+        if not isinstance(choices, list) or not str(label).isdigit() or int(label) >= len(choices):
+            raise EvalError(f"{path} row {i}: {columns.choices_column} must be a list and "
+                            f"{columns.label_column} the index of the right one")  # fmt: skip
+        out.append({"context": str(r[columns.text_column]), "choices": [str(c) for c in choices],
+                    "label": int(label)})  # fmt: skip
+    return out
+
+
+def _zero_shot_plan(name: str, t: SuiteTask, work_dir: Path) -> TaskPlan:
+    import json
+
+    rows = _zero_shot_rows(name, t)
+    out = work_dir / "tasks" / name / "test.jsonl"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
+    metric = t.metric or zeroshot.KINDS[t.kind][1][0]
+    if metric not in zeroshot.KINDS[t.kind][1]:
+        raise EvalError(f"tasks.{name}.metric {metric!r}: a {t.kind} task reports "
+                        f"{', '.join(zeroshot.KINDS[t.kind][1])}")  # fmt: skip
+    return TaskPlan(name, t.kind, metric, [str(t.data.test)], text_file=str(out),
+                    max_length=t.max_length)  # fmt: skip
+
+
 def plan_task(name: str, t: SuiteTask, suite: SuiteConfig, work_dir: Path) -> TaskPlan:
     if t.kind in ("glue", "clue"):
         plan = _benchmark_plan(name, t, suite, work_dir)
-    elif t.kind == "perplexity":
-        path = str(t.data.test)
-        if not Path(path).is_file():
-            raise EvalError(f"tasks.{name}: data.test {path} does not exist")
-        plan = TaskPlan(name, "perplexity", "perplexity", [path], text_file=path,
-                        max_length=t.max_length)  # fmt: skip
+    elif t.kind in ZERO_SHOT:
+        plan = _zero_shot_plan(name, t, work_dir)
     else:
         assert t.task is not None
         data = t.data.model_dump(mode="json", exclude_none=True)
@@ -124,11 +170,12 @@ def check_fits(plans: dict[str, TaskPlan], candidates: list[Candidate]) -> None:
     for c in candidates:
         arch = c.arch
         for p in plans.values():
-            if p.kind == "perplexity":
-                if arch not in CAUSAL_ARCHS:
+            if p.kind != "finetune":
+                if arch not in zeroshot.ZERO_SHOT_ARCHS:
                     raise EvalError(
-                        f"tasks.{p.name} (perplexity) cannot run on {c.label} (arch {arch!r}): "
-                        f"next-token perplexity is for {', '.join(CAUSAL_ARCHS)}"
+                        f"tasks.{p.name} ({p.kind}, zero-shot) cannot run on {c.label} (arch "
+                        f"{arch!r}): lm-evaluation-harness scores {', '.join(zeroshot.ZERO_SHOT_ARCHS)} "
+                        "through their transformers export (docs/evaluation.md)"
                     )
                 continue
             raw = _finetune_raw(p, c, 0, "check", {})
@@ -163,7 +210,7 @@ def build_cells(
                 finetune = None
                 if p.kind == "finetune":
                     finetune = _finetune_raw(p, c, seed, scratch, suite.budget)
-                    FinetuneConfig.model_validate(validate_finetune(finetune, f"tasks.{name}"))
+                    validate_finetune(finetune, f"tasks.{name}")  # every cell's, before Ray
                 cells.append(
                     CellSpec(
                         candidate=i,

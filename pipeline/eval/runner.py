@@ -37,20 +37,29 @@ LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "M
                       "MASTER_PORT", "GROUP_RANK", "ROLE_RANK")  # fmt: skip
 
 
-def _timed_on_ray(spec: CellSpec) -> tuple[dict[str, float], float]:
+def own_process_group() -> None:
+    """Before a process's first cell: forget launcher variables it inherited (a Ray worker
+    has the driver's; a `plm eval` started from a process that trained has that one's),
+    so the cell's process group is its own on a free port. A group already made here
+    (an earlier cell's) is reused."""
     import os
 
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):  # this worker's first cell
+    if not (dist.is_available() and dist.is_initialized()):
         for name in LAUNCHER_VARIABLES:
             os.environ.pop(name, None)
+
+
+def _timed_on_ray(spec: CellSpec) -> tuple[dict[str, float], float]:
+    own_process_group()
     return _timed(spec)
 
 
 def run_in_process(
     cells: list[CellSpec], report: Callable[[CellResult], None] | None = None
 ) -> list[CellResult]:
+    own_process_group()
     out = []
     for spec in cells:
         try:

@@ -11,7 +11,7 @@ grammar of every other stage.
         task: {type: classification}
         data: {train: topic/train.jsonl, test: topic/test.jsonl}
       sst2: {kind: glue, benchmark_task: SST-2}
-      heldout: {kind: perplexity, data: {test: heldout.txt}}   # causal models
+      heldout: {kind: perplexity, data: {test: heldout.txt}}   # causal models, zero-shot
     select: {task: topic}                 # which checkpoint is @best (default: all tasks)
 
 Tasks are a mapping, so ``tasks.topic.seeds=[0]`` overrides one of them. Every check that
@@ -42,7 +42,10 @@ from pipeline.finetune.config import (
     TaskSection,
 )
 
-Kind = Literal["finetune", "glue", "clue", "perplexity"]
+# finetune, glue, clue: fine-tuned per seed; perplexity, last_word, choice: zero-shot
+# (causal models, scored by lm-evaluation-harness: pipeline/eval/zeroshot.py)
+Kind = Literal["finetune", "glue", "clue", "perplexity", "last_word", "choice"]
+ZERO_SHOT = ("perplexity", "last_word", "choice")
 
 
 class EvalError(FinetuneError):
@@ -52,19 +55,21 @@ class EvalError(FinetuneError):
 class TaskData(Strict):
     train: LocalPath | None = None  # fine-tuning: csv / jsonl / parquet
     valid: LocalPath | None = None  # fine-tuning: early stopping (None: a fixed budget)
-    test: LocalPath | None = None  # what is scored; perplexity: a text file, one doc a line
+    # what is scored; zero-shot: a .txt (a document a line) or rows (task.text_column;
+    # choice: task.text_column, .choices_column, .label_column as multiple_choice's)
+    test: LocalPath | None = None
     format: Literal["auto", "csv", "jsonl", "parquet"] = "auto"
 
 
 class SuiteTask(Strict):
     kind: Kind = "finetune"
-    task: TaskSection | None = None  # kind finetune: plm finetune's task section
+    task: TaskSection | None = None  # finetune: plm finetune's task; zero-shot: its columns
     data: TaskData = TaskData()
     benchmark_task: str | None = None  # kind glue / clue: the task's official name
     metric: str | None = None  # the score that ranks checkpoints (None: the task's first)
     seeds: list[int] | None = None  # None: the suite's seeds
     train: dict[str, Any] = Field(default_factory=dict)  # over the suite's budget
-    max_length: int = Field(128, ge=8)  # perplexity: tokens per window
+    max_length: int = Field(128, ge=8)  # zero-shot: tokens a window holds
 
     @model_validator(mode="after")
     def _complete(self):
@@ -75,7 +80,7 @@ class SuiteTask(Strict):
             if not self.benchmark_task:
                 raise ValueError(f"a {self.kind} task needs benchmark_task (its name)")
         elif self.data.test is None:
-            raise ValueError("a perplexity task needs data.test (a text file)")
+            raise ValueError(f"a {self.kind} task needs data.test (the text it scores)")
         return self
 
 
@@ -140,13 +145,15 @@ class SuiteConfig(Strict):
 
     def seeds_of(self, name: str) -> list[int]:
         task = self.tasks[name]
-        if task.kind == "perplexity":
-            return [0]  # no training, nothing random: one cell
+        if task.kind in ZERO_SHOT:
+            return [0]  # nothing trained, nothing drawn: one cell
         return list(task.seeds if task.seeds is not None else self.seeds)
 
 
 def lower_is_better(metric: str) -> bool:
-    return metric in LOWER_IS_BETTER or metric == "perplexity"
+    from pipeline.eval.zeroshot import LOWER_IS_BETTER as ZERO_SHOT_LOWER
+
+    return metric in LOWER_IS_BETTER or metric in ZERO_SHOT_LOWER
 
 
 def validate_suite(raw: dict[str, Any], source: str = "<dict>") -> SuiteConfig:

@@ -84,6 +84,21 @@ class EvalTracking:
         self.model_ids: dict[int, str] = {}
 
     def _experiment(self) -> str:
+        from mlflow.exceptions import MlflowException
+
+        from pipeline.eval.suite import EvalError
+
+        for c in self.candidates:  # every pretraining run named must be in this store
+            if not c.run_id:
+                continue
+            try:
+                self.client.get_run(c.run_id)
+            except MlflowException:
+                raise EvalError(
+                    f"{c.checkpoint or c.label} was logged to the MLflow run {c.run_id}, which "
+                    f"the store {self.uri} does not have: give the run's store (--tracking-uri, "
+                    "mlflow.tracking_uri or MLFLOW_TRACKING_URI)"
+                ) from None
         pre = next((c.run_id for c in self.candidates if c.run_id), None)
         if pre and not self.suite.mlflow.experiment:
             return self.client.get_run(pre).info.experiment_id
@@ -117,8 +132,12 @@ class EvalTracking:
         print(f"MLflow evaluation run {self.run_id} at {self.uri}", flush=True)
         return self.run_id
 
-    def log_results(self, rows: list[Row], files: list[Path], best: int | None) -> str | None:
-        """Everything above; returns the registered ``NAME@alias`` of the best, if any."""
+    def log_results(
+        self, rows: list[Row], files: list[Path], best: int | None, new: set[int] | None = None
+    ) -> str | None:
+        """Everything above for the candidates ``new`` (default: all; the table and the
+        picture always whole); ``best``: register it (None: leave the alias as it is).
+        Returns the registered ``NAME@alias``, if any."""
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
@@ -126,7 +145,7 @@ class EvalTracking:
         by_run: dict[str, list[Any]] = {}
         for i, c in enumerate(self.candidates):
             mine = [r for r in rows if r.candidate == i and r.values]
-            if c.step is None or not mine:
+            if c.step is None or not mine or (new is not None and i not in new):
                 continue
             model_id = None
             if c.init == "pretrained" and c.run_id and c.checkpoint:
