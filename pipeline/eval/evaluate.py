@@ -153,8 +153,8 @@ def watch(
     present is scored. ``baselines`` (``random``, bundles) are scored with the first. A
     checkpoint that ``keep_last`` deleted before its turn is reported and skipped."""
     run = Path(run_dir)
-    if not run.is_dir():
-        raise EvalError(f"--watch {run_dir}: no such folder (give the run's train.out_dir)")
+    if not run.is_dir():  # training may not have started yet: it makes the folder
+        say(f"waiting for {run} (the run's train.out_dir) to appear")
     done = done or (lambda r: (r / "bundles" / "final" / "config.yaml").is_file())
     session = Session(suite, address, use_ray, track=True)
     seen: set[str] = set()

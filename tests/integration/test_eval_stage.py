@@ -197,3 +197,56 @@ def test_a_failed_cell_is_a_failed_cell_and_the_others_go_on(pretrained, evaluat
     got = run_on_ray([cells[0], broken, cells[2]], suite.workers, None)
     assert got[0].scores and got[2].scores
     assert got[1].scores is None and "nonexistent" in got[1].error
+
+
+def test_watch_scores_each_checkpoint_as_training_writes_it(pretrained, tiny_data, tmp_path):
+    """`plm train` in its own process, `--watch` beside it (this process, one task, one
+    seed): every checkpoint it wrote is scored, with the random baseline, by the end."""
+    import os
+    import subprocess
+    import sys
+
+    from pipeline.eval.evaluate import watch
+    from pipeline.eval.runner import LAUNCHER_VARIABLES
+    from pipeline.eval.suite import load_suite
+
+    # this process trained in-process (the fixture): its rank's variables are not the run's
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
+
+    run = tmp_path / "run"
+    log = open(tmp_path / "train.log", "w")  # noqa: SIM115 (a pipe unread would block it)
+    train = subprocess.Popen(
+        [sys.executable, "-m", "pipeline.cli", "train", str(REPO / "configs/test/bert-tiny.yaml"),
+         f"data.path={tiny_data}", f"train.out_dir={run}", "train.max_steps=20",
+         "train.save_every=5", "train.keep_last=4", "train.eval_every=0",
+         "train.log_every=5", f"mlflow.tracking_uri={pretrained['store']}",
+         "mlflow.register=false"],
+        cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, text=True, env=env,
+    )  # fmt: skip
+    suite = load_suite(pretrained["suite"], ["seeds=[0]", f"work_dir={tmp_path / 'w'}"])
+    suite.tasks.pop("pair")  # one task: the watcher keeps up with a 20-step run
+    # done when training's process ended (a run that failed ends the watch too)
+    result = watch(suite, str(run), ["random"], use_ray=False, poll_s=0.5,
+                   done=lambda _: train.poll() is not None)  # fmt: skip
+    assert train.wait(timeout=300) == 0, (tmp_path / "train.log").read_text()[-3000:]
+    labels = [c.label for c in result.candidates]
+    assert labels == ["random", "step00000005", "step00000010", "step00000015", "step00000020"]
+    assert all(r.scores for r in result.results) and not result.skipped
+    assert result.run_id  # one evaluation run holds them all
+
+
+def test_a_checkpoint_pruned_before_its_turn_is_skipped_not_a_crash(pretrained, tmp_path,
+                                                                    monkeypatch, capsys):  # fmt: skip
+    from pipeline.eval import evaluate as ev
+    from pipeline.eval.suite import load_suite
+
+    run = pretrained["run"]
+    gone = run / "checkpoints" / "step00000001"  # listed, then deleted by keep_last
+    listed = [gone, run / "checkpoints" / "step00000015"]
+    monkeypatch.setattr(ev, "run_checkpoints", lambda r: listed)
+    session = ev.Session(load_suite(pretrained["suite"], [f"work_dir={tmp_path}"]), None,
+                         use_ray=False, track=False)  # fmt: skip
+    skipped: list[str] = []
+    new = ev._new_checkpoints(run, set(), session, skipped)
+    assert skipped == ["step00000001"] and [c.label for c in new] == ["step00000015"]
+    assert "skipped step00000001: deleted (train.keep_last) before its turn" in capsys.readouterr().out
