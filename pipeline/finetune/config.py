@@ -144,7 +144,10 @@ class FinetuneConfig(Strict):
         allowed = TASK_METRICS[self.task.type]
         if self.train.metric == "f1" and self.task.type == "classification":
             if self.task.positive_label is None:
-                raise ValueError("train.metric f1 needs task.positive_label (the class it scores)")
+                raise ValueError(
+                    "train.metric 'f1' is reported for a classification task only with "
+                    "task.positive_label (the class it scores)"
+                )
         if self.train.metric is not None and self.train.metric not in allowed:
             raise ValueError(
                 f"train.metric {self.train.metric!r} is not reported for task.type "
