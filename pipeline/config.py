@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
 import yaml
 from pydantic import (
@@ -38,6 +38,9 @@ def config_file(path: str | Path) -> Path:
         return p
     shipped = PACKAGE_DIR / p
     return shipped if p.parts[:1] == ("configs",) and shipped.is_file() else p
+
+
+T = TypeVar("T", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -600,11 +603,27 @@ def _format_validation_error(
     return "\n".join(lines)
 
 
-def validate_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
+def validate_as(
+    cls: type[T], raw: dict[str, Any], source: str, error: type[ConfigError] = ConfigError
+) -> T:
+    """``raw`` as the config ``cls``; ``error`` (one ``plm:`` message) names each bad key.
+    Every stage's config goes through here: one grammar, one error text."""
     try:
-        return ExperimentConfig.model_validate(raw)
+        return cls.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err, source, ExperimentConfig)) from None
+        raise error(_format_validation_error(err, source, cls)) from None
+
+
+def load_as(
+    cls: type[T], path: str | Path, overrides: list[str] | None, error: type[ConfigError]
+) -> T:
+    """A YAML file + dotted ``key=value`` overrides, validated as ``cls``."""
+    raw = apply_overrides(read_yaml(path), list(overrides or []))
+    return validate_as(cls, raw, str(path), error)
+
+
+def validate_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
+    return validate_as(ExperimentConfig, raw, source)
 
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
@@ -622,5 +641,4 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> ExperimentConfig:
     """Load and validate an experiment config; raise ConfigError naming the bad key."""
-    raw = apply_overrides(read_yaml(path), list(overrides or []))
-    return validate_dict(raw, str(path))
+    return load_as(ExperimentConfig, path, overrides, ConfigError)

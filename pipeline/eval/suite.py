@@ -24,15 +24,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from pipeline.config import (
     LocalPath,
     MlflowSection,
     Strict,
-    _format_validation_error,
-    apply_overrides,
-    read_yaml,
+    load_as,
+    validate_as,
 )
 from pipeline.finetune.config import (
     LOWER_IS_BETTER,
@@ -157,13 +156,9 @@ def lower_is_better(metric: str) -> bool:
 
 
 def validate_suite(raw: dict[str, Any], source: str = "<dict>") -> SuiteConfig:
-    try:
-        return SuiteConfig.model_validate(raw)
-    except ValidationError as err:
-        raise EvalError(_format_validation_error(err, source, SuiteConfig)) from None
+    return validate_as(SuiteConfig, raw, source, EvalError)
 
 
 def load_suite(path: str | Path, overrides: list[str] | None = None) -> SuiteConfig:
     """Load and validate a suite; raise EvalError naming the bad key."""
-    raw = apply_overrides(read_yaml(path), list(overrides or []))
-    return validate_suite(raw, str(path))
+    return load_as(SuiteConfig, path, overrides, EvalError)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
 from pipeline.config import (
     DEEPSPEED_HINT,
@@ -27,10 +27,9 @@ from pipeline.config import (
     LocalPath,
     MlflowSection,
     Strict,
-    _format_validation_error,
-    apply_overrides,
-    read_yaml,
+    load_as,
     refuse_uri,
+    validate_as,
 )
 
 TaskType = Literal["classification", "regression", "tagging", "span_qa", "multiple_choice"]
@@ -161,15 +160,10 @@ class FinetuneConfig(Strict):
 
 
 def validate_finetune(raw: dict[str, Any], source: str = "<dict>") -> FinetuneConfig:
-    try:
-        return FinetuneConfig.model_validate(raw)
-    except ValidationError as err:
-        raise FinetuneError(_format_validation_error(err, source, FinetuneConfig)) from None
+    return validate_as(FinetuneConfig, raw, source, FinetuneError)
 
 
 def load_finetune_config(path: str | Path, overrides: list[str] | None = None) -> FinetuneConfig:
-    """Load and validate a fine-tuning config; raise FinetuneError naming the bad key."""
-    raw = apply_overrides(read_yaml(path), list(overrides or []))
-    cfg = validate_finetune(raw, str(path))
-    # data paths are relative to the working directory, as every other path here
-    return cfg
+    """Load and validate a fine-tuning config; raise FinetuneError naming the bad key (data
+    paths are relative to the working directory, as every other path here)."""
+    return load_as(FinetuneConfig, path, overrides, FinetuneError)
