@@ -187,11 +187,7 @@ def _local_candidates(path: Path, work_dir: Path) -> list[Candidate]:
             f"--models {path}: no such folder (give a run's train.out_dir, a checkpoint "
             "folder, a bundle folder, models:/NAME@ALIAS or random)"
         )
-    if (
-        (path / "COMPLETE").is_file()
-        or (path / "config.yaml").is_file()
-        and path.parent.name == "checkpoints"
-    ):
+    if path.parent.name == "checkpoints" or (path / "COMPLETE").is_file():  # one checkpoint
         return [checkpoint_candidate(path, work_dir)]
     if (path / "checkpoints").is_dir():
         tags = run_checkpoints(path)
