@@ -387,8 +387,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _local(ev, "suite", nargs="?", help="YAML evaluation suite (configs/eval/)")
     ev.add_argument("overrides", nargs="*", metavar="key=value")
-    ev.add_argument(
-        "--models", nargs="+", default=[], metavar="SOURCE",
+    _local(
+        ev,
+        "--models",
+        alternative="give a local run or checkpoint folder, or its registered model "
+        "(models:/NAME@ALIAS)",
+        nargs="+", default=[], metavar="SOURCE",
         help="a run's train.out_dir (all its checkpoints), a checkpoint or bundle folder, "
         "models:/NAME@ALIAS, runs:/ID/model, or random (the untrained baseline)",
     )  # fmt: skip

@@ -49,6 +49,19 @@ def tasks(root: Path) -> dict[str, dict]:
     return out
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _module_environment():
+    """The module's in-process training and fine-tuning set a rank's variables (RANK,
+    MASTER_PORT, ...) before the per-test restore saves them; without this, every later
+    `plm train` subprocess on this worker inherits them and meets a taken port."""
+    import os
+
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
 @pytest.fixture(scope="module")
 def pretrained(tiny_data, tmp_path_factory) -> dict:
     """15 steps of bert-tiny, checkpoints at 5, 10, 15, a bundle beside the second only."""
