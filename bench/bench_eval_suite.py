@@ -196,9 +196,15 @@ def run_eval(workdir: Path, sources: list[str], ray: bool, suite: Path, tag: str
     proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"plm eval failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise SystemExit(
+            f"plm eval failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     table = [ln for ln in proc.stdout.splitlines() if not ln.startswith("[plm")]
-    return {"wall_s": wall, "table": "\n".join(table[-5:]), "csv": str(workdir / tag / "report" / "table.csv")}
+    return {
+        "wall_s": wall,
+        "table": "\n".join(table[-5:]),
+        "csv": str(workdir / tag / "report" / "table.csv"),
+    }
 
 
 def main() -> None:

@@ -262,4 +262,6 @@ def test_a_checkpoint_pruned_before_its_turn_is_skipped_not_a_crash(pretrained, 
     skipped: list[str] = []
     new = ev._new_checkpoints(run, set(), session, skipped)
     assert skipped == ["step00000001"] and [c.label for c in new] == ["step00000015"]
-    assert "skipped step00000001: deleted (train.keep_last) before its turn" in capsys.readouterr().out
+    assert (
+        "skipped step00000001: deleted (train.keep_last) before its turn" in capsys.readouterr().out
+    )
