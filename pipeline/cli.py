@@ -258,6 +258,44 @@ BUNDLE_OR_MLFLOW = "a bundle folder, models:/NAME@ALIAS or runs:/RUN_ID/model"
 FINETUNED_OR_MLFLOW = "a fine-tuned folder, models:/NAME@ALIAS or runs:/RUN_ID/model"
 
 
+def _add_eval_parser(sub) -> None:
+    """`plm eval`'s arguments (pipeline/eval/evaluate.py)."""
+    ev = sub.add_parser(
+        "eval", help="score checkpoints on a suite of tasks (Ray), rank them in MLflow"
+    )
+    _local(ev, "suite", nargs="?", help="YAML evaluation suite (configs/eval/)")
+    ev.add_argument("overrides", nargs="*", metavar="key=value")
+    _local(
+        ev,
+        "--models",
+        alternative="give a local run or checkpoint folder, or its registered model "
+        "(models:/NAME@ALIAS)",
+        nargs="+", default=[], metavar="SOURCE",
+        help="a run's train.out_dir (all its checkpoints), a checkpoint or bundle folder, "
+        "models:/NAME@ALIAS, runs:/ID/model, or random (the untrained baseline)",
+    )  # fmt: skip
+    ev.add_argument(
+        "--address", default=None, help="Ray cluster (else RAY_ADDRESS, else a local Ray)"
+    )
+    ev.add_argument("--no-ray", action="store_true", help="run every cell in this process")
+    _local(
+        ev,
+        "--watch",
+        metavar="RUN_DIR",
+        help="score each checkpoint of a training run as it is written (--models: the baselines)",
+    )
+    ev.add_argument(
+        "--poll-s", type=float, default=30.0, help="--watch: seconds between looks at the run"
+    )
+    ev.add_argument(
+        "--report",
+        metavar="RUN",
+        help="print the table of an evaluation run (or a pretraining run's newest)",
+    )
+    ev.add_argument("--tracking-uri", default=None, help="MLflow store (else MLFLOW_TRACKING_URI)")
+    ev.set_defaults(func=_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="plm", description=__doc__)
     parser.add_argument(
@@ -382,40 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ft.set_defaults(func=_finetune)
 
-    ev = sub.add_parser(
-        "eval", help="score checkpoints on a suite of tasks (Ray), rank them in MLflow"
-    )
-    _local(ev, "suite", nargs="?", help="YAML evaluation suite (configs/eval/)")
-    ev.add_argument("overrides", nargs="*", metavar="key=value")
-    _local(
-        ev,
-        "--models",
-        alternative="give a local run or checkpoint folder, or its registered model "
-        "(models:/NAME@ALIAS)",
-        nargs="+", default=[], metavar="SOURCE",
-        help="a run's train.out_dir (all its checkpoints), a checkpoint or bundle folder, "
-        "models:/NAME@ALIAS, runs:/ID/model, or random (the untrained baseline)",
-    )  # fmt: skip
-    ev.add_argument(
-        "--address", default=None, help="Ray cluster (else RAY_ADDRESS, else a local Ray)"
-    )
-    ev.add_argument("--no-ray", action="store_true", help="run every cell in this process")
-    _local(
-        ev,
-        "--watch",
-        metavar="RUN_DIR",
-        help="score each checkpoint of a training run as it is written (--models: the baselines)",
-    )
-    ev.add_argument(
-        "--poll-s", type=float, default=30.0, help="--watch: seconds between looks at the run"
-    )
-    ev.add_argument(
-        "--report",
-        metavar="RUN",
-        help="print the table of an evaluation run (or a pretraining run's newest)",
-    )
-    ev.add_argument("--tracking-uri", default=None, help="MLflow store (else MLFLOW_TRACKING_URI)")
-    ev.set_defaults(func=_eval)
+    _add_eval_parser(sub)
 
     pred = sub.add_parser("predict", help="batch inference with a fine-tuned model")
     _local(pred, "model", alternative=f"give {FINETUNED_OR_MLFLOW}", help=FINETUNED_OR_MLFLOW)

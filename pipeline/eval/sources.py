@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,7 @@ def _run_facts(run_dir: Path, cfg: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+@lru_cache(maxsize=16)  # every checkpoint of a run names the same data dir: read it once
 def _data_facts(data_path: str | None) -> tuple[dict[str, str], Path | None]:
     """({uri, fingerprint} of the run's data dir, its tokenizer folder); empty when the
     data dir is gone (a bundle beside the checkpoint still carries the tokenizer)."""
