@@ -4,7 +4,8 @@ A cell is a plain, picklable ``CellSpec`` (paths and a fine-tuning config as a d
 the same function runs in the driver (``--workers 0``) or in a Ray task on any host that
 sees the paths. A fine-tuning cell is ``plm finetune`` itself without its MLflow run (the
 suite's run holds the scores); a zero-shot cell is lm-evaluation-harness on the model's
-`transformers` export (pipeline/eval/zeroshot.py).
+`transformers` export (pipeline/eval/zeroshot.py); an intrinsic cell scores the static
+word vectors (pipeline/eval/intrinsic.py).
 """
 
 from __future__ import annotations
@@ -16,19 +17,21 @@ from typing import Any
 
 import torch
 
+from pipeline.eval.suite import INTRINSIC
+
 
 @dataclass(frozen=True)
 class CellSpec:
     candidate: int  # index into the resolved candidates
     task: str
     seed: int
-    kind: str  # "finetune", or a zero-shot kind: "perplexity" | "last_word" | "choice"
+    kind: str  # "finetune", a zero-shot kind (suite.ZERO_SHOT) or suite.INTRINSIC
     bundle: str
     init: str  # "pretrained" | "random"
     scratch: str  # this cell's own folder (removed when it is done)
     finetune: dict[str, Any] | None = None  # plm finetune's config, raw
     extra_evals: dict[str, str] = field(default_factory=dict)  # name -> file: more test sets
-    text_file: str | None = None  # zero-shot: the rows lm-eval reads (jsonl)
+    text_file: str | None = None  # zero-shot, intrinsic: the rows scored (jsonl)
     max_length: int = 128
     threads: int = 1
 
@@ -42,6 +45,11 @@ def run_cell(spec: CellSpec) -> dict[str, float]:
     try:
         if spec.kind == "finetune":
             return finetune_cell(spec)
+        if spec.kind in INTRINSIC:
+            from pipeline.eval import intrinsic
+
+            return intrinsic.score(spec.kind, spec.text_file or "", spec.bundle, spec.init,
+                                   spec.seed)  # fmt: skip
         from pipeline.eval import zeroshot
 
         Path(spec.scratch).mkdir(parents=True, exist_ok=True)

@@ -14,23 +14,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pipeline.eval import zeroshot
+from pipeline.eval import intrinsic, zeroshot
 from pipeline.eval.cells import CellSpec
 from pipeline.eval.sources import Candidate
-from pipeline.eval.suite import ZERO_SHOT, EvalError, SuiteConfig, SuiteTask
+from pipeline.eval.suite import INTRINSIC, ZERO_SHOT, EvalError, SuiteConfig, SuiteTask
 from pipeline.finetune.config import TASK_METRICS, TaskSection
 
 
 @dataclass
 class TaskPlan:
     name: str
-    kind: str  # "finetune" or a zero-shot kind (suite.ZERO_SHOT)
+    kind: str  # "finetune", a zero-shot kind (suite.ZERO_SHOT) or suite.INTRINSIC
     metric: str  # the score that ranks checkpoints (a key of the cells' scores)
     files: list[str]  # every file the task reads (its digest's input)
     task: dict[str, Any] | None = None  # plm finetune's task section
     data: dict[str, Any] = field(default_factory=dict)  # plm finetune's data section
     evals: dict[str, str] = field(default_factory=dict)  # scored sets (>1: named scores)
-    text_file: str | None = None  # zero-shot: the rows lm-eval reads, as it reads them
+    # zero-shot: the rows lm-eval reads, as it reads them; intrinsic: the pairs / questions
+    text_file: str | None = None
     max_length: int = 128
     train: dict[str, Any] = field(default_factory=dict)  # the task's fine-tuning keys
     digest: str = ""
@@ -139,11 +140,28 @@ def _zero_shot_plan(name: str, t: SuiteTask, work_dir: Path) -> TaskPlan:
                     max_length=t.max_length)  # fmt: skip
 
 
+def _intrinsic_plan(name: str, t: SuiteTask, work_dir: Path) -> TaskPlan:
+    path = str(t.data.test)
+    if t.kind == "similarity":
+        rows = intrinsic.read_similarity(path, t.score_field, name)
+    else:
+        rows = intrinsic.read_analogies(path, name)
+    out = intrinsic.write_rows(rows, work_dir / "tasks" / name / "test.jsonl")
+    metrics = intrinsic.METRICS[t.kind]
+    metric = t.metric or metrics[0]
+    if metric not in metrics:
+        raise EvalError(f"tasks.{name}.metric {metric!r}: a {t.kind} task reports "
+                        f"{', '.join(metrics)}")  # fmt: skip
+    return TaskPlan(name, t.kind, metric, [path], text_file=out)
+
+
 def plan_task(name: str, t: SuiteTask, suite: SuiteConfig, work_dir: Path) -> TaskPlan:
     if t.kind in ("glue", "clue"):
         plan = _benchmark_plan(name, t, suite, work_dir)
     elif t.kind in ZERO_SHOT:
         plan = _zero_shot_plan(name, t, work_dir)
+    elif t.kind in INTRINSIC:
+        plan = _intrinsic_plan(name, t, work_dir)
     else:
         assert t.task is not None
         data = t.data.model_dump(mode="json", exclude_none=True)
@@ -170,13 +188,21 @@ def check_fits(plans: dict[str, TaskPlan], candidates: list[Candidate]) -> None:
     for c in candidates:
         arch = c.arch
         for p in plans.values():
-            if p.kind != "finetune":
-                if arch not in zeroshot.ZERO_SHOT_ARCHS:
+            if p.kind in ZERO_SHOT and arch not in zeroshot.ZERO_SHOT_ARCHS:
+                raise EvalError(
+                    f"tasks.{p.name} ({p.kind}, zero-shot) cannot run on {c.label} (arch "
+                    f"{arch!r}): lm-evaluation-harness scores {', '.join(zeroshot.ZERO_SHOT_ARCHS)} "
+                    "through their transformers export (docs/evaluation.md)"
+                )
+            if p.kind in INTRINSIC:
+                if arch not in intrinsic.INTRINSIC_ARCHS:
                     raise EvalError(
-                        f"tasks.{p.name} ({p.kind}, zero-shot) cannot run on {c.label} (arch "
-                        f"{arch!r}): lm-evaluation-harness scores {', '.join(zeroshot.ZERO_SHOT_ARCHS)} "
-                        "through their transformers export (docs/evaluation.md)"
+                        f"tasks.{p.name} ({p.kind}, intrinsic) cannot run on {c.label} (arch "
+                        f"{arch!r}): it scores the static word vectors of "
+                        f"{', '.join(intrinsic.INTRINSIC_ARCHS)}; fine-tune a task instead"
                     )
+                intrinsic.check_coverage(p.kind, p.name, p.text_file or "", c.bundle)
+            if p.kind != "finetune":
                 continue
             raw = _finetune_raw(p, c, 0, "check", {})
             check_task_fits(arch, validate_finetune(raw, f"tasks.{p.name}"))

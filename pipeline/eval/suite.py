@@ -42,9 +42,13 @@ from pipeline.finetune.config import (
 )
 
 # finetune, glue, clue: fine-tuned per seed; perplexity, last_word, choice: zero-shot
-# (causal models, scored by lm-evaluation-harness: pipeline/eval/zeroshot.py)
-Kind = Literal["finetune", "glue", "clue", "perplexity", "last_word", "choice"]
+# (causal models, scored by lm-evaluation-harness: pipeline/eval/zeroshot.py);
+# similarity, analogy: intrinsic (static word vectors: pipeline/eval/intrinsic.py)
+Kind = Literal[
+    "finetune", "glue", "clue", "perplexity", "last_word", "choice", "similarity", "analogy"
+]
 ZERO_SHOT = ("perplexity", "last_word", "choice")
+INTRINSIC = ("similarity", "analogy")
 
 
 class EvalError(FinetuneError):
@@ -69,6 +73,7 @@ class SuiteTask(Strict):
     seeds: list[int] | None = None  # None: the suite's seeds
     train: dict[str, Any] = Field(default_factory=dict)  # over the suite's budget
     max_length: int = Field(128, ge=8)  # zero-shot: tokens a window holds
+    score_field: int = Field(2, ge=0)  # similarity: the 0-based field of the human score
 
     @model_validator(mode="after")
     def _complete(self):
@@ -144,7 +149,7 @@ class SuiteConfig(Strict):
 
     def seeds_of(self, name: str) -> list[int]:
         task = self.tasks[name]
-        if task.kind in ZERO_SHOT:
+        if task.kind in ZERO_SHOT or task.kind in INTRINSIC:
             return [0]  # nothing trained, nothing drawn: one cell
         return list(task.seeds if task.seeds is not None else self.seeds)
 
