@@ -265,20 +265,18 @@ def _add_eval_parser(sub) -> None:
     )
     _local(ev, "suite", nargs="?", help="YAML evaluation suite (configs/eval/)")
     ev.add_argument("overrides", nargs="*", metavar="key=value")
-    _local(
+    _store(
         ev,
         "--models",
-        alternative="give a local run or checkpoint folder, or its registered model "
-        "(models:/NAME@ALIAS)",
         nargs="+", default=[], metavar="SOURCE",
-        help="a run's train.out_dir (all its checkpoints), a checkpoint or bundle folder, "
-        "models:/NAME@ALIAS, runs:/ID/model, or random (the untrained baseline)",
+        help="a run's train.out_dir (all its checkpoints; s3:// too), a checkpoint or bundle "
+        "folder, models:/NAME@ALIAS, runs:/ID/model, or random (the untrained baseline)",
     )  # fmt: skip
     ev.add_argument(
         "--address", default=None, help="Ray cluster (else RAY_ADDRESS, else a local Ray)"
     )
     ev.add_argument("--no-ray", action="store_true", help="run every cell in this process")
-    _local(
+    _store(
         ev,
         "--watch",
         metavar="RUN_DIR",

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline.config import is_uri
 from pipeline.eval.plan import build_cells, check_fits, plan_tasks
 from pipeline.eval.results import format_table, plot, select_best, summarize, write_csvs
 from pipeline.eval.runner import CellResult, run_in_process, run_on_ray
@@ -23,9 +24,11 @@ from pipeline.eval.sources import (
     RANDOM,
     Candidate,
     checkpoint_candidate,
+    mirrored_candidate,
     resolve_candidates,
     run_checkpoints,
 )
+from pipeline.eval.store_run import StoreMirror
 from pipeline.eval.suite import EvalError, SuiteConfig
 
 
@@ -152,19 +155,24 @@ def watch(
     until training has written its final bundle (``done``) and every checkpoint then
     present is scored. ``baselines`` (``random``, bundles) are scored with the first. A
     checkpoint that ``keep_last`` deleted before its turn is reported and skipped."""
-    run = Path(run_dir)
-    if not run.is_dir():  # training may not have started yet: it makes the folder
+    session = Session(suite, address, use_ray, track=True)
+    mirror = StoreMirror(run_dir, session.work_dir) if is_uri(run_dir) else None
+    run = mirror.local if mirror else Path(run_dir)  # a store's run: read through its mirror
+    if mirror is None and not run.is_dir():  # training may not have started: it makes it
         say(f"waiting for {run} (the run's train.out_dir) to appear")
     done = done or (lambda r: (r / "bundles" / "final" / "config.yaml").is_file())
-    session = Session(suite, address, use_ray, track=True)
     seen: set[str] = set()
     skipped: list[str] = []
     status = "FAILED"
     started = _start_ray(session)
     try:
         while True:
+            if mirror is not None:
+                mirror.sync()  # the final bundle's mark first, then the checkpoints
+                skipped += mirror.skipped
+                mirror.skipped.clear()
             finished = done(run)  # asked first: a checkpoint listed after it is the last
-            new = _new_checkpoints(run, seen, session, skipped)
+            new = _new_checkpoints(run, seen, session, skipped, mirror)
             if new and not session.candidates and baselines:
                 base = [b for b in baselines if b != RANDOM]
                 extra = resolve_candidates(base, session.work_dir, suite.mlflow.tracking_uri)
@@ -204,7 +212,8 @@ def _random_of(c: Candidate) -> Candidate:
                      model_name=c.model_name)  # fmt: skip
 
 
-def _new_checkpoints(run: Path, seen: set[str], session: Session, skipped: list[str]):
+def _new_checkpoints(run: Path, seen: set[str], session: Session, skipped: list[str],
+                     mirror: StoreMirror | None = None):  # fmt: skip
     """The complete checkpoints not scored yet, as candidates; one that vanishes while its
     bundle is made (pruned by keep_last) is skipped with a line."""
     out = []
@@ -215,7 +224,10 @@ def _new_checkpoints(run: Path, seen: set[str], session: Session, skipped: list[
             continue
         seen.add(path.name)
         try:
-            cand = checkpoint_candidate(path, session.work_dir)
+            if mirror is not None:
+                cand = mirrored_candidate(mirror, path.name, session.work_dir)
+            else:
+                cand = checkpoint_candidate(path, session.work_dir)
         except (EvalError, FileNotFoundError, KeyError, RuntimeError) as err:
             if (path / "COMPLETE").is_file():
                 raise  # still there: a real error, not a pruned checkpoint

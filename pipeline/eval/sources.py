@@ -2,6 +2,7 @@
 
 - a pretraining run's folder (``train.out_dir``): every complete checkpoint in it;
 - a checkpoint folder (``RUN/checkpoints/stepNNNNNNNN``): that one;
+- a run or checkpoint on a store (``s3://...``): mirrored first (``store_run``);
 - a bundle folder, ``models:/NAME@ALIAS``, ``models:/NAME/VERSION`` or ``runs:/ID/model``;
 - ``random``: the architecture of the other sources, freshly initialised (the baseline).
 
@@ -168,10 +169,7 @@ def resolve_candidates(
         elif src.startswith(("models:/", "runs:/")):
             out.append(_mlflow_candidate(src, tracking_uri, work_dir))
         elif is_uri(src):
-            raise EvalError(
-                f"--models {src}: a run or checkpoint on a store is not read yet; give a "
-                "local folder (or its registered model, models:/NAME@ALIAS)"
-            )
+            out += store_candidates(src, work_dir)
         else:
             out += _local_candidates(Path(src), work_dir)
     if wants_random:
@@ -181,6 +179,26 @@ def resolve_candidates(
         out.insert(0, Candidate(label=RANDOM, bundle=base.bundle, step=0, init=RANDOM,
                                 run_id=base.run_id, model_name=base.model_name))  # fmt: skip
     return out
+
+
+def store_candidates(uri: str, work_dir: Path) -> list[Candidate]:
+    """A run or checkpoint on a store: mirrored (``store_run``), each checkpoint's bundle
+    made, its weights dropped again."""
+    from pipeline.eval.store_run import StoreMirror
+
+    mirror = StoreMirror(uri, work_dir)
+    tags = mirror.sync()
+    if not tags:
+        raise EvalError(f"--models {mirror.shown}: no complete checkpoint there"
+                        + (f" named {mirror.only}" if mirror.only else ""))  # fmt: skip
+    return [mirrored_candidate(mirror, tag, work_dir) for tag in tags]
+
+
+def mirrored_candidate(mirror, tag: str, work_dir: Path) -> Candidate:
+    cand = checkpoint_candidate(mirror.local / "checkpoints" / tag, work_dir)
+    cand.checkpoint = mirror.where(tag)  # where its files live for good
+    mirror.release(tag)
+    return cand
 
 
 def _local_candidates(path: Path, work_dir: Path) -> list[Candidate]:

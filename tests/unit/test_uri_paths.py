@@ -40,8 +40,6 @@ LOCAL_FLAGS = {
     ("generate", "model"): ["generate", URI, "--prompt", "hi"],
     ("finetune", "config"): ["finetune", URI],
     ("eval", "suite"): ["eval", URI, "--models", "random"],
-    ("eval", "watch"): ["eval", "suite.yaml", "--watch", URI],
-    ("eval", "models"): ["eval", "suite.yaml", "--models", URI, "random"],
     ("predict", "model"): ["predict", URI, "--input", "in.jsonl"],
     ("predict", "input"): ["predict", "model", "--input", URI],
     ("predict", "output"): ["predict", "model", "--input", "in.jsonl", "--output", URI],
@@ -55,6 +53,7 @@ LOCAL_FLAGS = {
 STORE_FLAGS = {
     ("data", "tokenizer", "input"), ("data", "tokenizer", "output"), ("data", "prepare", "input"),
     ("data", "prepare", "tokenizer"), ("data", "prepare", "output"), ("data", "inspect", "dir"),
+    ("eval", "models"), ("eval", "watch"),  # a run on a store (test_eval_stage.py)
 }  # fmt: skip
 # Arguments whose name says "path" without being one (or values, not paths).
 _PATHISH = re.compile(r"input|output|dir|path|file|config|model|bundle|root|workdir|tokenizer|"
