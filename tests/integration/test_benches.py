@@ -115,3 +115,36 @@ def test_bench_checkpoint_tiny(tiny_data, tmp_path):
     for s in background["raw"]["saves"]:
         assert "COMPLETE" not in s["parts"] and "latest pointer" not in s["parts"]
         assert len(s["writing_steps_s"]) == 1 and s["finish_wait_s"] >= 0
+
+
+def test_bench_finetune_vs_hf_tiny(tmp_path):
+    """bench/bench_finetune_vs_hf.py (issue 48) in its tiny mode: `plm finetune`'s loop and
+    transformers' Trainer both trained the same examples from the same token ids, each
+    timed over its own loop, HF single-process (no DDP wrap from our process group), and
+    the JSON line printed last is the one written to --json."""
+    out = tmp_path / "ft.json"
+    cmd = [sys.executable, "bench/bench_finetune_vs_hf.py", "--tiny", "--work-dir",
+           str(tmp_path / "work"), "--json", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == res
+    assert res["tiny"] and res["threads"] == 1 and res["epochs"] == 2
+    (pair,) = res["pairs"]
+    ours, hf = pair["ours"], pair["hf"]
+    assert pair["same_token_ids"] is True
+    assert ours["examples"] == hf["examples"] == res["epochs"] * res["train_rows"] > 0
+    for side in (ours, hf):
+        assert side["steps"] * res["batch"] == side["examples"]
+        assert side["loop_cpu_s"] > 0 and side["loop_wall_s"] > 0
+        assert side["cpu_s_per_example"] > 0 and side["wall_s_per_example"] > 0
+        assert side["call_wall_s"] > side["loop_wall_s"]  # set-up and test outside the loop
+        assert side["threads"] == 1
+        assert len(side["epoch_loss"]) == res["epochs"]
+        assert all(0 < loss < 10 for loss in side["epoch_loss"]), side["epoch_loss"]
+        assert 0 <= side["test_accuracy"] <= 1
+    assert hf["train_runtime"] > 0 and hf["train_samples_per_second"] > 0
+    assert hf["model_wrapped"] == "BertForSequenceClassification", hf["model_wrapped"]
+    assert hf["parallel_mode"] == "ParallelMode.NOT_PARALLEL"
+    assert pair["ratio_cpu"] > 0 and res["median"]["ratio_cpu"] == pair["ratio_cpu"]
