@@ -3,7 +3,8 @@ bundle training wrote beside it, two turned into bundles here): the suite on a l
 and in one process gives the same table; every checkpoint becomes an MLflow LoggedModel of
 its run with its scores linked to the task's data set; the pretraining run charts
 eval/* at the checkpoints' steps; the best checkpoint is models:/NAME@best; a cell that
-fails is a failed cell and the others go on."""
+fails is a failed cell and the others go on; the same run on a store (moto's S3 server)
+gives the same table, and is watched there."""
 
 from __future__ import annotations
 
@@ -265,3 +266,110 @@ def test_a_checkpoint_pruned_before_its_turn_is_skipped_not_a_crash(pretrained, 
     assert (
         "skipped step00000001: deleted (train.keep_last) before its turn" in capsys.readouterr().out
     )
+
+
+# --- a run on a store (train.out_dir=s3://...) -------------------------------------------
+
+
+def _put_tree(s3, local: Path, uri: str, skip: str = "") -> None:
+    """Every file under ``local`` to ``uri`` (the layout training writes there), in order,
+    the files named ``skip`` left out."""
+    for path in sorted(p for p in local.rglob("*") if p.is_file()):
+        if path.name != skip:
+            s3.put(f"{uri}/{path.relative_to(local).as_posix()}", path.read_bytes())
+
+
+def test_a_run_on_a_store_gives_the_table_of_its_local_folder(pretrained, evaluated, s3,
+                                                              tmp_path):  # fmt: skip
+    from pipeline.eval.evaluate import evaluate
+    from pipeline.eval.suite import load_suite
+
+    uri = s3.upload(pretrained["run"], "run")
+    suite = load_suite(pretrained["suite"], ["seeds=[0]", f"work_dir={tmp_path / 'w'}"])
+    suite.tasks.pop("pair")
+    got = evaluate(suite, [uri], use_ray=False, track=False)
+    assert [c.checkpoint for c in got.candidates] == [
+        f"{uri}/checkpoints/step0000000{s}" if s < 10 else f"{uri}/checkpoints/step000000{s}"
+        for s in (5, 10, 15)
+    ]
+    local = _scores(evaluated["alone"])  # candidate 0 there is random: shift by one
+    assert _scores(got) == {(i - 1, t, s): v for (i, t, s), v in local.items()
+                            if i > 0 and t == "verb" and s == 0}  # fmt: skip
+    mirror = next((tmp_path / "w" / "store").iterdir())
+    assert not list(mirror.rglob("*.pt"))  # each checkpoint's weights dropped once bundled
+    assert (mirror / "bundles" / "step00000010" / "config.yaml").is_file()  # training's own
+    made = sorted(p.name for p in (tmp_path / "w" / "bundles").iterdir())
+    assert made == ["bert-tiny-step00000005", "bert-tiny-step00000015"]
+
+    one = evaluate(suite, [f"{uri}/checkpoints/step00000015"], use_ray=False, track=False)
+    assert [c.label for c in one.candidates] == ["step00000015"]
+
+
+def test_watch_of_a_run_on_a_store_scores_each_checkpoint_once_complete(pretrained, s3,
+                                                                        tmp_path):  # fmt: skip
+    """Checkpoints reach the store one after the other, each COMPLETE last as training
+    writes them; the watcher takes each once complete and ends at the final bundle."""
+    import threading
+    import time
+
+    from pipeline.eval.evaluate import watch
+    from pipeline.eval.suite import load_suite
+
+    run, uri = pretrained["run"], s3.prefix("run")
+    suite = load_suite(pretrained["suite"], ["seeds=[0]", f"work_dir={tmp_path / 'w'}"])
+    suite.tasks.pop("pair")
+
+    def training() -> None:
+        for name in ("metrics.jsonl", "mlflow_run_id"):
+            s3.put(f"{uri}/{name}", (run / name).read_bytes())
+        for tag in ("step00000005", "step00000010", "step00000015"):
+            if (run / "bundles" / tag).is_dir():
+                _put_tree(s3, run / "bundles" / tag, f"{uri}/bundles/{tag}")
+            _put_tree(s3, run / "checkpoints" / tag, f"{uri}/checkpoints/{tag}", skip="COMPLETE")
+            time.sleep(1.0)  # a watcher's look now sees the checkpoint without COMPLETE
+            s3.put(f"{uri}/checkpoints/{tag}/COMPLETE",
+                   (run / "checkpoints" / tag / "COMPLETE").read_bytes())  # fmt: skip
+        _put_tree(s3, run / "bundles" / "final", f"{uri}/bundles/final")
+
+    writer = threading.Thread(target=training)
+    writer.start()
+    try:
+        result = watch(suite, uri, ["random"], use_ray=False, poll_s=0.3)
+    finally:
+        writer.join()
+    labels = [c.label for c in result.candidates]
+    assert labels == ["random", "step00000005", "step00000010", "step00000015"]
+    assert all(r.scores for r in result.results) and not result.skipped
+    assert result.candidates[1].checkpoint == f"{uri}/checkpoints/step00000005"
+
+
+def test_a_store_checkpoint_deleted_while_fetched_is_skipped(pretrained, s3, tmp_path, capsys):
+    from pipeline.eval.store_run import StoreMirror
+
+    uri = s3.upload(pretrained["run"], "run")
+    mirror = StoreMirror(uri, tmp_path)
+    listing = mirror._files
+
+    def pruned_midway(rel: str, recursive: bool = True):
+        files = listing(rel, recursive)
+        if rel == "checkpoints/step00000005":  # keep_last deletes it as it is fetched
+            s3.delete(f"{uri}/checkpoints/step00000005/COMPLETE")
+            for p, _ in files:
+                if p.endswith(".pt"):
+                    s3.delete(f"{uri}/{p}")
+        return files
+
+    mirror._files = pruned_midway
+    assert mirror.sync() == ["step00000010", "step00000015"]
+    assert mirror.skipped == ["step00000005"]
+    assert "skipped step00000005: deleted from" in capsys.readouterr().out
+
+
+def test_a_store_that_is_not_there_is_one_line(pretrained, s3, tmp_path, capsys):
+    from pipeline.cli import main
+
+    assert main(["eval", str(pretrained["suite"]), "--models", "s3://no-such-bucket/run",
+                 "--no-ray"]) == 2  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("plm: --models=s3://no-such-bucket/run") and "not found" in err, err
+    assert "Traceback" not in err
