@@ -1,5 +1,7 @@
 """Task heads on any backbone of the family, built only on the model contract:
 ``outputs["hidden_states"]`` ([B,T,H], final layer) and the class attribute ``causal``.
+The backbone runs with ``pretrain_heads=False`` (``features_kwargs``): its pretraining
+heads (the vocabulary projection above all) are never computed, since no task reads them.
 
 - classification / regression: pool each view ([CLS] for encoders, the last real token,
   GPT's extract token, for causal models), sum the views (GPT's symmetric similarity),
@@ -154,13 +156,20 @@ def backbone_layers(outputs: dict[str, Any]) -> Tensor:
     return torch.stack(list(layers), dim=1) if isinstance(layers, list | tuple) else layers
 
 
+def features_kwargs(backbone: nn.Module) -> dict[str, bool]:
+    """``{"pretrain_heads": False}`` for a backbone whose forward takes it (every
+    architecture of the registry: pipeline/models/base.py), else nothing."""
+    return {"pretrain_heads": False} if "pretrain_heads" in _forward_names(backbone) else {}
+
+
 def hidden_size(backbone: nn.Module) -> int:
     """The width of hidden_states: the config's hidden_size, else one tiny forward."""
     size = getattr(backbone.config, "hidden_size", None)
     if size is not None:
         return int(size)
     with torch.no_grad():
-        out = backbone(input_ids=torch.zeros(1, 2, dtype=torch.long))
+        ids = torch.zeros(1, 2, dtype=torch.long)
+        out = backbone(input_ids=ids, **features_kwargs(backbone))
     return int(out["hidden_states"].shape[-1])
 
 
@@ -221,7 +230,7 @@ class TaskModel(nn.Module):
 
     def encode(self, input_ids: Tensor, token_type_ids: Tensor, attention_mask: Tensor) -> Tensor:
         """[N,T] -> [N,T,H] task features."""
-        kwargs = {"input_ids": input_ids}
+        kwargs = {"input_ids": input_ids, **features_kwargs(self.backbone)}
         names = _forward_names(self.backbone)
         # segment B ids only for models with a segment-B embedding (RoBERTa has one type)
         if "token_type_ids" in names and getattr(self.backbone.config, "type_vocab_size", 2) > 1:

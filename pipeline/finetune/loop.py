@@ -38,6 +38,7 @@ from pipeline.finetune.heads import (
     UNSUPPORTED,
     TaskModel,
     backbone_layers,
+    features_kwargs,
     param_groups,
 )
 from pipeline.finetune.infer import row_predictions, run_model, score
@@ -193,7 +194,7 @@ class Finetuner:
                 backbone = build_model(self.arch, backbone.config)
             input_ids = input_ids.to("meta")
         with torch.no_grad():
-            outputs = backbone(input_ids=input_ids)
+            outputs = backbone(input_ids=input_ids, **features_kwargs(backbone))
         return int(backbone_layers(outputs).shape[1])
 
     def _initialize(self):

@@ -18,6 +18,7 @@ sublayer shares its LayerNorm too.
 Outputs: {"mlm_logits": [B,T,Vpad], "sop_logits": [B,2], "hidden_states": [B,T,H]}
 ("sop_logits" only with the pair head); sop_logits index 0 = segments in order, 1 = swapped (transformers' convention). Given
 ``mlm_labels``, "mlm_logits" is [N,Vpad]: the labelled positions only, as for BERT.
+``pretrain_heads=False``: {"hidden_states"} alone, neither head run.
 """
 
 from __future__ import annotations
@@ -127,6 +128,7 @@ class Albert(PretrainModel):
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
         layout: Attention | None = None,  # attention_layout(batch), built by the caller
+        pretrain_heads: bool = True,  # False: hidden_states only (base.PretrainModel)
     ) -> dict[str, Tensor]:
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
@@ -137,6 +139,8 @@ class Albert(PretrainModel):
         for i in range(self.config.num_layers):  # layer i: its sublayers (shared: index 0)
             x = self.run_layer(self.attention[i % len(self.attention)], x, attn)
             x = self.run_layer(self.ffn[i % len(self.ffn)], x)
+        if not pretrain_heads:
+            return {"hidden_states": attn.unpack(x)}
         word = self.embeddings.word.weight
         mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, mlm_labels)
         out = {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}

@@ -28,6 +28,23 @@ from pipeline.models.blocks import Attention, decoder_attention, encoder_attenti
 
 
 class PretrainModel(nn.Module):
+    """The forward contract every architecture keeps (outputs a dict of tensors):
+
+    - ``hidden_states`` [B,T,H]: the final layer's features, always (what fine-tuning's
+      heads read, pipeline/finetune/heads.py); ``layers`` where the model has them (ELMo);
+      ``mems`` where it carries a memory (Transformer-XL, XLNet);
+    - the pretraining heads' outputs (``logits``, ``mlm_logits``, ``nsp_logits``,
+      ``sop_logits``, ``rtd_logits``, ``fwd_logits`` / ``bwd_logits``, word2vec's
+      ``pos_scores`` / ``neg_scores``, ...), what the objectives read.
+
+    ``pretrain_heads: bool = True``, a keyword of every forward: False runs no pretraining
+    head at all (no vocabulary projection, no pooler, no NSP / SOP / RTD head, no
+    generator) and returns the features alone; the features are the same tensors as with
+    True. Fine-tuning, prediction and feature extraction pass False (a vocabulary
+    projection of every position is most of a small model's forward); the objectives,
+    ``plm generate`` and export leave the default.
+    """
+
     causal = False  # fine-tuning pools the last real token of causal models, [CLS] otherwise
     checkpointing = False  # set by the trainer (train.activation_checkpointing)
     unpad = False  # set by the trainer (train.unpad): compute on real tokens only

@@ -8,7 +8,8 @@ Outputs: {"mlm_logits": [B,T,Vpad], "nsp_logits": [B,2], "hidden_states": [B,T,H
 ``mlm_labels`` (the trainer passes them), "mlm_logits" is [N,Vpad]: the N labelled positions.
 Vpad is vocab_size rounded up to a multiple of 64; the padded rows get a logit of
 PAD_LOGIT so they never win. nsp_logits index 0 = "B follows A", 1 = "B is random"
-(the original BERT / transformers convention).
+(the original BERT / transformers convention). ``pretrain_heads=False``: {"hidden_states"}
+alone, neither head run (pipeline/models/base.py).
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class Bert(PretrainModel):
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
         layout: Attention | None = None,  # attention_layout(batch), built by the caller
+        pretrain_heads: bool = True,  # False: hidden_states only (base.PretrainModel)
     ) -> dict[str, Tensor]:
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
@@ -152,6 +154,8 @@ class Bert(PretrainModel):
         x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         for block in self.blocks:
             x = self.run_layer(block, x, attn)
+        if not pretrain_heads:
+            return {"hidden_states": attn.unpack(x)}
         word = self.embeddings.word.weight
         mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, mlm_labels)
         out = {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}

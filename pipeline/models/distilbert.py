@@ -5,7 +5,8 @@ embeddings and the pooler, as the paper does; the distillation itself (teacher, 
 initialisation from every other teacher layer) is the ``distill`` objective
 (pipeline/objectives/distill.py).
 
-Outputs: {"mlm_logits": [B,T,Vpad], "hidden_states": [B,T,H]}.
+Outputs: {"mlm_logits": [B,T,Vpad], "hidden_states": [B,T,H]}; {"hidden_states"} alone
+with ``pretrain_heads=False``.
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class DistilBert(PretrainModel):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         layout: Attention | None = None,  # attention_layout(batch), built by the caller
+        pretrain_heads: bool = True,  # False: hidden_states only (base.PretrainModel)
     ) -> dict[str, Tensor]:
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...], or with unpadding the real tokens packed into [1,N,...]
@@ -86,6 +88,8 @@ class DistilBert(PretrainModel):
         x = self.embeddings(attn.pack(input_ids), attn.positions(input_ids, position_ids))
         for block in self.blocks:
             x = self.run_layer(block, x, attn)
+        if not pretrain_heads:
+            return {"hidden_states": attn.unpack(x)}
         # every position's logits (the distill objective compares them with the teacher's)
         word = self.embeddings.word.weight
         mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, None)

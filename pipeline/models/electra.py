@@ -19,7 +19,10 @@ forward(input_ids, ..., mlm_labels):
     the discriminator reads the corrupted sequence and the outputs add
     "mlm_logits" [N,Vpad] (the N masked positions only, in row-major order),
     "corrupted_ids" [B,T] and "rtd_labels" [B,T] = (corrupted != original). A sample that
-    happens to equal the original token counts as original, as in the paper.
+    happens to equal the original token counts as original, as in the paper;
+  * with pretrain_heads=False (fine-tuning's features): the discriminator's layers on the
+    input as it is and no head, generator nor discriminator's: {"hidden_states": [B,T,H]}
+    (mlm_labels unused).
 """
 
 from __future__ import annotations
@@ -196,9 +199,13 @@ class Electra(PretrainModel):
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,
         layout: Attention | None = None,  # attention_layout(batch), built by the caller
+        pretrain_heads: bool = True,  # False: hidden_states only (base.PretrainModel)
     ) -> dict[str, Tensor]:
         # one layout for both networks: the corrupted input pads exactly as the masked one
         attn = layout if layout is not None else encoder_attention(attention_mask, self.unpad)
+        if not pretrain_heads:
+            h = self.encode(self.discriminator, attn, input_ids, token_type_ids, position_ids)
+            return {"hidden_states": attn.unpack(h)}
         if mlm_labels is None:
             logits, h = self.discriminate(
                 input_ids, token_type_ids, position_ids=position_ids, attn=attn

@@ -31,7 +31,8 @@ Outputs: ``layers`` [B, L+1, T, 2P]: layer 0 is the token encoding duplicated
 ([x; x], the paper's convention so all layers have the same width), layer k the
 concatenated forward/backward outputs of LSTM layer k; ``hidden_states`` = the top
 layer [B,T,2P] (what fine-tuning heads read); ``fwd_logits`` / ``bwd_logits``
-[B,T,Vpad] unless ``lm_logits=False``. ``ScalarMix`` combines the layers for a task.
+[B,T,Vpad] unless ``pretrain_heads=False`` (pipeline/models/base.py). ``ScalarMix``
+combines the layers for a task.
 
 Not as in the paper: a full softmax instead of the sampled softmax (the vocabularies
 here are small); no LSTM cell/projection clipping (torch's fused LSTM has none);
@@ -319,7 +320,7 @@ class Elmo(PretrainModel):
         self,
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
-        lm_logits: bool = True,
+        pretrain_heads: bool = True,  # False: no softmax (base.PretrainModel)
     ) -> dict[str, Tensor]:
         x = self.encode_tokens(input_ids)
         fwd = run_direction(
@@ -334,7 +335,7 @@ class Elmo(PretrainModel):
         if attention_mask is not None:  # padding positions: zeros, not garbage
             stacked = stacked * attention_mask[:, None, :, None].to(stacked.dtype)
         out = {"layers": stacked, "hidden_states": stacked[:, -1]}
-        if lm_logits:
+        if pretrain_heads:
             bias = self.softmax.bias + self.pad_bias.to(self.softmax.bias.dtype)
             out["fwd_logits"] = F.linear(self.dropout(fwd[-1]), self.softmax.weight, bias)
             out["bwd_logits"] = F.linear(self.dropout(bwd[-1]), self.softmax.weight, bias)

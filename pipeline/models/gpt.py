@@ -6,8 +6,9 @@ LayerNorm: each block already ends with one. GPT-2 later moved the LayerNorm in 
 of each sub-layer and added a final one (pipeline/models/gpt2.py).
 
 Outputs: {"logits": [B,T,Vpad], "hidden_states": [B,T,H]}; the padded vocabulary rows
-get PAD_LOGIT so they never win. Packed sequences: position_ids may restart at each
-document and document_ids stop attention from crossing documents (as in gpt2.py).
+get PAD_LOGIT so they never win; {"hidden_states"} alone with ``pretrain_heads=False``.
+Packed sequences: position_ids may restart at each document and document_ids stop
+attention from crossing documents (as in gpt2.py).
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ final LayerNorm and an LM head tied to the token embeddings.
 For packed sequences (several documents in one row) it takes position_ids that restart
 at each document and document_ids that stop attention from crossing documents.
 Outputs: {"logits": [B,T,Vpad], "hidden_states": [B,T,H]}; the padded vocabulary rows get
-PAD_LOGIT so they never win.
+PAD_LOGIT so they never win. ``pretrain_heads=False``: {"hidden_states"} alone (the final
+LayerNorm runs, the LM head does not).
 """
 
 from __future__ import annotations
@@ -82,8 +83,10 @@ class GPT2(PretrainModel):
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         return self.dropout(self.wte(input_ids) + self.wpe(position_ids))
 
-    def head(self, x: Tensor) -> dict[str, Tensor]:
+    def head(self, x: Tensor, pretrain_heads: bool = True) -> dict[str, Tensor]:
         h = self.ln_f(x)
+        if not pretrain_heads:
+            return {"hidden_states": h}
         logits = F.linear(h, self.wte.weight, self.pad_bias.to(h.dtype))  # tied LM head
         return {"logits": logits, "hidden_states": h}
 
@@ -95,6 +98,7 @@ class GPT2(PretrainModel):
         position_ids: Tensor | None = None,
         document_ids: Tensor | None = None,
         layout: Attention | None = None,  # attention_layout(batch), built by the caller
+        pretrain_heads: bool = True,  # False: hidden_states only (base.PretrainModel)
     ) -> dict[str, Tensor]:
         self.check_length(input_ids.shape[1], self.config.max_positions)
         # Dense [B,T,...] (causal kernel or mask), or with unpadding and documents each
@@ -107,7 +111,7 @@ class GPT2(PretrainModel):
         x = self.embed(attn.pack(input_ids), attn.positions(input_ids, position_ids))
         for block in self.blocks:
             x = self.run_layer(block, x, attn)
-        return {k: attn.unpack(v) for k, v in self.head(x).items()}
+        return {k: attn.unpack(v) for k, v in self.head(x, pretrain_heads).items()}
 
     def flops_per_token(self, seq_len: float, decoder_fraction: float = 1.0) -> float:
         """Training FLOPs (forward + backward) per token:

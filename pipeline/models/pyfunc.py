@@ -60,7 +60,9 @@ with warnings.catch_warnings(record=True):
             self.vocab_size = int(self.config["model"]["vocab_size"])
             roles = self.config.get("vocab", {}).get("roles", {})
             self.pad_id = int(roles.get("pad", 0))
-            self.takes_mask = "attention_mask" in inspect.signature(self.model.forward).parameters
+            names = inspect.signature(self.model.forward).parameters
+            self.takes_mask = "attention_mask" in names
+            self.takes_heads = "pretrain_heads" in names  # every architecture's (base.py)
 
         def predict(self, context, model_input, params: dict[str, Any] | None = None):
             import numpy as np
@@ -79,6 +81,8 @@ with warnings.catch_warnings(record=True):
                 ids[i, : len(row)] = torch.tensor(row)
                 mask[i, : len(row)] = 1
             kwargs = {"attention_mask": mask} if self.takes_mask else {}
+            if self.takes_heads:  # embeddings: the features alone, no head computed
+                kwargs["pretrain_heads"] = output == "logits"
             with torch.no_grad():
                 out = self.model(ids, **kwargs)
             if output == "logits":

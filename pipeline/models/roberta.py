@@ -13,7 +13,7 @@ Two details follow fairseq/transformers so exported models match:
 - one segment type (``type_vocab_size`` 1) and LayerNorm eps 1e-5.
 
 Outputs: {"mlm_logits": [B,T,Vpad], "hidden_states": [B,T,H]}; [N,Vpad] (the labelled positions)
-when given ``mlm_labels``, as for BERT.
+when given ``mlm_labels``, as for BERT; {"hidden_states"} alone with ``pretrain_heads=False``.
 """
 
 from __future__ import annotations
@@ -96,6 +96,7 @@ class Roberta(PretrainModel):
         document_ids: Tensor | None = None,  # unused: an encoder sees its whole input
         mlm_labels: Tensor | None = None,  # given: logits for the labelled positions only
         layout: Attention | None = None,  # attention_layout(batch), built by the caller
+        pretrain_heads: bool = True,  # False: hidden_states only (base.PretrainModel)
     ) -> dict[str, Tensor]:
         cfg = self.config
         T = input_ids.shape[1]
@@ -113,6 +114,8 @@ class Roberta(PretrainModel):
         x = self.embeddings(attn.pack(input_ids), attn.pack(token_type_ids), positions)
         for block in self.blocks:
             x = self.run_layer(block, x, attn)
+        if not pretrain_heads:
+            return {"hidden_states": attn.unpack(x)}
         word = self.embeddings.word.weight
         mlm_logits = self.mlm_head.in_layout(attn, x, word, self.pad_bias, mlm_labels)
         return {"mlm_logits": mlm_logits, "hidden_states": attn.unpack(x)}

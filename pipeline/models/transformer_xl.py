@@ -27,7 +27,8 @@ Two ideas, both here in plain PyTorch:
 
 Layers are post-LN (as the paper's): x = LN(x + attn(x)); x = LN(x + FF(x)). The LM head
 is tied to the token embeddings (the paper uses adaptive softmax; not needed here).
-Outputs: {"logits": [B,T,Vpad], "hidden_states": [B,T,H], "mems": list of L [B,M,H]}.
+Outputs: {"logits": [B,T,Vpad], "hidden_states": [B,T,H], "mems": list of L [B,M,H]};
+no "logits" with ``pretrain_heads=False`` (the memory is still returned).
 """
 
 from __future__ import annotations
@@ -215,6 +216,7 @@ class TransformerXL(PretrainModel):
         input_ids: Tensor,
         attention_mask: Tensor | None = None,
         mems: list[Tensor] | None = None,
+        pretrain_heads: bool = True,  # False: no LM head (base.PretrainModel)
     ) -> dict[str, Tensor | list[Tensor]]:
         cfg = self.config
         B, T = input_ids.shape
@@ -245,12 +247,12 @@ class TransformerXL(PretrainModel):
             inputs.append(x)
             mem = None if mems is None else mems[i].to(x.dtype)
             x = self.run_layer(layer, x, mem, pos, self.u, self.v, keep)
-        logits = F.linear(x, self.wte.weight, self.pad_bias.to(x.dtype))  # tied LM head
-        return {
-            "logits": logits,
-            "hidden_states": x,
-            "mems": self.next_mems(mems, inputs, cfg.memory_length(self.training)),
-        }
+        out = {}
+        if pretrain_heads:
+            out["logits"] = F.linear(x, self.wte.weight, self.pad_bias.to(x.dtype))  # tied LM head
+        out["hidden_states"] = x
+        out["mems"] = self.next_mems(mems, inputs, cfg.memory_length(self.training))
+        return out
 
     @torch.no_grad()
     def next_mems(

@@ -20,8 +20,9 @@ rare words are split into pieces that get vectors of their own (fastText-like).
 one token.
 
 The model takes the batch keys it needs by name (``context_ids``, ``negative_ids``);
-without them (fine-tuning, feature extraction) it returns only ``hidden_states`` =
-the static vectors of the input ids, the same vector for a word in every context.
+without them, or with ``pretrain_heads=False`` (fine-tuning, feature extraction), it
+returns only ``hidden_states`` = the static vectors of the input ids, the same vector for
+a word in every context.
 ``counts`` (a buffer, saved in the bundle) holds the unigram counts training saw.
 """
 
@@ -87,13 +88,14 @@ class Word2Vec(PretrainModel):
         attention_mask: Tensor | None = None,
         context_ids: Tensor | None = None,
         negative_ids: Tensor | None = None,
+        pretrain_heads: bool = True,  # False: no scores (base.PretrainModel)
     ) -> dict[str, Tensor]:
         """input_ids [B,T]; context_ids [B,T,2W] (-100: no context in that slot);
         negative_ids [B,T,2W,K] (skipgram: K per pair) or [B,T,K] (cbow: K per center).
         Returns hidden_states [B,T,D] and, given contexts, pos_scores / neg_scores."""
         v = self.input_embeddings(input_ids)
         out = {"hidden_states": v}
-        if context_ids is None or negative_ids is None:
+        if not pretrain_heads or context_ids is None or negative_ids is None:
             return out
         valid = context_ids >= 0
         contexts = context_ids.clamp(min=0)

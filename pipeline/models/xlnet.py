@@ -18,7 +18,8 @@ of every layer at the first ``reuse_len`` positions of earlier segments (the par
 segment continues), the last ``mem_len`` of them; every position may attend to all of it.
 
 Outputs: {"logits": [B, P, Vpad] from the query stream (or [B, T, Vpad] from the content
-stream without target_mapping), "hidden_states": [B, T, H], "mems": [L, B, M, H] or None}.
+stream without target_mapping), "hidden_states": [B, T, H], "mems": [L, B, M, H] or None};
+no "logits" with ``pretrain_heads=False`` (nor the query stream's layers, which only feed them).
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ class XLNet(PretrainModel):
         perm_mask: Tensor | None = None,
         target_mapping: Tensor | None = None,
         mems: Tensor | None = None,
+        pretrain_heads: bool = True,  # False: no LM head (base.PretrainModel)
     ) -> dict[str, Tensor | None]:
         cfg = self.config
         B, T = input_ids.shape
@@ -277,7 +279,7 @@ class XLNet(PretrainModel):
         # Query stream: one row per prediction, at position g_pos; it may not see what
         # the position's own content stream row may not see, nor the position itself.
         g = g_pos = g_seg = g_blocked = None
-        if target_mapping is not None:
+        if target_mapping is not None and pretrain_heads:
             g_pos = target_mapping.float().argmax(-1)  # [B, P]
             P = g_pos.shape[1]
             rows = g_pos[:, :, None].expand(B, P, K)
@@ -307,13 +309,14 @@ class XLNet(PretrainModel):
             args = (h, g, mem, k_r, h_pos, g_pos, seg_same, g_seg, h_blocked, g_blocked)
             h, g = self.run_layer(layer, *args)
 
-        out = self.dropout(h if g is None else g)
-        logits = F.linear(out, self.word.weight, (self.lm_bias + self.pad_bias).to(out.dtype))
-        return {
-            "logits": logits,
-            "hidden_states": h,
-            "mems": torch.stack(new_mems) if new_mems else None,
-        }
+        outputs = {}
+        if pretrain_heads:
+            out = self.dropout(h if g is None else g)
+            bias = (self.lm_bias + self.pad_bias).to(out.dtype)
+            outputs["logits"] = F.linear(out, self.word.weight, bias)
+        outputs["hidden_states"] = h
+        outputs["mems"] = torch.stack(new_mems) if new_mems else None
+        return outputs
 
     def _cache(self, h: Tensor, mem: Tensor | None) -> Tensor:
         """This layer's input at the reused positions, appended to its memory; the last

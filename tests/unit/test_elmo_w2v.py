@@ -84,7 +84,7 @@ def test_elmo_outputs_all_layers_and_padded_softmax():
     for key in ("fwd_logits", "bwd_logits"):
         assert out[key].shape == (3, 10, 128)
         assert (out[key][..., VOCAB:] < PAD_LOGIT / 2).all()
-    assert "fwd_logits" not in model(ids(1, 4), lm_logits=False)
+    assert "fwd_logits" not in model(ids(1, 4), pretrain_heads=False)
 
 
 @pytest.mark.parametrize("padded", [False, True])
@@ -361,8 +361,8 @@ def test_polysemy_word2vec_one_vector_elmo_one_per_context(tokenizers_dir):
     vb = w2v(torch.tensor([b]))["hidden_states"][0, ib]
     assert torch.equal(va, vb)
     model = elmo(V, tok_dir)
-    la = model(torch.tensor([a]), lm_logits=False)["layers"][0, :, ia]
-    lb = model(torch.tensor([b]), lm_logits=False)["layers"][0, :, ib]
+    la = model(torch.tensor([a]), pretrain_heads=False)["layers"][0, :, ia]
+    lb = model(torch.tensor([b]), pretrain_heads=False)["layers"][0, :, ib]
     assert torch.equal(la[0], lb[0])  # layer 0: characters only
     for k in (1, 2):
         cos = torch.nn.functional.cosine_similarity(la[k], lb[k], dim=0)
