@@ -373,3 +373,40 @@ def test_a_store_that_is_not_there_is_one_line(pretrained, s3, tmp_path, capsys)
     err = capsys.readouterr().err.strip()
     assert err.startswith("plm: --models=s3://no-such-bucket/run") and "not found" in err, err
     assert "Traceback" not in err
+
+
+def test_the_mlflow_ui_charts_the_scores_and_lists_a_model_per_checkpoint(pretrained, evaluated,
+                                                                          tmp_path):  # fmt: skip
+    """Issue 48: the MLflow UI itself, in headless Chromium against a real `mlflow server`
+    on the run's store. The pretraining run's "Model metrics" tab draws a chart per
+    eval/<task>/<metric>, a point at each checkpoint's step (and the random baseline's 0);
+    the experiment's "Models" tab has one row per checkpoint, from this run, with its
+    scores. Screenshots (and the pages' HTML): run.png, models.png under tmp_path."""
+    import mlflow_ui as ui
+
+    if reason := ui.browser_missing():
+        pytest.skip(reason)
+    from mlflow import MlflowClient
+
+    run_id = pretrained["run_id"]
+    client = MlflowClient(pretrained["store"])
+    experiment_id = client.get_run(run_id).info.experiment_id
+    steps = [0, 5, 10, 15]  # random, then the three checkpoints
+    names = [f"bert-tiny-step{s:08d}" for s in (5, 10, 15)]
+
+    with ui.mlflow_server(pretrained["store"], tmp_path) as base, ui.chromium(tmp_path) as driver:
+        ui.close_assistant(driver, base)
+        with ui.page(driver, base, f"/experiments/{experiment_id}/runs/{run_id}/model-metrics",
+                     tmp_path / "run.png"):  # fmt: skip
+            for key in ("eval/verb/accuracy", "eval/pair/accuracy"):
+                # every logged point (the module's other evaluations log to this run too)
+                logged = client.get_metric_history(run_id, key)
+                assert {h.step for h in logged} >= set(steps), key
+                assert ui.chart_points(driver, key, len(logged)) == len(logged), key
+        with ui.page(driver, base, f"/experiments/{experiment_id}/models", tmp_path / "models.png"):
+            for name in names:
+                model_id = ui.logged_model_row(driver, name, run_id)
+                stored = {m.key: m.value for m in client.get_logged_model(model_id).metrics}
+                for key in ("verb/accuracy", "pair/accuracy"):
+                    shown = ui.logged_model_metric(driver, model_id, key)
+                    assert shown == pytest.approx(stored[key], abs=1e-3), (name, key, shown)
