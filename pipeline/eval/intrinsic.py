@@ -103,6 +103,10 @@ def write_rows(rows: list[dict], out: Path) -> str:
     return str(out)
 
 
+def _read_rows(rows_file: str) -> list[dict]:
+    return [json.loads(line) for line in Path(rows_file).read_text("utf-8").splitlines()]
+
+
 def check_coverage(kind: str, task: str, rows_file: str, bundle: str | Path) -> None:
     """Refuse, before any cell, a file of which the bundle's vocabulary can score nothing
     (a similarity pair needs both words, an analogy its answer as one token)."""
@@ -112,7 +116,7 @@ def check_coverage(kind: str, task: str, rows_file: str, bundle: str | Path) -> 
 
     tokenizer = Tokenizer.from_file(str(Path(bundle) / "tokenizer.json"))
     specials = special_ids(Path(bundle))
-    rows = [json.loads(line) for line in Path(rows_file).read_text("utf-8").splitlines()]
+    rows = _read_rows(rows_file)
     if kind == "similarity":
         scored = [r for r in rows if all(_word_ids(tokenizer, specials, r[k]) for k in "ab")]
         enough, need = len(scored) >= 3, "at least 3 pairs whose words it knows"
@@ -196,7 +200,7 @@ def analogy(
 
 def score(kind: str, rows_file: str, bundle: str, init: str, seed: int) -> dict[str, float]:
     """The task's metrics for one model (the rows as ``read_*`` wrote them)."""
-    rows = [json.loads(line) for line in Path(rows_file).read_text("utf-8").splitlines()]
+    rows = _read_rows(rows_file)
     vectors, candidates, tokenizer, specials = _vectors(bundle, init, seed)
     if kind == "similarity":
         return similarity(vectors, tokenizer, specials, rows)

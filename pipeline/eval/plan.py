@@ -125,6 +125,15 @@ def _zero_shot_rows(name: str, t: SuiteTask) -> list[dict[str, Any]]:
     return out
 
 
+def _metric_of(name: str, t: SuiteTask, metrics: tuple[str, ...]) -> str:
+    """The task's ranking metric: ``t.metric``, one its kind reports (default: the first)."""
+    metric = t.metric or metrics[0]
+    if metric not in metrics:
+        raise EvalError(f"tasks.{name}.metric {metric!r}: a {t.kind} task reports "
+                        f"{', '.join(metrics)}")  # fmt: skip
+    return metric
+
+
 def _zero_shot_plan(name: str, t: SuiteTask, work_dir: Path) -> TaskPlan:
     import json
 
@@ -132,10 +141,7 @@ def _zero_shot_plan(name: str, t: SuiteTask, work_dir: Path) -> TaskPlan:
     out = work_dir / "tasks" / name / "test.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), "utf-8")
-    metric = t.metric or zeroshot.KINDS[t.kind][1][0]
-    if metric not in zeroshot.KINDS[t.kind][1]:
-        raise EvalError(f"tasks.{name}.metric {metric!r}: a {t.kind} task reports "
-                        f"{', '.join(zeroshot.KINDS[t.kind][1])}")  # fmt: skip
+    metric = _metric_of(name, t, zeroshot.KINDS[t.kind][1])
     return TaskPlan(name, t.kind, metric, [str(t.data.test)], text_file=str(out),
                     max_length=t.max_length)  # fmt: skip
 
@@ -147,11 +153,7 @@ def _intrinsic_plan(name: str, t: SuiteTask, work_dir: Path) -> TaskPlan:
     else:
         rows = intrinsic.read_analogies(path, name)
     out = intrinsic.write_rows(rows, work_dir / "tasks" / name / "test.jsonl")
-    metrics = intrinsic.METRICS[t.kind]
-    metric = t.metric or metrics[0]
-    if metric not in metrics:
-        raise EvalError(f"tasks.{name}.metric {metric!r}: a {t.kind} task reports "
-                        f"{', '.join(metrics)}")  # fmt: skip
+    metric = _metric_of(name, t, intrinsic.METRICS[t.kind])
     return TaskPlan(name, t.kind, metric, [path], text_file=out)
 
 

@@ -27,7 +27,6 @@ from pipeline.config import redact_uri
 from pipeline.eval.suite import EvalError
 
 _CHUNK = 8 << 20
-_ROOT_FILES = ("metrics.jsonl", "mlflow_run_id")  # pipeline.train.tracking.RUN_ID_FILE
 _FINAL = "bundles/final/config.yaml"
 
 
@@ -114,7 +113,9 @@ class StoreMirror:
     # --- what plm eval asks ------------------------------------------------------------
     def sync(self) -> list[str]:
         """The complete checkpoints that are new since the last call, mirrored."""
-        for rel in _ROOT_FILES:
+        from pipeline.train.tracking import RUN_ID_FILE
+
+        for rel in ("metrics.jsonl", RUN_ID_FILE):
             if self._exists(rel):
                 self._get(rel)
         if self._exists(_FINAL):
