@@ -238,3 +238,10 @@ def test_a_store_flag_refuses_credentials_in_its_uri(tmp_path, monkeypatch, caps
     line = refused(["data", "tokenizer", "--input", "c.txt", "--kind", "bpe", "--vocab-size",
                     "300", "--output", "s3://KEY:TOPSECRET@b/tok"], tmp_path, monkeypatch, capsys)  # fmt: skip
     assert "TOPSECRET" not in line and "AWS_SECRET_ACCESS_KEY" in line
+
+
+@pytest.mark.parametrize("flag", ["--models", "--watch"])
+def test_plm_eval_refuses_a_store_uri_with_credentials_in_it(flag, tmp_path, monkeypatch, capsys):
+    line = refused(["eval", "suite.yaml", flag, "s3://AKIA:hunter2@b/run"], tmp_path,
+                   monkeypatch, capsys)  # fmt: skip
+    assert line.startswith(f"plm: {flag}=s3://***@b/run") and "hunter2" not in line, line
