@@ -10,7 +10,10 @@ tokenizer's and its logits equal ours[..., :vocab_size].
 
 The tokenizer is written as a PreTrainedTokenizerFast with the bundle's special tokens.
 For bert a post-processor adds [CLS] A [SEP] (B [SEP]) with segment ids, as the HF BERT
-tokenizers do; gpt2 adds nothing, as HF's GPT-2 tokenizer.
+tokenizers do; gpt2 adds nothing, as HF's GPT-2 tokenizer. Special-token text in an input
+("[MASK]" typed in a prompt) is the special token, as in every HF tokenizer, so the folder
+works as it is with ``pipeline("fill-mask", model=OUT)``; ``split_special_tokens=True``
+(here, or on a call) makes it plain text, as `plm`'s own ``load_tokenizer`` always reads it.
 """
 
 from __future__ import annotations
@@ -92,7 +95,12 @@ _ADAPTERS["xlnet"] = (xlnet_to_hf_state, hf_xlnet_model)  # XLNetLMHeadModel
 
 
 def _hf_tokenizer(
-    bundle_dir: Path, arch: str, roles: dict[str, int], max_len: int, type_vocab_size: int = 2
+    bundle_dir: Path,
+    arch: str,
+    roles: dict[str, int],
+    max_len: int,
+    type_vocab_size: int = 2,
+    split_special_tokens: bool = False,
 ):
     from tokenizers import Tokenizer
     from tokenizers.processors import TemplateProcessing
@@ -126,14 +134,15 @@ def _hf_tokenizer(
         for role in ("unk", "pad", "cls", "sep", "mask", "bos", "eos")
         if role in names
     }
-    # Special-token text ("[MASK]", "<s>" typed in a sentence) is plain text, as in our
-    # load_tokenizer: text cannot inject control tokens. Saved in tokenizer_config.json;
-    # a call can still ask for them (split_special_tokens=False, e.g. a fill-mask prompt).
+    # Special-token text ("[MASK]" typed in a prompt) is the special token: HF's convention,
+    # which its pipelines rely on (fill-mask looks for the mask token's id). With
+    # split_special_tokens=True (saved in tokenizer_config.json) it is plain text, as in our
+    # load_tokenizer, where training data must not inject control tokens.
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         model_input_names=input_names,
         model_max_length=max_len,
-        split_special_tokens=True,
+        split_special_tokens=split_special_tokens,
         **specials,
     )
 
@@ -154,12 +163,18 @@ def max_input_tokens(arch: str, cfg: Any) -> int:
 
 
 def export_to_hf(
-    bundle_dir: str | Path, out_dir: str | Path, max_shard_bytes: int | None = None
+    bundle_dir: str | Path,
+    out_dir: str | Path,
+    max_shard_bytes: int | None = None,
+    split_special_tokens: bool = False,
 ) -> Path:
     """Write OUT/config.json, the weights (``model.safetensors``, or above
     ``max_shard_bytes`` -- default: what the bundle was written with -- transformers'
     ``model-0000K-of-0000N.safetensors`` + ``model.safetensors.index.json``) and the
-    tokenizer files, atomically.
+    tokenizer files, atomically. ``split_special_tokens``: the exported tokenizer reads
+    special-token text ("[MASK]", "<|endoftext|>") as plain text, as ``load_tokenizer``
+    does (for code of ours that must score text as our training saw it); by default it is
+    the special token, HF's convention (``pipeline("fill-mask", model=OUT)`` works).
 
     Streamed: the transformers model is built on the meta device (its names, shapes and
     tied weights, no memory), each of its tensors is computed from the bundle tensor(s) it
@@ -192,8 +207,9 @@ def export_to_hf(
         raise ExportError(f"{bundle_dir} ({arch}): {err}") from None
     expected = stored_tensors(model, hf_state, arch)
     tokenizer = _hf_tokenizer(
-        bundle_dir, arch, roles, max_input_tokens(arch, cfg), getattr(cfg, "type_vocab_size", 2)
-    )
+        bundle_dir, arch, roles, max_input_tokens(arch, cfg), getattr(cfg, "type_vocab_size", 2),
+        split_special_tokens,
+    )  # fmt: skip
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))

@@ -166,26 +166,43 @@ def test_gpt2_export_matches_logits_and_tokenizer(tmp_path):
 
 @pytest.mark.parametrize("arch,text", [("bert", "the [MASK] fox [SEP] [CLS]"),
                                        ("gpt2", "the <s> fox<|endoftext|> <mask> dog")])  # fmt: skip
-def test_special_token_text_is_plain_text_in_the_export_as_in_load_tokenizer(tmp_path, arch, text):
-    """ "[MASK]" or "<s>" typed in a sentence is text in our load_tokenizer (training data
-    cannot inject control tokens); the exported tokenizer made it the control token. Now
-    both encode it as text; a call can still ask for control tokens."""
+def test_special_token_text_in_the_export_is_hfs_by_default_ours_on_request(tmp_path, arch, text):
+    """ "[MASK]" typed in a prompt is the mask token in the exported tokenizer, as in every
+    HF tokenizer (fill-mask needs it), and plain text, as in our load_tokenizer (training
+    data cannot inject control tokens), with split_special_tokens=True: on the call, or
+    saved by export_to_hf(..., split_special_tokens=True)."""
     from pipeline.data.tokenizer import load_tokenizer
 
     _, bundle, tok_dir = make_bundle(tmp_path, arch)
-    out = export_to_hf(bundle, tmp_path / "hf")
-    tok = transformers.AutoTokenizer.from_pretrained(out)
     ours, meta = load_tokenizer(tok_dir)
     want = ours.encode(text).ids
     specials = set(meta["special_tokens"].values()) - {meta["roles"]["unk"]}  # unknown chars
     assert not specials & set(want)  # our encoding: no control token from the text
-    assert tok(text, add_special_tokens=False)["input_ids"] == want
+    mask = meta["roles"]["mask"]
+
+    tok = transformers.AutoTokenizer.from_pretrained(export_to_hf(bundle, tmp_path / "hf"))
+    assert mask in tok(text, add_special_tokens=False)["input_ids"]  # HF's convention
+    assert tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"] == want
+
+    out = export_to_hf(bundle, tmp_path / "hf-plain", split_special_tokens=True)
+    plain = transformers.AutoTokenizer.from_pretrained(out)
+    assert plain(text, add_special_tokens=False)["input_ids"] == want
     if arch == "bert":  # the template's [CLS]/[SEP] are still the control tokens
         cls, sep = meta["roles"]["cls"], meta["roles"]["sep"]
-        assert tok(text)["input_ids"] == [cls, *want, sep]
-    mask = meta["roles"]["mask"]
-    asked = tok(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]
+        assert plain(text)["input_ids"] == [cls, *want, sep]
+    asked = plain(text, add_special_tokens=False, split_special_tokens=False)["input_ids"]
     assert mask in asked  # on request, the mask text is the mask token
+
+
+def test_the_bert_export_works_in_transformers_fill_mask_pipeline(tmp_path):
+    """The first thing most users try, on the exported folder as it is: it was "No
+    mask_token found" while the export saved split_special_tokens=True."""
+    _, bundle, _ = make_bundle(tmp_path, "bert")
+    out = export_to_hf(bundle, tmp_path / "hf")
+    fill = transformers.pipeline("fill-mask", model=str(out), device="cpu")
+    got = fill("Set the [MASK] property.")
+    assert len(got) == 5 and all(set(p) >= {"score", "token", "token_str", "sequence"} for p in got)
+    assert sum(p["score"] for p in got) <= 1.0 + 1e-6
 
 
 def test_export_replaces_and_rejects_non_bundles(tmp_path):
