@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -173,14 +174,17 @@ def _positive_float(text: str) -> float:
 
 def _export(args: argparse.Namespace) -> int:
     from pipeline.export.hf import ExportError, export_to_hf
+    from pipeline.models.bundle import run_or_bundle
 
     try:
+        bundle = run_or_bundle(args.bundle)  # a run's folder: its bundles/final
         shard = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
-        out = export_to_hf(args.bundle, args.out, max_shard_bytes=shard)
+        out = export_to_hf(bundle, args.out, max_shard_bytes=shard)
     except (ExportError, FileNotFoundError) as err:  # names the bundle (and key) and why
         print(f"plm: export: {err}", file=sys.stderr)
         return 2
-    print(f"transformers folder written to {out}")
+    source = "" if bundle == Path(args.bundle) else f" (from {bundle})"
+    print(f"transformers folder written to {out}{source}")
     return 0
 
 
@@ -391,8 +395,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser("export", help="convert a model bundle")
     export.add_argument("--to", choices=["hf"], required=True)
-    _local(export, "bundle")
-    _local(export, "out")
+    _local(export, "bundle", help="a model bundle folder, or a training run's folder (RUN_DIR: "
+           "its bundles/final)")  # fmt: skip
+    _local(export, "out", help="the transformers folder to write")
     export.add_argument(
         "--max-shard-mb",
         type=_positive_float,

@@ -519,6 +519,30 @@ def fetch_bundle(
     return Path(local)
 
 
+def run_or_bundle(path: str | Path) -> Path:
+    """The bundle folder ``path`` names: a bundle folder, or a training run's folder
+    (``train.out_dir``), whose final bundle (``RUN_DIR/bundles/final``) it means. Raises
+    BundleNotFound naming what to give instead (a run without its final bundle: the
+    bundles it has, and that the run did not finish)."""
+    folder = Path(path)
+    if (folder / CONFIG_FILE).is_file():
+        return folder
+    final = folder / "bundles" / "final"
+    if (final / CONFIG_FILE).is_file():
+        return final
+    if (folder / "checkpoints").is_dir() or (folder / "bundles").is_dir():
+        tags = sorted(p.parent.name for p in (folder / "bundles").glob(f"*/{CONFIG_FILE}"))
+        have = f"; its bundles: {', '.join(str(folder / 'bundles' / t) for t in tags)}"
+        raise BundleNotFound(
+            f"{folder} is a training run without its final bundle {final} (the run has not "
+            f"finished: resume it with the same `plm train` command){have if tags else ''}"
+        )
+    raise BundleNotFound(
+        f"{folder} is not a model bundle: no {CONFIG_FILE}; give a bundle folder "
+        "(RUN_DIR/bundles/final) or a training run's folder (RUN_DIR)"
+    )
+
+
 def bundle_in(folder: Path) -> Path | None:
     """The bundle, or fine-tuned folder, inside a downloaded logged model
     (``artifacts/<its folder name>``)."""

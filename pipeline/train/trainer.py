@@ -986,6 +986,8 @@ class Trainer:
             self.close_out(status)
         result = self._result(bundle_dir, version)
         result.tracking_left_behind = self.tracker.left_behind()
+        # The last line of a finished run: where its model is (what export, finetune take)
+        self.log(f"final bundle: {self.out.where('bundles/final')}")
         return result
 
     def close_out(self, status: str) -> None:

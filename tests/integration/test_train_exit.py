@@ -35,7 +35,8 @@ def test_one_step_run_leaves_everything_in_a_new_store_and_exits_0(tiny_data, tm
     assert not [x for x in imported if x.startswith("IPython.")]
     lines = proc.stdout.splitlines()
     assert any(x.startswith("[plm train] step 1: loss") for x in lines), proc.stdout
-    assert lines[-1] == "registered model bert-tiny version 1 alias @current", lines[-3:]
+    assert lines[-2] == "registered model bert-tiny version 1 alias @current", lines[-3:]
+    assert lines[-1] == f"[plm train] final bundle: {run_dir / 'bundles' / 'final'}", lines[-3:]
 
     client = MlflowClient(tracking_uri=uri)
     run_id = (run_dir / "mlflow_run_id").read_text().strip()

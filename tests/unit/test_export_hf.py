@@ -251,3 +251,32 @@ def test_a_sharded_bundle_exports_sharded_weights_transformers_and_safetensors_r
 
     one = export_to_hf(bundle, tmp_path / "hf1", max_shard_bytes=2**30)  # told another size
     assert sorted(p.name for p in one.glob("model*")) == ["model.safetensors"]
+
+
+def test_plm_export_takes_a_run_folder_or_points_at_its_final_bundle(tmp_path, capsys):
+    """`plm export --to hf RUN_DIR OUT` exports RUN_DIR/bundles/final; a run without it (not
+    finished) and a folder that is neither say what to give: one `plm:` line, exit 2."""
+    import shutil
+
+    from pipeline.cli import main
+
+    _, bundle, _ = make_bundle(tmp_path, "gpt2")
+    run = tmp_path / "run"
+    (run / "bundles").mkdir(parents=True)
+    shutil.copytree(bundle, run / "bundles" / "step00000010")
+    shutil.move(bundle, run / "bundles" / "final")
+    assert main(["export", "--to", "hf", str(run), str(tmp_path / "hf")]) == 0
+    assert f"(from {run / 'bundles' / 'final'})" in capsys.readouterr().out
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+    shutil.rmtree(run / "bundles" / "final")  # a run stopped before its end
+    (run / "checkpoints").mkdir()
+    assert main(["export", "--to", "hf", str(run), str(tmp_path / "hf2")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("plm: export: "), err
+    assert str(run / "bundles" / "final") in err[0] and "step00000010" in err[0]
+
+    assert main(["export", "--to", "hf", str(tmp_path / "tok"), str(tmp_path / "hf3")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "RUN_DIR/bundles/final" in err[0], err
+    assert not (tmp_path / "hf2").exists() and not (tmp_path / "hf3").exists()
