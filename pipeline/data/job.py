@@ -23,6 +23,7 @@ CPUs, workers or nodes ran them.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -366,11 +367,30 @@ def _get(refs):
         raise _unwrap(err) from None
 
 
+@contextlib.contextmanager
+def _loopback_node():
+    """While it lasts, a Ray started in this process takes 127.0.0.1 as its node's address,
+    so its GCS, raylet, agents and workers listen on loopback only (on a wildcard address
+    otherwise). Ray turns a ``_node_ip_address`` of 127.0.0.1 back into the machine's
+    address unless its one-machine switch is off (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0,
+    which Ray reads once, when imported, into ``ray_constants.ENABLE_RAY_CLUSTER``): that
+    value is turned off for the call and put back, so a later connection of this process
+    to a cluster finds the machine's address again."""
+    from ray._private import ray_constants
+
+    saved = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+
+
 def init_ray(address: str | None, num_cpus: int | None) -> bool:
     """Connect to / start Ray; True when this call started it (and must shut it down).
     Without an address (``--ray-address``, RAY_ADDRESS) a local Ray of its own starts, with
-    ``num_cpus``: never the cluster a bare ``ray.init()`` would join because ``ray start``
-    left its address in the machine's Ray temp dir."""
+    ``num_cpus``, listening on 127.0.0.1 only: never the cluster a bare ``ray.init()``
+    would join because ``ray start`` left its address in the machine's Ray temp dir."""
     import ray
 
     if ray.is_initialized():
@@ -382,11 +402,13 @@ def init_ray(address: str | None, num_cpus: int | None) -> bool:
         from pipeline.output import quiet_ray_auth_notice
 
         quiet_ray_auth_notice()
-        ray.init(
-            address="local",
-            num_cpus=num_cpus,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-        )
+        with _loopback_node():
+            ray.init(
+                address="local",
+                num_cpus=num_cpus,
+                include_dashboard=False,
+                logging_level=logging.WARNING,
+                log_to_driver=True,
+                _node_ip_address="127.0.0.1",
+            )
     return True
