@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.data.readers import InputError, Source, resolve_inputs
 from pipeline.data.shards import MANIFEST
-from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer
+from pipeline.data.tokenizer import TokenizerSpec, check_tokenizer_folder, load_tokenizer
 
 if TYPE_CHECKING:
     from pipeline.data.prepare import PrepareConfig
@@ -70,10 +70,7 @@ def print_prepare_plan(cfg: PrepareConfig) -> int:
 
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
     tok_dir = cfg.tokenizer  # a folder or a URI
-    if "://" not in tok_dir and not Path(tok_dir).is_dir():
-        raise InputError(
-            f"tokenizer folder {tok_dir} does not exist: train one with `plm data tokenizer`"
-        )
+    check_tokenizer_folder(tok_dir)
     _, meta = load_tokenizer(tok_dir)  # checks both files and the fingerprint
     fs, root = output_fs(cfg.output)
     out = Path(root) if "://" not in cfg.output else cfg.output

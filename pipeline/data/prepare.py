@@ -85,7 +85,13 @@ from pipeline.data.store import (
     snapshot,
     write_file,
 )
-from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, tokenizer_files
+from pipeline.data.tokenizer import (
+    META_FILE,
+    TOKENIZER_FILE,
+    check_tokenizer_folder,
+    tokenizer_files,
+    tokenizer_folder,
+)
 
 # Bump when the code changes what lands in the shards: old outputs stop being "up to date".
 PREPARE_VERSION = 2
@@ -119,7 +125,8 @@ class PrepareConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     inputs: list[StorePath] = Field(min_length=1)  # files, folders, globs, URIs, builtin:NAME
-    tokenizer: StorePath  # folder (or URI) with tokenizer.json + tokenizer_meta.json
+    # folder (or URI) with tokenizer.json + tokenizer_meta.json; either file: its folder
+    tokenizer: StorePath
     output: StorePath  # the data dir: a local folder or a URI
     valid_fraction: float = Field(0.02, ge=0.0, lt=1.0)
     shard_docs: int | None = Field(None, gt=0)  # samples per shard, or ...
@@ -172,6 +179,11 @@ class PrepareConfig(BaseModel):
         return self
 
     _filters = field_validator("filters", mode="before")(expand_filters)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_folder(cls, value: str) -> str:
+        return tokenizer_folder(value)  # `--tokenizer tok/tokenizer.json`: tok
 
     @field_validator("languages", mode="before")
     @classmethod
@@ -383,10 +395,7 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
         if is_uri(item):
             check_store(item, "--input")
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
-    if not is_uri(cfg.tokenizer) and not Path(cfg.tokenizer).is_dir():
-        raise InputError(
-            f"tokenizer folder {cfg.tokenizer} does not exist: train one with `plm data tokenizer`"
-        )
+    check_tokenizer_folder(cfg.tokenizer)
     tok_files = tokenizer_files(cfg.tokenizer)  # a folder or a URI; the sha256 checked
     meta = json.loads(tok_files[1])
     entities = load_entities(cfg.entities, cfg.clean) if cfg.entities else None

@@ -410,6 +410,27 @@ def tokenizer_files(directory: str | Path, what: str = "--tokenizer") -> tuple[b
     return data, meta_bytes
 
 
+def tokenizer_folder(path: str) -> str:
+    """The tokenizer folder ``path`` names: the folder, or, for one of its two files given
+    (``tok/tokenizer.json``), the folder that holds it. A URI is taken as it is."""
+    if not is_uri(path) and Path(path).name in (TOKENIZER_FILE, META_FILE):
+        if Path(path).is_file():
+            return str(Path(path).parent)
+    return path
+
+
+def check_tokenizer_folder(path: str) -> None:
+    """An InputError for a local tokenizer folder that is missing or is a file."""
+    if is_uri(path) or Path(path).is_dir():
+        return
+    if Path(path).exists():
+        raise InputError(
+            f"tokenizer folder {path} is a file: pass the folder that holds {TOKENIZER_FILE} "
+            f"and {META_FILE} (what `plm data tokenizer --output` wrote)"
+        )
+    raise InputError(f"tokenizer folder {path} does not exist: train one with `plm data tokenizer`")
+
+
 def load_tokenizer(directory: str | Path) -> tuple[Tokenizer, dict]:
     """The tokenizer and its meta, from a folder or a URI; checks the fingerprint so a
     swapped file is caught."""

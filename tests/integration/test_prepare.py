@@ -287,6 +287,28 @@ def test_missing_input_is_named_before_ray_starts(tokenizer_dir, tmp_path, monke
                  "--output", str(tmp_path / "data")]) == 2  # fmt: skip
 
 
+def test_a_tokenizer_file_is_taken_as_its_folder(tokenizer_dir, corpus, tmp_path, monkeypatch,
+                                                 capsys):  # fmt: skip
+    """`--tokenizer tok/tokenizer.json` (or tokenizer_meta.json) means the folder `tok`; it
+    was "tokenizer folder tok/tokenizer.json does not exist". Any other file: one `plm:`
+    line saying to pass the folder, before Ray."""
+    monkeypatch.setattr(job, "init_ray", _ray_must_not_start)
+    for name in ("tokenizer.json", "tokenizer_meta.json"):
+        assert config([corpus], tokenizer_dir / name, tmp_path / "d").tokenizer == str(
+            tokenizer_dir
+        )
+    args = ["data", "prepare", "--input", str(corpus), "--output", str(tmp_path / "data")]
+    assert main([*args, "--tokenizer", str(tokenizer_dir / "tokenizer.json"), "--dry-run"]) == 0
+    assert f"tokenizer       {tokenizer_dir}: wordpiece" in capsys.readouterr().out
+    other = corpus / "a.txt"
+    for extra in (["--dry-run"], []):
+        assert main([*args, "--tokenizer", str(other), *extra]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"plm: tokenizer folder {other} is a file"), err
+        assert "pass the folder that holds tokenizer.json and tokenizer_meta.json" in err[0]
+    assert not (tmp_path / "data").exists()
+
+
 def test_parquet_without_the_text_column_names_the_columns(tokenizer_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(job, "init_ray", _ray_must_not_start)
     path = tmp_path / "c.parquet"
