@@ -130,14 +130,16 @@ def _digest_text(source: dict) -> str:
 
 
 def inspect_data(dir: str | Path, verify: bool = False) -> int:
-    """Print the summary; with ``verify`` re-hash every shard. Exit code 1 on any problem.
+    """Print the summary; with ``verify`` re-hash every shard. Exit code 1 on any problem
+    ``verify`` finds; 2, with one `plm:` line, when ``dir`` is no finished data dir (missing,
+    no manifest, a manifest of another format): bad input, as for every command.
     ``dir``: a folder, or a URI (``s3://bucket/prefix``: only the manifest is read unless
     ``verify``)."""
     try:
         data = DataDir(dir)
     except ShardError as err:
         print(f"plm: {err}", file=sys.stderr)
-        return 1
+        return 2
     print("\n".join(summarize(data)))
     if not verify:
         return 0

@@ -69,9 +69,17 @@ def test_verify_passes_then_names_the_corrupted_shard(tmp_path, capsys):
     assert "valid/shard-000000.tar" in err and "train/shard" not in err
 
 
-def test_inspect_of_an_unfinished_dir_fails_clearly(tmp_path, capsys):
-    assert main(["data", "inspect", str(tmp_path)]) == 1
-    assert "plm data prepare" in capsys.readouterr().err
+def test_inspect_of_an_unfinished_or_missing_dir_is_one_line_and_exit_2(tmp_path, capsys):
+    """Bad input, as for every other command: exit 2 (it was 1, the code of a failed
+    --verify) and one `plm:` line naming the folder and the command that makes it."""
+    for folder in (tmp_path, tmp_path / "MISSING"):
+        for verify in ([], ["--verify"]):
+            assert main(["data", "inspect", str(folder), *verify]) == 2
+            captured = capsys.readouterr()
+            err = captured.err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("plm: "), err
+            assert str(folder) in err[0] and "plm data prepare" in err[0]
+            assert captured.out == ""
 
 
 def test_the_removed_table_has_stages_counts_shares_examples_and_rules():
