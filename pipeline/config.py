@@ -581,45 +581,78 @@ def _nearest_key(root: type[BaseModel] | None, loc: tuple) -> str:
     return " did you mean '" + ".".join([*(str(p) for p in loc[:-1]), near[0]]) + "'?"
 
 
+def _given_as(loc: tuple, given: dict[tuple[str, ...], str]) -> str | None:
+    """The command line's ``key=value`` that set the key at ``loc`` (or a section above
+    it, or made the section ``loc`` names: ``trian.lr=1``), or None: it is the file's."""
+    parts = tuple(str(p) for p in loc)
+    for n in range(len(parts), 0, -1):
+        if parts[:n] in given:
+            return given[parts[:n]]
+    return next((item for key, item in given.items() if key[: len(parts)] == parts), None)
+
+
 def _format_validation_error(
-    err: ValidationError, source: str, root: type[BaseModel] | None = None
+    err: ValidationError,
+    source: str,
+    root: type[BaseModel] | None = None,
+    given: dict[tuple[str, ...], str] | None = None,
 ) -> str:
-    """``root``: the model validated, so a misspelled key gets the nearest valid one."""
+    """``root``: the model validated, so a misspelled key gets the nearest valid one.
+    ``given``: the keys the command line set (``key=value``), each with its item: an error
+    in one of those says it came from the command line, not from ``source``."""
+    given = given or {}
     uri_line = uri_error_line(err)
     if uri_line is not None:  # a URI where a local path is taken: one line
-        return f"{uri_line} ({source})"
-    lines = [f"invalid config {source}:"]
-    for e in err.errors():
+        item = next((_given_as(e["loc"], given) for e in err.errors()
+                     if e["type"] in ("local_path", "store_uri")), None)  # fmt: skip
+        return f"{uri_line} ({f'given on the command line: {item}' if item else source})"
+    errors = err.errors()
+    items = [_given_as(e["loc"], given) for e in errors]
+    if all(items):
+        lines = [f"invalid key=value on the command line (config {source}):"]
+    else:
+        lines = [f"invalid config {source}:"]
+    for e, item in zip(errors, items, strict=True):
         key = ".".join(str(p) for p in e["loc"])
+        cli = f" in `{item}` on the command line" if item else ""
         if e["type"] == "extra_forbidden":
             hint = _nearest_key(root, tuple(e["loc"]))
             lines.append(
-                f"  unknown key '{key}' (check its spelling;{hint or ' see configs/ for valid keys'})"
+                f"  unknown key '{key}'{cli} (check its spelling;"
+                f"{hint or ' see configs/ for valid keys'})"
             )
         elif e["type"] == "missing":
             lines.append(f"  missing key '{key}'")
         else:
-            lines.append(f"  key '{key}': {e['msg']}")
+            lines.append(f"  key '{key}'{cli}: {e['msg']}")
     return "\n".join(lines)
 
 
 def validate_as(
-    cls: type[T], raw: dict[str, Any], source: str, error: type[ConfigError] = ConfigError
+    cls: type[T],
+    raw: dict[str, Any],
+    source: str,
+    error: type[ConfigError] = ConfigError,
+    given: dict[tuple[str, ...], str] | None = None,
 ) -> T:
-    """``raw`` as the config ``cls``; ``error`` (one ``plm:`` message) names each bad key.
-    Every stage's config goes through here: one grammar, one error text."""
+    """``raw`` as the config ``cls``; ``error`` (one ``plm:`` message) names each bad key,
+    and says which came from the command line (``given``: see ``load_as``). Every stage's
+    config goes through here: one grammar, one error text."""
     try:
         return cls.model_validate(raw)
     except ValidationError as err:
-        raise error(_format_validation_error(err, source, cls)) from None
+        raise error(_format_validation_error(err, source, cls, given)) from None
 
 
 def load_as(
     cls: type[T], path: str | Path, overrides: list[str] | None, error: type[ConfigError]
 ) -> T:
-    """A YAML file + dotted ``key=value`` overrides, validated as ``cls``."""
-    raw = apply_overrides(read_yaml(path), list(overrides or []))
-    return validate_as(cls, raw, str(path), error)
+    """A YAML file + dotted ``key=value`` overrides, validated as ``cls``; a bad key set
+    by an override is reported as the command line's, not the file's."""
+    overrides = list(overrides or [])
+    raw = apply_overrides(read_yaml(path), overrides)
+    given = {tuple(parse_override(item)[0]): item for item in overrides}
+    return validate_as(cls, raw, str(path), error, given)
 
 
 def validate_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:

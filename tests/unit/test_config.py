@@ -30,6 +30,31 @@ def test_misspelled_key_gets_the_nearest_valid_one():
         resolve_model_config({"arch": "bert", "preset": "bert-tiny", "num_layer": 3}, 100)
 
 
+def test_a_bad_key_from_the_command_line_is_reported_as_the_command_lines(tmp_path):
+    """`plm train CONFIG train.max_stpes=10` was "invalid config CONFIG: unknown key", as if
+    the typo were in the file: the message names the key=value and the command line, and
+    a bad key of the file is still the file's."""
+    config = CONFIGS_DIR / "test" / "bert-tiny.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(config, ["train.max_stpes=10"])
+    text = str(err.value)
+    assert text.startswith(f"invalid key=value on the command line (config {config}):"), text
+    assert "unknown key 'train.max_stpes' in `train.max_stpes=10` on the command line" in text
+    assert "did you mean 'train.max_steps'?" in text
+    with pytest.raises(ConfigError, match=r"unknown key 'trian' in `trian.lr=1` on the command"):
+        load_config(config, ["trian.lr=1"])  # a section the command line made
+    with pytest.raises(ConfigError, match=r"key 'train.lr' in `train.lr=abc` on the command"):
+        load_config(config, ["train.lr=abc"])
+
+    path = tmp_path / "c.yaml"  # the file's typo, next to a good override: the file's
+    path.write_text("name: x\nmodel: {arch: bert}\ndata: {path: d}\ntrain: {max_stpes: 3}\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["train.lr=1e-4"])
+    assert str(err.value).startswith(f"invalid config {path}:")
+    assert "unknown key 'train.max_stpes' (check" in str(err.value)
+    assert "command line" not in str(err.value)
+
+
 def test_dotted_overrides_are_typed():
     raw = apply_overrides(
         dict(BASE), ["train.max_steps=20", "train.lr=3e-4", "mlflow.register=false"]
