@@ -1,4 +1,8 @@
-"""`plm`: parse, validate, call. No pipeline logic lives here."""
+"""The `plm` command line: parse, validate, call.
+
+A note for developers: no pipeline logic lives here; each command parses its arguments
+and calls the stage that does the work. What users read is ``DESCRIPTION``/``EPILOG``.
+"""
 
 from __future__ import annotations
 
@@ -298,8 +302,29 @@ def _add_eval_parser(sub) -> None:
     ev.set_defaults(func=_eval)
 
 
+DESCRIPTION = """\
+Pretrain language models of the ELMo -> GPT -> BERT family on your own text: train a
+tokenizer, turn a corpus into shards (a Ray job), pretrain under DeepSpeed (from one CPU
+to a cluster) with every run tracked and its model registered in MLflow; then fine-tune,
+evaluate, generate, or export the model to transformers."""
+EPILOG = """\
+the stages, in order:
+  plm data tokenizer --input CORPUS --kind wordpiece --vocab-size 8000 --output TOK
+  plm data prepare --input CORPUS --tokenizer TOK --output DATA
+  plm train configs/test/bert-tiny.yaml data.path=DATA train.out_dir=RUN
+  plm export --to hf RUN OUT  |  plm finetune CONFIG  |  plm eval SUITE --models RUN
+
+`plm demo` runs the whole pipeline on a bundled corpus. `plm COMMAND --help` gives a
+command's options; the repository's README.md and docs/ say the rest."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="plm", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="plm",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument(
         "-v",
         "--verbose",
@@ -393,7 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=_train)
 
-    export = sub.add_parser("export", help="convert a model bundle")
+    export = sub.add_parser(
+        "export", help="write a model bundle (or a run's final one) as a transformers folder"
+    )
     export.add_argument("--to", choices=["hf"], required=True)
     _local(export, "bundle", help="a model bundle folder, or a training run's folder (RUN_DIR: "
            "its bundles/final)")  # fmt: skip
