@@ -1,12 +1,13 @@
-"""Submit `plm data prepare` (or `plm data tokenizer`) to a Ray cluster as a Ray job,
-follow its logs, exit with its status.
+"""Submit `plm data prepare` (or `plm data tokenizer`, or `plm eval`) to a Ray cluster
+as a Ray job, follow its logs, exit with its status.
 
-    python launch/ray_submit.py [--address http://HEAD:8265] [--stage prepare|tokenizer]
+    python launch/ray_submit.py [--address http://HEAD:8265] [--stage prepare|tokenizer|eval]
                                 [--job-id ID] [--no-wait] [--installed] [--env KEY=VALUE]
                                 -- ARGS...
 
-Everything after ``--`` goes to `plm data <stage>` on the cluster (paths there are the
-cluster's: use absolute paths or URIs such as s3://... that every node can read).
+Everything after ``--`` goes to `plm data <stage>` (`plm eval` for eval) on the cluster
+(paths there are the cluster's: use absolute paths or URIs such as s3://... that every node
+can read; `plm eval`'s bundles and task files need only be on the driver's node, the head).
 Exit status: 0 the job succeeded (or was submitted, with --no-wait), 1 it failed or was
 stopped, or the cluster was lost while it ran (one `plm:` line says what to do), 2 the
 cluster refused or could not be reached.
@@ -54,14 +55,19 @@ EXCLUDES = [
     "/.venv",
 ]
 DEFAULT_TOKEN_PATH = Path.home() / ".ray" / "auth_token"
-STAGES = ("prepare", "tokenizer")  # the `plm data` commands a job can run
+STAGES = ("prepare", "tokenizer", "eval")  # the commands a job can run (eval: `plm eval`)
 STATUS_TRIES = 3  # status requests failing in a row (2 s apart): the cluster is lost
 
 
 def entrypoint_argv(stage: str, installed: bool, stage_args: list[str]) -> list[str]:
     """The job's command: the installed `plm`, or the shipped working_dir's copy of the CLI."""
     head = ["plm"] if installed else ["python", "-m", "pipeline.cli"]
-    return [*head, "data", stage, *stage_args]
+    command = ["eval"] if stage == "eval" else ["data", stage]
+    return [*head, *command, *stage_args]
+
+
+def command_name(stage: str) -> str:
+    return "plm eval" if stage == "eval" else f"plm data {stage}"
 
 
 def token_source() -> str | None:
@@ -132,7 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         own, prepare_args = argv, []
     parser = argparse.ArgumentParser(
         prog="launch/ray_submit.py",
-        description="Submit `plm data STAGE ARGS` (after --) to a Ray cluster as a job.",
+        description="Submit `plm data STAGE ARGS` or `plm eval ARGS` (after --) to a Ray cluster "
+        "as a job.",
     )
     parser.add_argument(
         "--address",
@@ -143,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--stage",
         choices=list(STAGES),
         default="prepare",
-        help="which `plm data` command the job runs (default: prepare)",
+        help="which command the job runs: `plm data prepare|tokenizer` or `plm eval` "
+        "(default: prepare)",
     )
     parser.add_argument("--job-id", help="submission id (default: plm-<stage>-<time>-<random>)")
     parser.add_argument(
@@ -172,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     args = parser.parse_args(own)
     if not prepare_args:
-        parser.error(f"nothing to run: pass the `plm data {args.stage}` arguments after --")
+        parser.error(f"nothing to run: pass the `{command_name(args.stage)}` arguments after --")
     bad = [item for item in args.env if "=" not in item or item.startswith("=")]
     if bad:
         parser.error(f"--env takes KEY=VALUE, got {bad[0]!r}")
@@ -244,11 +252,11 @@ def _reason(err: BaseException) -> str:
 
 def lost_cluster_line(address: str, job_id: str, stage: str, reason: str) -> str:
     """The one line for a head lost mid-job: what happened and what to do."""
-    kept = (
-        "units the job finished are kept in the output and not redone"
-        if stage == "prepare"
-        else "the tokenizer is trained again from the start"
-    )
+    kept = {
+        "prepare": "units the job finished are kept in the output and not redone",
+        "tokenizer": "the tokenizer is trained again from the start",
+        "eval": "the suite is scored again from the start",
+    }[stage]
     return (
         f"plm: lost the Ray cluster at {address} while job {job_id} ran (its dashboard: "
         f"{reason}); its head, and the job's driver with it, is down: start a head "
@@ -279,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
             submission_id=job_id,
             runtime_env=build_runtime_env(args.installed, args.env_vars),
             entrypoint_num_cpus=args.entrypoint_num_cpus,
-            metadata={"tool": "plm-pipeline", "stage": f"data {args.stage}"},
+            metadata={"tool": "plm-pipeline", "stage": command_name(args.stage)[4:]},
         )
     except AuthenticationError as err:
         print(

@@ -90,7 +90,8 @@ class Session:
             what = f"FAILED: {r.error}"
         else:
             what = " ".join(f"{k} {v:.4f}" for k, v in r.scores.items())
-        say(f"{c.label} {r.cell.task} seed {r.cell.seed}: {what}")
+        where = f" ({r.host})" if r.host else ""
+        say(f"{c.label} {r.cell.task} seed {r.cell.seed}{where}: {what}")
 
     def report(self, new: set[int]) -> Path:
         rows = summarize(self.results)

@@ -19,7 +19,8 @@ from pipeline.eval.suite import lower_is_better
 
 SUMMARY_COLUMNS = ("model", "step", "init", "task", "metric", "mean", "std", "n", "failed",
                    "seeds")  # fmt: skip
-CELL_COLUMNS = ("model", "step", "init", "task", "seed", "metric", "value", "error", "seconds")
+CELL_COLUMNS = ("model", "step", "init", "task", "seed", "metric", "value", "error", "seconds",
+                "host")  # fmt: skip
 
 
 @dataclass
@@ -90,9 +91,9 @@ def write_csvs(
             c, s = candidates[res.cell.candidate], res.cell
             base = [c.label, "" if c.step is None else c.step, c.init, s.task, s.seed]
             if res.scores is None:
-                w.writerow([*base, "", "", res.error, ""])
+                w.writerow([*base, "", "", res.error, "", res.host])
             for metric, value in (res.scores or {}).items():
-                w.writerow([*base, metric, _num(value), "", f"{res.seconds:.2f}"])
+                w.writerow([*base, metric, _num(value), "", f"{res.seconds:.2f}", res.host])
     return table, cells
 
 

@@ -1,7 +1,8 @@
 """The cells run: one Ray task per (model, task, seed), or all in this process.
 
 Ray runs each cell with the CPUs and GPUs the suite's ``workers`` section asks for, on any
-node; a cell whose worker or node died is retried elsewhere (``workers.max_retries``). A
+node (one that does not see the driver's files gets them through Ray: eval/ship.py); a
+cell whose worker or node died is retried elsewhere (``workers.max_retries``). A
 cell that raises is a failed cell of the table, with its error, and the others go on: it
 is not retried, since the same inputs raise again. Without an address (``--address``,
 RAY_ADDRESS) a local Ray of its own starts, as the data job's does.
@@ -9,11 +10,13 @@ RAY_ADDRESS) a local Ray of its own starts, as the data job's does.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from pipeline.eval.cells import CellSpec, run_cell
+from pipeline.eval.ship import Shipped, localize, ship
 from pipeline.eval.suite import WorkersSection
 
 
@@ -23,12 +26,13 @@ class CellResult:
     scores: dict[str, float] | None  # None: failed
     error: str | None = None
     seconds: float = 0.0
+    host: str = ""  # the host that scored it (its hostname)
 
 
-def _timed(spec: CellSpec) -> tuple[dict[str, float], float]:
+def _timed(spec: CellSpec) -> tuple[dict[str, float], float, str]:
     t0 = time.perf_counter()
     scores = run_cell(spec)
-    return scores, time.perf_counter() - t0
+    return scores, time.perf_counter() - t0, socket.gethostname()
 
 
 # What a launcher sets for a rank; a Ray worker inherits the driver's (a driver that trained
@@ -51,9 +55,11 @@ def own_process_group() -> None:
             os.environ.pop(name, None)
 
 
-def _timed_on_ray(spec: CellSpec) -> tuple[dict[str, float], float]:
+def _timed_on_ray(
+    spec: CellSpec, shipped: dict[str, Shipped]
+) -> tuple[dict[str, float], float, str]:
     own_process_group()
-    return _timed(spec)
+    return _timed(localize(spec, shipped))
 
 
 def run_in_process(
@@ -63,8 +69,8 @@ def run_in_process(
     out = []
     for spec in cells:
         try:
-            scores, seconds = _timed(spec)
-            result = CellResult(spec, scores, seconds=seconds)
+            scores, seconds, host = _timed(spec)
+            result = CellResult(spec, scores, seconds=seconds, host=host)
         except Exception as err:  # a failed cell; the suite goes on
             result = CellResult(spec, None, f"{type(err).__name__}: {err}")
         out.append(result)
@@ -100,15 +106,17 @@ def run_on_ray(
             max_retries=workers.max_retries,  # a dead worker or node: run it elsewhere
             retry_exceptions=False,
         )(_timed_on_ray)
-        refs = {task.remote(spec): i for i, spec in enumerate(cells)}
+        # One node (a local Ray): every cell sees the driver's files.
+        shipped = ship(cells) if len([n for n in ray.nodes() if n["Alive"]]) > 1 else {}
+        refs = {task.remote(spec, shipped): i for i, spec in enumerate(cells)}
         results: list[CellResult | None] = [None] * len(cells)
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1)
             i = refs[done[0]]
             try:
-                scores, seconds = ray.get(done[0])
-                results[i] = CellResult(cells[i], scores, seconds=seconds)
+                scores, seconds, host = ray.get(done[0])
+                results[i] = CellResult(cells[i], scores, seconds=seconds, host=host)
             except Exception as err:  # the cell failed (after its retries, if a node died)
                 results[i] = CellResult(cells[i], None, _error_text(err))
             if report:

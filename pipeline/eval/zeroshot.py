@@ -75,7 +75,8 @@ def _hf_folder(bundle: str, init: str, seed: int, scratch: Path) -> Path:
         fresh = build_model(config["arch"], model.config)
         source = save_bundle(scratch / "random", config["arch"], model.config,
                              fresh.state_dict(), source)  # fmt: skip
-    return Path(export_to_hf(source, scratch / "hf"))
+    # Scored text is plain text, as training read it: "[MASK]" in a document is 6 characters.
+    return Path(export_to_hf(source, scratch / "hf", split_special_tokens=True))
 
 
 def score(kind: str, name: str, data_file: str, bundle: str, init: str, seed: int,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 import time
@@ -25,51 +24,22 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO, assert_same_shards, on, s3_fs, tool
+from cluster_util import (
+    REPO,
+    RayCluster,
+    assert_same_shards,
+    kill_ray,
+    ray_cluster_on,
+    ray_pids,
+    s3_fs,
+)
 from conftest import synthetic_corpus
 
 from pipeline import rig as rigmod
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow, pytest.mark.distributed]
 
-GCS_PORT, DASHBOARD_PORT, CLIENT_PORT = 6390, 8270, 10101
-# Every other port a node opens, away from Ray's defaults (test_ray_cluster.py uses those).
-NODE_PORTS = ["--node-manager-port", "6391", "--object-manager-port", "6392",
-              "--min-worker-port", "20000", "--max-worker-port", "20999",
-              "--dashboard-agent-listen-port", "52470", "--dashboard-agent-grpc-port", "52471",
-              "--metrics-export-port", "52472", "--runtime-env-agent-port", "52473"]  # fmt: skip
-# The GCS declares a node dead after `failure_threshold` failed health checks, one every
-# `period_ms` (Ray's defaults: 5 x 3 s, each waiting up to 10 s). A dead raylet refuses
-# the connection at once, so this finds it in about 5 s instead of 15 s; a live one on
-# this busy machine still has 5 s to answer each check.
-HEALTH_CHECK = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "5000",
-                "RAY_health_check_failure_threshold": "5"}  # fmt: skip
-# A process is Ray's when its command line is one of Ray's daemons or workers, or it runs
-# in a job's working_dir (the job's driver, `python -m pipeline.cli data prepare`).
-RAY_MARKERS = ("ray/core/", "ray/_private/", "ray/dashboard/", "ray/autoscaler/",
-               "ray/util/client/")  # fmt: skip
 SPLIT_BYTES = 5000  # about 36 units from the 180 kB corpus
-
-
-def ray_pids(rig: rigmod.Rig, host: str) -> list[int]:
-    """The Ray processes in ``host``'s namespace (never sshd, the S3 server or the holder)."""
-    found = []
-    for pid in rig.pids(host):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-            cwd = os.readlink(f"/proc/{pid}/cwd")
-        except OSError:  # gone already
-            continue
-        args = [a for a in argv.split("\0") if a]
-        if not args:
-            continue
-        if (
-            args[0].startswith("ray::")
-            or any(marker in arg for arg in args for marker in RAY_MARKERS)
-            or "/runtime_resources/" in cwd
-        ):
-            found.append(pid)
-    return found
 
 
 def task_titles(rig: rigmod.Rig, host: str) -> list[str]:
@@ -85,81 +55,10 @@ def task_titles(rig: rigmod.Rig, host: str) -> list[str]:
     return found
 
 
-def kill_ray(rig: rigmod.Rig, host: str) -> list[int]:
-    """SIGKILL every Ray process of ``host`` (a host that dies), and wait until they are gone."""
-    pids = ray_pids(rig, host)
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    deadline = time.monotonic() + 60
-    while any(_running(pid) for pid in pids):
-        assert time.monotonic() < deadline, f"{host}: Ray processes outlived SIGKILL"
-        time.sleep(0.2)
-    return pids
-
-
-def _running(pid: int) -> bool:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z"
-
-
-class RayCluster:
-    """Ray on the rig: the head on node0 (0 CPUs), one-CPU workers on the other hosts."""
-
-    def __init__(self, rig: rigmod.Rig, token: Path):
-        self.rig, self.token = rig, token
-        self.head = rig.hosts[0].address
-        self.address = f"http://{self.head}:{DASHBOARD_PORT}"
-        self.auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-
-    def start_head(self) -> None:
-        on(self.rig, "node0", [tool("ray"), "start", "--head", "--node-ip-address", self.head,
-                               "--port", str(GCS_PORT), "--num-cpus", "0",
-                               "--dashboard-host", self.head, "--dashboard-port",
-                               str(DASHBOARD_PORT), "--include-dashboard", "true",
-                               "--ray-client-server-port", str(CLIENT_PORT), *NODE_PORTS,
-                               "--disable-usage-stats"],
-           env={**self.auth, **HEALTH_CHECK}, timeout=180)  # fmt: skip
-
-    def start_worker(self, host: str) -> None:
-        on(self.rig, host, [tool("ray"), "start", "--address", f"{self.head}:{GCS_PORT}",
-                            "--node-ip-address", self.rig.host(host).address,
-                            "--num-cpus", "1", *NODE_PORTS, "--disable-usage-stats"],
-           env=self.auth, timeout=180)  # fmt: skip
-
-    def start(self) -> None:
-        self.start_head()
-        for h in self.rig.hosts[1:]:
-            self.start_worker(h.name)
-
-    def stop(self) -> None:
-        """The workers first, so none outlives its head and writes on."""
-        for h in reversed(self.rig.hosts):
-            kill_ray(self.rig, h.name)
-
-
 @pytest.fixture(scope="module")
 def ray_cluster(rig, tmp_path_factory):
-    # Made on the laptop, copied onto each host at the same path (each host's own /tmp).
-    token = tmp_path_factory.mktemp("faults-ray") / "token"
-    token.write_text(secrets.token_hex(32))
-    token.chmod(0o600)
-    for h in rig.hosts:
-        rig.put(h.name, token, str(token), mode=0o600)
-    cluster = RayCluster(rig, token)
-    cluster.start()
-    try:
+    with ray_cluster_on(rig, tmp_path_factory.mktemp("faults-ray")) as cluster:
         yield cluster
-    finally:
-        # Not `ray stop` (every Ray process of the machine): this cluster's, by PID.
-        cluster.stop()
-        for h in rig.hosts:
-            assert ray_pids(rig, h.name) == [], h.name
 
 
 def corpus_texts() -> dict[str, str]:
