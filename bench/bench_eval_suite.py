@@ -24,8 +24,10 @@ held-out packages' paragraphs), scored by lm-evaluation-harness.
 
     python bench/bench_eval_suite.py --workdir runs/bench-eval     # about 10 min, 2 cores
     python bench/bench_eval_suite.py --workdir runs/bench-eval-gpt2 --arch gpt2 --skip-alone
+    python bench/bench_eval_suite.py --workdir runs/bench-eval --tag=-long budget.epochs=150
 
-Prints the table and a JSON line (the scores, both wall times, the ratio).
+Prints the table and a JSON line (the scores, both wall times, the ratio, the cells' own
+seconds on each side). ``key=value`` arguments override the suite (longer cells above).
 """
 
 from __future__ import annotations
@@ -180,12 +182,13 @@ def pretrain(workdir: Path, steps: int, arch: str) -> Path:
     return run
 
 
-def run_eval(workdir: Path, sources: list[str], ray: bool, suite: Path, tag: str) -> dict:
+def run_eval(workdir: Path, sources: list[str], ray: bool, suite: Path, tag: str,
+             overrides: list[str]) -> dict:  # fmt: skip
     """`plm eval` as a user runs it, in a process of its own; returns the wall time and the
     table's file."""
     store = f"sqlite:///{workdir / 'mlflow.db'}"
     cmd = [sys.executable, "-m", "pipeline.cli", "eval", str(suite), f"work_dir={workdir / tag}",
-           "workers.cpus=1", "--tracking-uri", store, "--models", *sources]  # fmt: skip
+           "workers.cpus=1", *overrides, "--tracking-uri", store, "--models", *sources]  # fmt: skip
     if not ray:
         cmd.append("--no-ray")
     from pipeline.eval.runner import LAUNCHER_VARIABLES  # this process trained: not its rank
@@ -207,6 +210,16 @@ def run_eval(workdir: Path, sources: list[str], ray: bool, suite: Path, tag: str
     }
 
 
+def cell_seconds(cells_csv: Path, side: str) -> dict:
+    """The cells' own seconds (their sum, the slowest): the rest of the wall is fixed cost."""
+    import csv
+
+    seconds = {(r["model"], r["task"], r["seed"]): float(r["seconds"])
+               for r in csv.DictReader(open(cells_csv, encoding="utf-8"))}  # fmt: skip
+    return {f"{side}_cells_s": round(sum(seconds.values()), 1),
+            f"{side}_slowest_cell_s": round(max(seconds.values()), 2)}  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workdir", default="runs/bench-eval")
@@ -214,6 +227,9 @@ def main() -> None:
     ap.add_argument("--steps", default="250,1000,2500", help="the checkpoints scored")
     ap.add_argument("--arch", choices=sorted(RECIPES), default="bert")
     ap.add_argument("--skip-alone", action="store_true", help="only the Ray run")
+    ap.add_argument("--tag", default="", help="suffix of the runs' work dirs")
+    ap.add_argument("overrides", nargs="*", metavar="key=value", help="of the suite, e.g. "
+                    "budget.epochs=150 (longer cells)")  # fmt: skip
     args = ap.parse_args()
     workdir = Path(args.workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -223,14 +239,16 @@ def main() -> None:
     suite = REPO / "configs" / "eval" / name
     ckpts = [str(run / "checkpoints" / f"step{int(s):08d}") for s in args.steps.split(",")]
     sources = ["random", *ckpts]
-    ray = run_eval(workdir, sources, True, suite, "on-ray")
+    ray = run_eval(workdir, sources, True, suite, f"on-ray{args.tag}", args.overrides)
     print(ray["table"], flush=True)
     out = {"ray_wall_s": round(ray["wall_s"], 1), "cpus": os.cpu_count(), "table": ray["csv"]}
     if not args.skip_alone:
-        alone = run_eval(workdir, sources, False, suite, "one-process")
+        alone = run_eval(workdir, sources, False, suite, f"one-process{args.tag}", args.overrides)
         same = Path(ray["csv"]).read_text() == Path(alone["csv"]).read_text()
         out |= {"one_process_wall_s": round(alone["wall_s"], 1),
                 "speedup": round(alone["wall_s"] / ray["wall_s"], 2), "tables_equal": same}  # fmt: skip
+        out |= cell_seconds(Path(ray["csv"]).parent / "cells.csv", "ray")
+        out |= cell_seconds(Path(alone["csv"]).parent / "cells.csv", "one_process")
     print(json.dumps(out), flush=True)
 
 
