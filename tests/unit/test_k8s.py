@@ -353,3 +353,213 @@ def test_the_elastic_overlay_runs_the_elastic_launch_on_every_pod_count(rendered
     monkeypatch.setenv("PET_NNODES", f"{policy['minReplicas']}:{policy['maxReplicas'] + 1}")
     assert launch.main([*args, "--print-only"]) == 2
     assert "cannot be kept" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------
+# Pod Security Standards "restricted", network policies, RBAC
+
+# The volume types the restricted profile allows.
+RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral",
+                      "persistentVolumeClaim", "projected", "secret"}  # fmt: skip
+
+
+def restricted_violations(spec: dict) -> list[str]:
+    """What in a pod spec breaks the "restricted" Pod Security Standard (v1.32)."""
+    bad = [f"{k}: true" for k in ("hostNetwork", "hostPID", "hostIPC") if spec.get(k)]
+    for v in spec.get("volumes", []):
+        kinds = set(v) - {"name"}
+        if not kinds <= RESTRICTED_VOLUMES:
+            bad.append(f"volume {v['name']}: {sorted(kinds)}")
+    psc = spec.get("securityContext", {})
+    if psc.get("sysctls"):
+        bad.append("sysctls")
+    for c in spec.get("initContainers", []) + spec["containers"]:
+        csc = c.get("securityContext", {})
+        name = c["name"]
+        if csc.get("privileged"):
+            bad.append(f"{name}: privileged")
+        if csc.get("allowPrivilegeEscalation") is not False:
+            bad.append(f"{name}: allowPrivilegeEscalation is not false")
+        caps = csc.get("capabilities", {})
+        if caps.get("drop") != ["ALL"] or set(caps.get("add", [])) - {"NET_BIND_SERVICE"}:
+            bad.append(f"{name}: capabilities {caps}")
+        if (csc.get("runAsNonRoot", psc.get("runAsNonRoot")) is not True
+                or csc.get("runAsUser", psc.get("runAsUser")) == 0):  # fmt: skip
+            bad.append(f"{name}: may run as root")
+        seccomp = csc.get("seccompProfile", psc.get("seccompProfile", {})).get("type")
+        if seccomp not in ("RuntimeDefault", "Localhost"):
+            bad.append(f"{name}: seccompProfile {seccomp}")
+        if any(p.get("hostPort") for p in c.get("ports", [])):
+            bad.append(f"{name}: hostPort")
+        if csc.get("procMount", "Default") != "Default":
+            bad.append(f"{name}: procMount")
+    return bad
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_every_pod_meets_the_restricted_pod_security_standard(rendered, name):
+    pods = list(all_pods(rendered[name]))
+    assert len(pods) >= 5
+    for where, spec in pods:
+        assert restricted_violations(spec) == [], where
+    ns = next(d for d in rendered[name] if d["kind"] == "Namespace")["metadata"]["labels"]
+    assert ns["pod-security.kubernetes.io/warn"] == "restricted"  # what KubeRay adds: warned
+    assert ns["pod-security.kubernetes.io/enforce"] in ("baseline", "restricted")
+
+
+def test_the_restricted_check_finds_what_it_should():
+    ok = {"securityContext": {"runAsNonRoot": True, "runAsUser": 1000,
+                              "seccompProfile": {"type": "RuntimeDefault"}},
+          "volumes": [{"name": "d", "emptyDir": {}}],
+          "containers": [{"name": "c", "securityContext": {
+              "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}}]}  # fmt: skip
+    assert restricted_violations(ok) == []
+    for change, words in [
+        ({"hostNetwork": True}, "hostNetwork"),
+        ({"volumes": [{"name": "h", "hostPath": {"path": "/"}}]}, "hostPath"),
+        ({"securityContext": {"runAsNonRoot": True, "runAsUser": 0,
+                              "seccompProfile": {"type": "RuntimeDefault"}}}, "root"),
+        ({"securityContext": {"runAsNonRoot": True, "runAsUser": 1000}}, "seccomp"),
+    ]:  # fmt: skip
+        assert any(words in v for v in restricted_violations({**ok, **change})), change
+    caps = copy.deepcopy(ok)
+    caps["containers"][0]["securityContext"]["capabilities"]["add"] = ["SYS_ADMIN"]
+    assert restricted_violations(caps)
+
+
+def _matches(selector: dict | None, labels: dict) -> bool:
+    """A label selector (matchLabels and matchExpressions' In / Exists) against labels."""
+    if selector is None:
+        return False
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for e in selector.get("matchExpressions", []):
+        if e["operator"] == "In" and labels.get(e["key"]) not in e["values"]:
+            return False
+        if e["operator"] == "Exists" and e["key"] not in labels:
+            return False
+        if e["operator"] not in ("In", "Exists"):
+            raise AssertionError(f"operator {e['operator']} not modelled here")
+    return True
+
+
+def ingress_allowed(policies: list[dict], namespace: str, src: dict, dst: dict, port: int) -> bool:
+    """NetworkPolicy's ingress semantics: traffic to a pod that no policy selects is
+    allowed; otherwise it is allowed when a rule of one selecting policy admits the
+    source (``src``: {"namespace", "ns_labels", "labels"}) on the port. ``dst``: the
+    destination pod's labels (in ``namespace``, where the policies live)."""
+    selecting = [p for p in policies if _matches(p["spec"]["podSelector"], dst)
+                 and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]  # fmt: skip
+    if not selecting:
+        return True
+    for p in selecting:
+        for rule in p["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(q.get("port") == port and q.get("protocol", "TCP") == "TCP"
+                                 for q in ports):  # fmt: skip
+                continue
+            peers = rule.get("from")
+            if peers is None:
+                return True
+            for peer in peers:
+                assert "ipBlock" not in peer, "ipBlock not modelled here"
+                if "namespaceSelector" in peer:
+                    if not _matches(peer["namespaceSelector"], src["ns_labels"]):
+                        continue
+                elif src["namespace"] != namespace:
+                    continue
+                if "podSelector" in peer and not _matches(peer["podSelector"], src["labels"]):
+                    continue
+                return True
+    return False
+
+
+def _pod(component: str, namespace: str = "plm") -> dict:
+    labels = {"app.kubernetes.io/part-of": "plm-pipeline", "app.kubernetes.io/component": component}
+    return {"namespace": namespace, "ns_labels": {"kubernetes.io/metadata.name": namespace},
+            "labels": labels}  # fmt: skip
+
+
+STRANGER = {"namespace": "default", "ns_labels": {"kubernetes.io/metadata.name": "default"},
+            "labels": {}}  # fmt: skip
+NEIGHBOUR = {"namespace": "plm", "ns_labels": {"kubernetes.io/metadata.name": "plm"},
+             "labels": {"app": "debug"}}  # a pod in our namespace that is not ours  # fmt: skip
+OPERATOR = {"namespace": "kuberay-operator",
+            "ns_labels": {"kubernetes.io/metadata.name": "kuberay-operator"},
+            "labels": {"app.kubernetes.io/name": "kuberay-operator"}}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_only_the_pipelines_own_pods_reach_mlflow_postgres_ray_and_the_ranks(rendered, name):
+    docs = rendered[name]
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy"]
+    namespace = next(d for d in docs if d["kind"] == "Namespace")["metadata"]["name"]
+    pods = {}  # component -> the labels of its pods, from the rendered templates
+    for _, template in (t for d in docs for t in pod_templates(d)):
+        labels = template["metadata"]["labels"]
+        pods[labels["app.kubernetes.io/component"]] = labels
+    assert {"tracking", "tracking-db", "training", "data"} <= set(pods)
+    ports = {"tracking": [5000], "tracking-db": [5432], "training": [29500, 29400, 40000],
+             "data": [6379, 8265, 10001, 20000]}  # fmt: skip
+
+    def can(src: dict, dst: str, port: int) -> bool:
+        return ingress_allowed(policies, namespace, src, pods[dst], port)
+
+    for dst, dst_ports in ports.items():  # no one from outside, nor a pod that is not ours
+        for port in dst_ports:
+            assert not can(STRANGER, dst, port), (dst, port)
+            assert not can(NEIGHBOUR, dst, port), (dst, port)
+    for src in ("training", "data", "tracking"):
+        assert can(_pod(src), "tracking", 5000), src
+    assert can(_pod("tracking"), "tracking-db", 5432)
+    assert not can(_pod("training"), "tracking-db", 5432)  # only MLflow reads its database
+    assert not can(_pod("training"), "tracking", 5432)
+    for port in ports["training"]:  # the ranks, on any port; nobody else
+        assert can(_pod("training"), "training", port)
+        assert not can(_pod("data"), "training", port)
+    for port in ports["data"]:  # the Ray cluster's own pods, on any port
+        assert can(_pod("data"), "data", port)
+        assert not can(_pod("training"), "data", port)
+    assert can(OPERATOR, "data", 8265)  # KubeRay submits the job (HTTPMode) ...
+    assert not can(OPERATOR, "data", 6379)  # ... and reaches nothing else
+    assert not can(_pod("training", namespace="other"), "tracking", 5000)  # labels alone: no
+    assert next(d for d in docs if d["kind"] == "RayJob")["spec"]["submissionMode"] == "HTTPMode"
+
+
+def test_the_policy_model_is_the_kubernetes_semantics():
+    """ingress_allowed on hand-made policies: unselected pods are open, a selecting
+    policy without rules shuts, peers and ports narrow."""
+    dst = {"app": "db"}
+    me = {
+        "namespace": "ns",
+        "ns_labels": {"kubernetes.io/metadata.name": "ns"},
+        "labels": {"app": "web"},
+    }
+    deny = {"spec": {"podSelector": {}, "policyTypes": ["Ingress"]}}
+    allow = {"spec": {"podSelector": {"matchLabels": {"app": "db"}}, "policyTypes": ["Ingress"],
+                      "ingress": [{"from": [{"podSelector": {"matchLabels": {"app": "web"}}}],
+                                   "ports": [{"port": 5432}]}]}}  # fmt: skip
+    assert ingress_allowed([], "ns", me, dst, 5432)
+    assert not ingress_allowed([deny], "ns", me, dst, 5432)
+    assert ingress_allowed([deny, allow], "ns", me, dst, 5432)
+    assert not ingress_allowed([deny, allow], "ns", me, dst, 80)
+    assert not ingress_allowed([deny, allow], "ns", {**me, "labels": {"app": "x"}}, dst, 5432)
+    assert not ingress_allowed([deny, allow], "ns", {**me, "namespace": "other"}, dst, 5432)
+
+
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_no_pod_may_call_the_kubernetes_api(rendered, name):
+    """The least RBAC every job needs is none: the data job, training (its rendezvous is
+    torch's c10d store over TCP, elastic included) and MLflow never call the API, so no
+    Role or binding is made and no service-account token is mounted."""
+    docs = rendered[name]
+    assert not [d["kind"] for d in docs if d["kind"] in ("Role", "ClusterRole", "RoleBinding",
+                                                          "ClusterRoleBinding")]  # fmt: skip
+    accounts = [d for d in docs if d["kind"] == "ServiceAccount"]
+    assert [a["metadata"]["name"] for a in accounts] == ["plm"]
+    assert accounts[0]["automountServiceAccountToken"] is False
+    for where, spec in all_pods(docs):
+        assert spec.get("automountServiceAccountToken") is False, where
+    job = next(d for d in docs if d["kind"] == "PyTorchJob" or d["kind"] == "Job")
+    if job["kind"] == "PyTorchJob" and "elasticPolicy" in job["spec"]:
+        assert job["spec"]["elasticPolicy"]["rdzvBackend"] == "c10d"
