@@ -101,10 +101,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def ray_local():
-    """One local Ray for a whole module (start-up costs seconds); run_prepare reuses it."""
+    """One local Ray for a whole module (start-up costs seconds); run_prepare reuses it.
+    Started as plm starts its own: on 127.0.0.1 only."""
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    from pipeline.data.job import init_ray
+
+    init_ray(None, 2)
     yield
     ray.shutdown()
 
