@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from pipeline.data.readers import DEFAULT_MAX_DOC_BYTES, ENCODING_HINT, texts_at
 from pipeline.data.shards import DataDir, ShardError
 
 
@@ -20,6 +21,7 @@ def summarize(data: DataDir) -> list[str]:
         f"totals       {totals.get('n_docs', 0):,} docs  {totals.get('n_tokens', 0):,} tokens  "
         f"{totals.get('n_shards', 0)} shards  {totals.get('bytes', 0):,} bytes",
     ]
+    lines.extend(_kept_line(m))
     for split, info in sorted(m["splits"].items()):
         lines.append(
             f"  {split:<10} {info['n_docs']:,} docs  {info['n_tokens']:,} tokens  "
@@ -47,6 +49,29 @@ def summarize(data: DataDir) -> list[str]:
     if len(sources) > 20:
         lines.append(f"  ... {len(sources) - 20} more")
     return lines
+
+
+def _kept_line(m: dict) -> list[str]:
+    """How the documents kept became the shards' docs: a document over max_doc_tokens is
+    cut into pieces, each a doc of its own, so the shards can hold more docs than there
+    are documents (and the languages line counts documents). Nothing for a manifest that
+    does not count the documents kept."""
+    totals = m.get("totals", {})
+    kept = totals.get("documents_kept")
+    if kept is None:
+        return []
+    n_docs = totals.get("n_docs", 0)
+    read = totals.get("documents_read")
+    line = f"kept         {kept:,} documents" + (f" of {read:,} read" if read is not None else "")
+    extra = n_docs - kept
+    if extra > 0:
+        limit = m.get("data_config", {}).get("max_doc_tokens")
+        over = f"over max_doc_tokens ({limit:,} tokens)" if limit else "over max_doc_tokens"
+        line += (
+            f"; they are {n_docs:,} docs in the shards ({extra:,} more): a document {over} "
+            "is cut into pieces, one doc each"
+        )
+    return [line]
 
 
 # Which stage of `plm data prepare` rejects a document for a reason (docs/data.md).
@@ -79,7 +104,9 @@ def removed_table(m: dict) -> list[str]:
     rejected = m.get("rejected", {})
     totals = m.get("totals", {})
     read = totals.get("documents_read") or totals.get("n_docs", 0) + sum(rejected.values())
-    examples = m.get("reject_examples", {})
+    examples = _with_texts(
+        m, {r: e[:EXAMPLES_SHOWN] for r, e in m.get("reject_examples", {}).items()}
+    )
     out = [f"rejected     {sum(rejected.values()):,} docs of {read:,} read"]
     if rejected:
         out.append(f"  {'stage':<11} {'reason':<18} {'docs':>9} {'share':>7}  examples")
@@ -95,12 +122,52 @@ def removed_table(m: dict) -> list[str]:
         first = shown[0] if shown else ""
         out.append(f"  {stage:<11} {reason:<18} {count:>9,} {share:>7}  {first}".rstrip())
         out.extend(f"  {'':<11} {'':<18} {'':>9} {'':>7}  {more}" for more in shown[1:])
+    if rejected.get("invalid_utf8"):
+        out.append(f"  invalid_utf8: {ENCODING_HINT}")
     rules = m.get("filter_rules", {})
     removed = m.get("lines_removed", {})
     if rules or removed:
         out.append(f"  {'filter rule':<32} {'docs rejected':>13} {'lines removed':>13}")
         for rule in sorted(set(rules) | set(removed)):
             out.append(f"  {rule:<32} {rules.get(rule, 0):>13,} {removed.get(rule, 0):>13,}")
+    return out
+
+
+def _with_texts(m: dict, examples: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """The examples, those without text (a reject found before any filter read it: too
+    short, duplicate, no tokens) given the start of their text read back from the
+    source where it is still the file prepared (``readers.texts_at``; one read per
+    source and slice). The manifest itself is left as it is."""
+    config = m.get("data_config", {})
+    sources = {s.get("uri"): s for s in m.get("sources", [])}
+    missing: dict[tuple, list[dict]] = {}
+    out: dict[str, list[dict]] = {}
+    for reason, shown in examples.items():
+        out[reason] = [dict(e) for e in shown]
+        for e in out[reason]:
+            if "text" not in e and e.get("source") in sources and "ordinal" in e:
+                rows = e.get("row_groups")
+                key = (
+                    e["source"],
+                    e.get("from_byte", 0),
+                    tuple(rows) if rows is not None else None,
+                )
+                missing.setdefault(key, []).append(e)
+    for (uri, start, rows), found in missing.items():
+        entry = sources[uri]
+        texts = texts_at(
+            uri,
+            [e["ordinal"] for e in found],
+            start=start,
+            row_groups=list(rows) if rows is not None else None,
+            text_field=config.get("text_field", "text"),
+            max_doc_bytes=config.get("max_doc_bytes") or DEFAULT_MAX_DOC_BYTES,
+            size=entry.get("size"),
+            mtime_ns=entry.get("mtime_ns"),
+        )
+        for e in found:
+            if e["ordinal"] in texts:
+                e["text"] = texts[e["ordinal"]][: EXAMPLE_TEXT * 4]
     return out
 
 

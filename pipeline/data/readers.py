@@ -498,14 +498,26 @@ def _bounded_lines(stream: BinaryIO, limit: int) -> Iterator[bytes | None]:
             yield line
 
 
+# What `plm data inspect` adds under an invalid_utf8 count: text in another encoding is
+# rejected, never guessed at (a wrong guess would write wrong text into the shards).
+ENCODING_HINT = (
+    "text that is not UTF-8 is rejected, never guessed at: convert a Latin-1 file with "
+    "`iconv -f latin1 -t utf-8 IN > OUT` (Windows-1252: -f cp1252), then prepare again"
+)
+
+
 def _decode(data: bytes) -> tuple[str | None, str | None, str | None]:
-    """(text, reject, detail)"""
+    """(text, reject, detail); an invalid_utf8 detail names the byte and what it is in
+    Latin-1 (``ENCODING_HINT``)."""
     if b"\x00" in data:
         return None, "nul_bytes", f"NUL byte at offset {data.index(0)}"
     try:
         return data.decode("utf-8"), None, None
     except UnicodeDecodeError as err:
-        return None, "invalid_utf8", f"{err.reason} at byte {err.start}"
+        byte = data[err.start]
+        latin = chr(byte)  # what the byte is in Latin-1 (every byte is a character there)
+        seen = f", {latin!r} in Latin-1" if latin.isprintable() else ""
+        return None, "invalid_utf8", f"{err.reason} at byte {err.start} (0x{byte:02x}{seen})"
 
 
 _BOM = b"\xef\xbb\xbf"
@@ -825,6 +837,58 @@ def iter_raw_documents(
     except (OSError, EOFError, pa.ArrowException) as err:
         # A truncated gzip, a corrupt zstd frame or parquet footer: name the file.
         raise InputError(f"{source.uri}: cannot read ({type(err).__name__}: {err})") from err
+
+
+def texts_at(
+    uri: str,
+    ordinals: list[int],
+    *,
+    start: int = 0,
+    row_groups: list[int] | None = None,
+    text_field: str = "text",
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES,
+    size: int | None = None,
+    mtime_ns: int | None = None,
+    max_ordinal: int = 100_000,
+) -> dict[int, str]:
+    """{ordinal: raw text} of the documents at ``ordinals`` of a local file or builtin
+    corpus, counted as a reject example counts them (from byte ``start``, or in the
+    parquet ``row_groups``): what `plm data inspect` shows of a reject whose text the
+    manifest does not hold. Nothing for a remote source, one that is gone, or a file that
+    is no longer the one prepared (another ``size`` or ``mtime_ns``), nor for documents
+    without text (read rejects) or past ``max_ordinal`` (the read stays short)."""
+    wanted = {o for o in ordinals if 0 <= o <= max_ordinal}
+    if not wanted or _is_uri(uri):
+        return {}
+    try:
+        source = resolve_inputs([uri], text_field)[0]
+    except InputError:
+        return {}
+    if (size is not None and source.size != size) or (
+        mtime_ns is not None and source.mtime_ns is not None and source.mtime_ns != mtime_ns
+    ):
+        return {}
+    part = None
+    if row_groups is not None:
+        part = Slice(0, row_groups=tuple(row_groups))
+    elif start:
+        if source.format not in SPLITTABLE:
+            return {}
+        part = Slice(0, start=start)
+    out: dict[int, str] = {}
+    last = max(wanted)
+    docs = iter_raw_documents(source, max_doc_bytes, part)
+    try:
+        for doc in docs:
+            if doc.ordinal in wanted and doc.text is not None:
+                out[doc.ordinal] = doc.text
+            if doc.ordinal >= last:
+                break
+    except (InputError, ValueError):
+        pass
+    finally:
+        docs.close()  # the file, now
+    return out
 
 
 # ---------------------------------------------------------------------------
