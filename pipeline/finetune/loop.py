@@ -15,6 +15,7 @@ in step.
 from __future__ import annotations
 
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -350,7 +351,8 @@ class Finetuner:
                         tracker.log_metrics(m, step)
                         history.append({"step": step, **m})
                         self.log(
-                            f"step {step}: " + " ".join(f"{k2} {v:.4f}" for k2, v in m.items())
+                            f"step {step}: "
+                            + " ".join(f"{k2} {for_people(v)}" for k2, v in m.items())
                         )
                         value = m.get(f"valid_{cfg.metric}")
                         if value is None or self._better(value, best and best[cfg.metric]):
@@ -377,13 +379,12 @@ class Finetuner:
                 model_dir = save_finetuned(
                     self.run_dir / "model", best_weights.folder, self._meta(best, step)
                 )
-                self.log(
-                    f"best model (valid {cfg.metric} {best and best[cfg.metric]}) saved to {model_dir}"
-                )
+                value = for_people(best[cfg.metric]) if best else "-"
+                self.log(f"best model (valid {cfg.metric} {value}) saved to {model_dir}")
                 if "test" in self.data.examples:
                     test = evaluate_saved(model_dir, self.data, cfg, self.dev)
                     tracker.log_metrics({f"test_{k}": v for k, v in test.items()}, step)
-                    self.log("test: " + " ".join(f"{k} {v:.4f}" for k, v in test.items()))
+                    self.log("test: " + " ".join(f"{k} {for_people(v)}" for k, v in test.items()))
                 tracker.log_artifacts(model_dir, "model")
                 if cfg.mlflow.register_model and self.track:
                     version = tracker.register(
@@ -410,6 +411,15 @@ class Finetuner:
         return FinetuneResult(
             self.run_dir, model_dir, step, best, test, history, tracker.run_id, version
         )
+
+
+def for_people(value: Any) -> str:
+    """A number as a printed line shows it: a whole number as an integer (``epoch 1``, not
+    ``1.0000``), any other to 4 significant digits (``0.6746``, not ``0.6746031746031746``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return str(value)
+    value = float(value)
+    return str(int(value)) if value.is_integer() else f"{value:.4g}"
 
 
 def evaluate_saved(
