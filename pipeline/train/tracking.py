@@ -43,6 +43,110 @@ SYNCED_FILE = "mlflow_synced"  # rows of metrics.jsonl that MLflow holds
 # a user chose.
 EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
+# MLflow's description of a run or an experiment (the UI's "Description"); registered
+# models and their versions have a description field of their own.
+NOTE_TAG = "mlflow.note.content"
+# Metrics MLflow gets in a unit its charts' axes read: (name there, factor). metrics.jsonl
+# keeps the name and the value the code computes (what the tests and the evaluation read).
+MLFLOW_UNITS = {"flops_per_s_per_device": ("tflop_per_s_per_device", 1e-12)}
+
+
+def for_mlflow(metrics: dict[str, float]) -> dict[str, float]:
+    """The metrics as MLflow gets them: ``MLFLOW_UNITS`` applied (FLOP/s as TFLOP/s)."""
+    out = {}
+    for key, value in metrics.items():
+        name, factor = MLFLOW_UNITS.get(key, (key, 1.0))
+        out[name] = value * factor if factor != 1.0 else value
+    return out
+
+
+def _count(n: Any) -> str:
+    try:
+        return f"{int(n):,}"
+    except (TypeError, ValueError):
+        return str(n)
+
+
+def describe_run(
+    params: dict[str, Any],
+    tags: dict[str, str],
+    tokens_seen: int | None = None,
+    steps: int | None = None,
+) -> str | None:
+    """What a run is, for MLflow's description: the architecture (preset, layers, width),
+    the objective or task, the data and the tokens (planned at the start: steps x global
+    batch x sequence length; at the end: those seen). None for a run this cannot tell."""
+    model, train, data = (params.get(k) or {} for k in ("model", "train", "data"))
+    name = params.get("name", "?")
+    if tags.get("stage") == "finetune":
+        task = (params.get("task") or {}).get("type", "?")
+        source = model.get("source", "?")
+        init = (
+            f"random weights in the architecture of {source}"
+            if model.get("init") == "random"
+            else f"from {source}"
+        )
+        files = ", ".join(f"{k} {data[k]}" for k in ("train", "valid", "test") if data.get(k))
+        return (
+            f"Fine-tuning of {tags.get('arch', '?')} for {task} ({train.get('mode', 'full')}, "
+            f"{init}): {_count(params.get('n_labels', '?'))} labels, {files}, "
+            f"{_count(train.get('epochs', '?'))} epochs. `plm finetune`, config {name}."
+        )
+    if "arch" not in model or "kind" not in (params.get("objective") or {}):
+        return None
+    resolved = params.get("model_resolved") or {}
+    shape = ", ".join(
+        f"{label} {resolved[key]}"
+        for key, label in (("num_layers", "layers"), ("hidden_size", "hidden"))
+        if key in resolved
+    )
+    preset = model.get("preset")
+    what = model["arch"] + (
+        f" ({', '.join(x for x in (preset, shape) if x)})" if preset or shape else ""
+    )
+    world = int(tags.get("world_size") or 1)
+    batch = int(train.get("micro_batch_size", 1)) * int(train.get("grad_accum", 1)) * world
+    seq = data.get("seq_len", "?")
+    if tokens_seen is not None:
+        tokens = f"{tokens_seen:,} tokens seen in {_count(steps)} steps"
+    else:
+        max_steps = int(train.get("max_steps", 0))
+        planned = f" = {max_steps * batch * seq:,} positions" if isinstance(seq, int) else ""
+        tokens = f"{max_steps:,} steps of {batch} x {seq} tokens{planned} at most"
+    source = params.get("data_mixture") or data.get("path") or "?"
+    return (
+        f"Pretraining of {what} with {params['objective']['kind']} on {source}: {tokens}; "
+        f"{world} rank{'s' if world > 1 else ''}, ZeRO {tags.get('zero_stage', '?')}. "
+        f"`plm train`, config {name}."
+    )
+
+
+def describe_model(params: dict[str, Any], tags: dict[str, str], alias: str) -> str:
+    """A registered model's description: what its versions are."""
+    if tags.get("stage") == "finetune":
+        task = (params.get("task") or {}).get("type", "?")
+        return (
+            f"{tags.get('arch', '?')} fine-tuned for {task} by `plm finetune` (config "
+            f"{params.get('name', '?')}). Each version is the best model of one run (its "
+            f"description: task, data, source); @{alias} is the latest."
+        )
+    arch = (params.get("model") or {}).get("arch", tags.get("arch", "?"))
+    objective = (params.get("objective") or {}).get("kind", tags.get("objective", "?"))
+    return (
+        f"{arch} pretrained with {objective} by `plm train` (config {params.get('name', '?')}). "
+        f"Each version is the final bundle of one run (its description: architecture, data, "
+        f"tokens seen); @{alias} is the latest."
+    )
+
+
+def describe_experiment(params: dict[str, Any], tags: dict[str, str]) -> str:
+    """An experiment's description, from the run that created it."""
+    command = "plm finetune" if tags.get("stage") == "finetune" else "plm train"
+    return (
+        f"plm runs, the first by `{command}` (config {params.get('name', '?')}). Each run's "
+        "description says what it is: the architecture, the objective or task, the data and "
+        "the tokens."
+    )
 
 
 def ui_link(base_url: str, experiment_id: str) -> str:
@@ -265,14 +369,18 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def mark_model_training(experiment_id: str) -> None:
+def mark_model_training(experiment_id: str, description: str | None = None) -> None:
     """Tag the experiment as model training (``mlflow.experimentKind``), unless it has a
-    kind already (the UI's selector, or a user's tag)."""
+    kind already (the UI's selector, or a user's tag); give it ``description`` unless it
+    has one."""
     from mlflow import MlflowClient
 
     client = MlflowClient()
-    if EXPERIMENT_KIND_TAG not in client.get_experiment(experiment_id).tags:
+    tags = client.get_experiment(experiment_id).tags
+    if EXPERIMENT_KIND_TAG not in tags:
         client.set_experiment_tag(experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
+    if description and not tags.get(NOTE_TAG):
+        client.set_experiment_tag(experiment_id, NOTE_TAG, description)
 
 
 def dataset(uri: str, name: str, digest: str):
@@ -332,6 +440,9 @@ class Tracker:
         self._next_try = 0.0
         self._waited = False
         self._deferred: list[Any] | None = None  # calls made before the run started
+        self._note: str | None = None  # the run description this job set (describe_run)
+        self._tokens_seen: int | None = None  # the last metrics row's, for the final one
+        self._step: int | None = None
 
     def _catch_up(self) -> None:
         """Start the deferred run (``start``), then make the calls that came meanwhile."""
@@ -411,8 +522,11 @@ class Tracker:
         metrics = []
         for row in rows:
             t = int(float(row.get("time", time.time())) * 1000)
-            metrics += [Metric(k, float(v), t, int(row["step"])) for k, v in row.items()
-                        if k not in ("step", "time") and isinstance(v, (int, float))]  # fmt: skip
+            values = {k: v for k, v in row.items()
+                      if k not in ("step", "time") and isinstance(v, (int, float))}  # fmt: skip
+            metrics += [
+                Metric(k, float(v), t, int(row["step"])) for k, v in for_mlflow(values).items()
+            ]
         client = MlflowClient(self.uri)
         for i in range(0, len(metrics), 1000):  # the REST API's batch limit
             client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
@@ -479,11 +593,15 @@ class Tracker:
                     id_file.write_text(run.info.run_id)
             self.run_id = run.info.run_id
             self.mlflow_ok = True
-            mark_model_training(run.info.experiment_id)
+            mark_model_training(run.info.experiment_id, describe_experiment(params, tags))
             if not previous:
                 items = [(k, str(v)[:6000]) for k, v in flatten(params).items()]
                 for i in range(0, len(items), 100):
                     mlflow.log_params(dict(items[i : i + 100]))
+            note = describe_run(params, tags)
+            if note and not run.data.tags.get(NOTE_TAG):  # never over a user's description
+                tags = {**tags, NOTE_TAG: note}
+                self._note = note
             mlflow.set_tags(tags)
             print(f"MLflow run {self.run_id} at {uri}", flush=True)
             print(f"  see it: {how_to_view(uri, run.info.experiment_id)}", flush=True)
@@ -497,6 +615,8 @@ class Tracker:
         if not self.enabled:
             return
         metrics = {**metrics, **{k: v for k, v in self.every_row.items() if k not in metrics}}
+        if "tokens_seen" in metrics:  # for the run's final description
+            self._tokens_seen, self._step = int(metrics["tokens_seen"]), step
         with open(self._jsonl, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")
         self._rows += 1
@@ -509,7 +629,7 @@ class Tracker:
         import mlflow
 
         try:
-            mlflow.log_metrics(metrics, step=step)
+            mlflow.log_metrics(for_mlflow(metrics), step=step)
             self._sent = self._rows
         except Exception as err:
             self._fail("log_metrics", err)
@@ -586,22 +706,32 @@ class Tracker:
         from mlflow import MlflowClient
         from mlflow.exceptions import MlflowException
 
+        args = self._start_args or {}
+        params, run_tags = args.get("params") or {}, args.get("tags") or {}
         try:
             client = MlflowClient()
+            about = describe_model(params, run_tags, alias)
             try:
-                client.create_registered_model(name)
+                client.create_registered_model(name, description=about)
             except MlflowException as err:
                 if err.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
+                if not client.get_registered_model(name).description:  # never over a user's
+                    client.update_registered_model(name, description=about)
+            version_note = self._version_note(tags)
             mv = None
             if bundle_dir is not None:  # an MLflow model (LoggedModel, pyfunc flavour)
                 with upload_timeout(self.upload_timeout_s):
-                    mv = self._register_logged_model(bundle_dir, name, tags, log_model)
+                    mv = self._register_logged_model(
+                        bundle_dir, name, tags, log_model, version_note
+                    )
             if mv is None:
                 # The plain artifact folder (our bundle): registered by its artifact URI so
                 # the version points at exactly those files.
                 source = mlflow.get_artifact_uri(artifact_path)
-                mv = client.create_model_version(name, source, run_id=self.run_id, tags=tags)
+                mv = client.create_model_version(
+                    name, source, run_id=self.run_id, tags=tags, description=version_note
+                )
             client.set_registered_model_alias(name, alias, mv.version)
             print(f"registered model {name} version {mv.version} alias @{alias}", flush=True)
             return str(mv.version)
@@ -609,7 +739,33 @@ class Tracker:
             self._fail(f"register_model {name}", err)
             return None
 
-    def _register_logged_model(self, bundle_dir: Path, name: str, tags: dict[str, str], log_model):
+    def _final_note(self) -> str | None:
+        """The run's description at its end: with the tokens seen where metrics said so."""
+        args = self._start_args or {}
+        params, tags = args.get("params") or {}, args.get("tags") or {}
+        return describe_run(params, tags, self._tokens_seen, self._step)
+
+    def _version_note(self, tags: dict[str, str]) -> str | None:
+        """A model version's description: its run's final one, the run id and the best
+        valid metric of a fine-tuning (its ``valid_*`` tag)."""
+        note = self._final_note()
+        if note is None:
+            return None
+        best = "".join(
+            f" Best valid {k[len('valid_') :]} {v}."
+            for k, v in tags.items()
+            if k.startswith("valid_")
+        )
+        return f"{note}{best} Run {self.run_id}."
+
+    def _register_logged_model(
+        self,
+        bundle_dir: Path,
+        name: str,
+        tags: dict[str, str],
+        log_model,
+        description: str | None = None,
+    ):
         """Log the bundle (or fine-tuned folder) as a LoggedModel with a pyfunc flavour (the
         UI's "Logged models", ``mlflow.pyfunc.load_model``) and register that; None (with a
         warning) if MLflow refuses, so the plain artifact folder is registered instead."""
@@ -624,7 +780,7 @@ class Tracker:
                 info = (log_model or log_bundle_model)(bundle_dir, name)
             return MlflowClient().create_model_version(
                 name, f"models:/{info.model_id}", run_id=self.run_id, tags=tags,
-                model_id=info.model_id,
+                model_id=info.model_id, description=description,
             )  # fmt: skip
         except Exception as err:
             msg = f"MLflow pyfunc model of {bundle_dir} not logged ({type(err).__name__}: {err})"
@@ -699,7 +855,22 @@ class Tracker:
             import mlflow
 
             try:
+                if status == "FINISHED":
+                    self._set_final_note()
                 mlflow.end_run(status=status)
                 self._save_synced()
             except Exception as err:
                 self._fail("end_run", err)
+
+    def _set_final_note(self) -> None:
+        """The run's description with the tokens seen, over the one this job set at the
+        start (not over one a user wrote meanwhile)."""
+        final = self._final_note()
+        if self._note is None or final is None or final == self._note:
+            return
+        from mlflow import MlflowClient
+
+        client = MlflowClient(self.uri)
+        if client.get_run(self.run_id).data.tags.get(NOTE_TAG) == self._note:
+            client.set_tag(self.run_id, NOTE_TAG, final)
+            self._note = final
