@@ -633,10 +633,16 @@ def main(argv: list[str] | None = None) -> int:
     """`plm`. Without ``argv`` (the `plm` script, `python -m pipeline.cli`, what a launcher
     starts) the command line is this process's, and the commands of ``EXITS_NOW`` end the
     process with their exit code (``exit_now``); with ``argv`` (tests, other code) the
-    exit code is returned."""
+    exit code is returned. Run so, a closed stdout or stderr (`plm train | tee` whose `tee`
+    died of the same Ctrl-C) drops what is printed and stops nothing (output.guard_streams)."""
+    if argv is None:  # before anything prints (argparse's errors and --help too)
+        from pipeline.output import guard_streams
+
+        guard_streams()
     quiet_mlflow_telemetry()  # before anything imports mlflow
     from pipeline.config import ConfigError
     from pipeline.data.shards import ShardError
+    from pipeline.output import EXIT_DISK_FULL, DiskFull, disk_full, no_space
 
     args = build_parser().parse_args(argv)
     from pipeline.output import configure
@@ -653,6 +659,16 @@ def main(argv: list[str] | None = None) -> int:
         if _prints(err):
             print(f"plm: {err}", file=sys.stderr)
         code = 2
+    except DiskFull as err:  # names the path, what is needed and free, what to do
+        print(f"plm: {err}", file=sys.stderr)
+        code = EXIT_DISK_FULL
+    except OSError as err:  # a full disk no stage named: still one line, not a traceback
+        full = no_space(err)
+        if full is None:
+            raise
+        then = "free space there and run the same command again"
+        print(f"plm: {args.command}: {disk_full(full, None, then=then)}", file=sys.stderr)
+        code = EXIT_DISK_FULL
     except KeyboardInterrupt:  # Ctrl-C outside training's own stop (which checkpoints first)
         print(
             f"plm: {args.command}: interrupted (Ctrl-C); nothing half-written is ever read as "

@@ -3,7 +3,9 @@
 Nothing starts: no Ray, no tokenizer training, nothing written. The launchers (Ray job
 submission, Kubernetes manifests) run these to check a command line before a cluster
 spends time on it. The checks are the ones the real commands make before they start
-work, so a dry run that passes means the real run gets past its validation.
+work, so a dry run that passes means the real run gets past its validation. `prepare`'s
+says how much its output's filesystem has free, and refuses one that cannot hold even the
+tokenizer's files (exit 5, as the real run on a full disk).
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ from typing import TYPE_CHECKING
 
 from pipeline.data.readers import InputError, Source, resolve_inputs
 from pipeline.data.shards import MANIFEST
-from pipeline.data.tokenizer import TokenizerSpec, check_tokenizer_folder, load_tokenizer
+from pipeline.data.tokenizer import (
+    TokenizerSpec,
+    check_tokenizer_folder,
+    load_tokenizer,
+    tokenizer_files,
+)
+from pipeline.output import DiskFull, free_bytes, size_text
 
 if TYPE_CHECKING:
     from pipeline.data.prepare import PrepareConfig
@@ -75,6 +83,16 @@ def print_prepare_plan(cfg: PrepareConfig) -> int:
     fs, root = output_fs(cfg.output)
     out = Path(root) if "://" not in cfg.output else cfg.output
     state = _output_state(out) if isinstance(out, Path) else "a filesystem URI"
+    free = free_bytes(out) if isinstance(out, Path) else None
+    if free is not None:
+        least = sum(len(b) for b in tokenizer_files(tok_dir))  # what the output holds first
+        if free < least:
+            raise DiskFull(
+                f"--output {out}: its filesystem has {size_text(free)} free, less than the "
+                f"tokenizer's files alone ({size_text(least)}) before any shard: free space "
+                "there or pass --output DIR on a bigger disk"
+            )
+        state += f"; {size_text(free)} free on its filesystem"
     foreign = foreign_files(fs, root)
     if foreign and not cfg.force:
         raise PrepareError(

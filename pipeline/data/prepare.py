@@ -92,6 +92,7 @@ from pipeline.data.tokenizer import (
     tokenizer_files,
     tokenizer_folder,
 )
+from pipeline.output import disk_full, no_space
 
 # Bump when the code changes what lands in the shards: old outputs stop being "up to date".
 PREPARE_VERSION = 2
@@ -434,6 +435,14 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
     except ConfigError:
         restore(fs, root, before)
         raise
+    except Exception as err:  # the driver's writes or a task's (a RayTaskError's cause)
+        full = no_space(err)
+        if full is None:
+            raise
+        raise disk_full(
+            full, cfg.output, then="free space there or pass --output DIR on a bigger disk, "
+            "and run the same command again: the units a run finished are kept, not redone",
+        ) from None  # fmt: skip
 
 
 def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, clocks):

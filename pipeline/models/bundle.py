@@ -19,6 +19,7 @@ same bytes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -272,14 +273,13 @@ class BundleWriter:
 
     def close(self) -> Path:
         missing = self.weights.missing()
-        self.weights.close()
-        if missing:
-            self.abort()
-            raise ValueError(
-                f"state dict does not match a {self.arch} with this config: "
-                f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
-            )
         try:
+            self.weights.close()  # its last flush may find the disk full
+            if missing:
+                raise ValueError(
+                    f"state dict does not match a {self.arch} with this config: "
+                    f"missing {missing[:5]}{'...' if len(missing) > 5 else ''}"
+                )
             (self.tmp / CONFIG_FILE).write_text(
                 yaml.safe_dump(self.config, sort_keys=True, allow_unicode=True), encoding="utf-8"
             )
@@ -293,8 +293,14 @@ class BundleWriter:
         return self.out_dir
 
     def abort(self) -> None:
-        self.weights.close()
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        """Remove the temp folder, whatever closing its open file says: on a full disk the
+        close's flush fails too, and the half-written folder must go all the same (one
+        error reaches the caller, the space is free again)."""
+        try:
+            with contextlib.suppress(OSError):
+                self.weights.close()
+        finally:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def save_bundle(

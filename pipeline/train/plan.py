@@ -3,7 +3,8 @@
 Checks the model config through the registry, the data dir manifest and tokenizer, the
 valid split against the eval batch (as the run's start does), and the DeepSpeed JSON
 (with DeepSpeed's own ZeRO config model), then prints world size,
-global batch, steps, tokens, parameters and a per-rank memory estimate for the ZeRO stage.
+global batch, steps, tokens, parameters and a per-rank memory estimate for the ZeRO stage;
+a local train.out_dir without the free space of one checkpoint is refused (exit 5).
 """
 
 from __future__ import annotations
@@ -63,6 +64,35 @@ def model_state_bytes(
         if stage >= 3:
             params = 0.0
     return params, grads, optim
+
+
+def checkpoint_bytes(n_params: int, stage: int, precision: str) -> float:
+    """Bytes of one checkpoint on train.out_dir, all ranks together: the weights and the
+    optimizer state (``model_state_bytes`` of one rank of one: nothing partitioned away;
+    an offloaded optimizer is saved too). The trainer's own files (loader state, RNG)
+    are a few KiB more."""
+    params, _, optim = model_state_bytes(n_params, stage, 1, precision, offload=False)
+    return params + optim
+
+
+def check_out_dir_space(cfg: ExperimentConfig, n_params: int, stage: int) -> str:
+    """A local train.out_dir whose filesystem has less free space than one checkpoint: a
+    DiskFull (exit 5) now, not after the first train.save_every steps. Returns the plan's
+    words on the space ("" for a URI)."""
+    from pipeline.output import DiskFull, free_bytes, size_text
+
+    t = cfg.train
+    need = checkpoint_bytes(n_params, stage, t.precision)
+    free = free_bytes(t.out_dir)
+    if free is None:
+        return ""
+    if free < need:
+        raise DiskFull(
+            f"train.out_dir={t.out_dir}: a checkpoint needs ~{size_text(need)} (weights + "
+            f"optimizer state) and its filesystem has {size_text(free)} free: free space "
+            "there or pass train.out_dir=DIR on a bigger disk"
+        )
+    return f"; ~{size_text(need)} each, {size_text(free)} free"
 
 
 def activation_bytes(cfg: ExperimentConfig, model_cfg) -> float:
@@ -292,6 +322,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
         mix = describe(shares(sources, objective, global_batch * t.max_steps))
         data_line = "\n".join([f"mixture of {len(sources)} sources:", *mix])
     p, g, o = model_state_bytes(n_params, stage, world, t.precision, offload)
+    space = check_out_dir_space(cfg, n_params, stage)
     mem = MemoryEstimate(p, g, o, activation_bytes(cfg, model_cfg))
     lines = [
         f"experiment      {cfg.name}  ({cfg.model.arch}, objective {cfg.objective.kind})",
@@ -312,7 +343,8 @@ def print_plan(cfg: ExperimentConfig) -> int:
         f"memory / rank   {mem.total / GiB:.3f} GiB = params {mem.params / GiB:.3f} + grads "
         f"{mem.grads / GiB:.3f} + optimizer {mem.optimizer / GiB:.3f} + activations ~"
         f"{mem.activations / GiB:.3f} (estimate; framework buffers not counted)",
-        f"run dir         {t.out_dir}  (resume: {t.resume}; checkpoint every {t.save_every})",
+        f"run dir         {t.out_dir}  (resume: {t.resume}; checkpoint every {t.save_every}"
+        f"{space})",
         *(f"{'c++ ops' if i == 0 else '':<16}{x}" for i, x in enumerate(ops)),
     ]
     print("\n".join(lines))

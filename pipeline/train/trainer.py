@@ -30,7 +30,7 @@ from pipeline.data.mixture import open_sources
 from pipeline.data.shards import DataDir
 from pipeline.data.stream import MixSource
 from pipeline.models.blocks import numel
-from pipeline.output import rank_line
+from pipeline.output import DiskFull, disk_full, no_space, rank_line, size_text
 from pipeline.train import engine as ds_engine
 from pipeline.train import faults, parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for, uploads_as_checkpoint_errors
@@ -39,6 +39,7 @@ from pipeline.train.out_store import OutStore
 from pipeline.train.plan import (
     check_checkpoint,
     check_positions,
+    checkpoint_bytes,
     model_config_for,
     open_eval_streams,
     resolve_deepspeed,
@@ -404,6 +405,8 @@ class Trainer:
         self.memory: Any = None
         self.eval_memory: Any = None
         self.n_params = sum(numel(p) for p in model.parameters())
+        # the checkpoint or bundle being written (``disk_full``'s path)
+        self.writing: Path | None = None
         if self.elastic and self.elastic["universal"]:
             self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine = ds_engine.initialize(model, self.ds_config, scheduler_factory(cfg.train))
@@ -579,8 +582,8 @@ class Trainer:
             self.tracker.log_artifacts(self.data.tokenizer_path.parent, "tokenizer")
 
     def log(self, msg: str) -> None:
-        if self.rank == 0:
-            print(f"[plm train] {msg}", flush=True)
+        if self.rank == 0:  # a closed stdout drops it (output.GuardedStream, rank_line)
+            rank_line(f"[plm train] {msg}")
 
     # --- one optimizer step ---------------------------------------------------------------
     def train_step(self, it) -> StepRecord | None:
@@ -782,10 +785,12 @@ class Trainer:
             "vocab_size": self.meta["vocab_size"],
         }  # fmt: skip
         t0 = time.perf_counter()
+        self.writing = self.ckpt.root / tag_for(self.step)  # what a full disk stops
         tag = self.ckpt.save(
             self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config,
             batch_meta,
         )  # fmt: skip
+        self.writing = None
         took = time.perf_counter() - t0
         self.save_call_s += took
         self.n_checkpoints += 1
@@ -820,6 +825,7 @@ class Trainer:
         from pipeline.models.bundle import BundleWriter
 
         out = self.run_dir / "bundles" / name
+        self.writing = out  # what a full disk stops (``disk_full``)
         writer = None
         if self.rank == 0:
             extra = {
@@ -839,6 +845,7 @@ class Trainer:
             for tensor_name, t in full_tensors(self.engine):
                 if writer is not None:
                     writer.add(tensor_name, t)
+        self.writing = None
         if self.rank == 0:
             self.out.upload_tree(f"bundles/{name}")  # to a store, in the background
         dist.barrier()
@@ -961,6 +968,13 @@ class Trainer:
                 self.out.wait()  # on a store: the final bundle and the checkpoints are there
             status = "FINISHED"
         except BaseException as err:
+            full = no_space(err)
+            if full is not None:  # train.out_dir's filesystem: one line, exit 5, no traceback
+                self.tracker.set_tags(
+                    {"failure_reason": "disk_full", "failure_step": self.step,
+                     "failure_message": f"{type(full).__name__}: {full}"}
+                )  # fmt: skip
+                raise self.disk_full(full) from None
             fault = faults.peer_fault(err, self.rank, self.step, t.collective_timeout_s)
             if fault is not None:
                 self.tracker.set_tags({"elastic/last_fault": str(fault)})
@@ -989,6 +1003,46 @@ class Trainer:
         # The last line of a finished run: where its model is (what export, finetune take)
         self.log(f"final bundle: {self.out.where('bundles/final')}")
         return result
+
+    def disk_full(self, err: OSError) -> DiskFull:
+        """The ``DiskFull`` of a write under train.out_dir that found its filesystem full
+        (a checkpoint, a bundle, metrics.jsonl): the path, what a checkpoint and a bundle
+        need, what is free, and where the same command resumes.
+        One rank alone first completes a checkpoint whose files were all written (its
+        writes finished before a bundle or a log line failed); ``latest`` only ever
+        names a complete one."""
+        pending = self.ckpt.pending  # an asynchronous save's files: the write that failed?
+        if self.world == 1 and pending is not None:
+            with contextlib.suppress(Exception):  # another full write: latest stays
+                self.ckpt.finish()
+            if self.ckpt.pending is None:  # completed: it was not what failed
+                pending = None
+        stage = ds_engine.zero_stage(self.ds_config)
+        ckpt = checkpoint_bytes(self.n_params, stage, self.cfg.train.precision)
+        needs = (
+            f"a checkpoint needs ~{size_text(ckpt)} (weights + optimizer state; "
+            f"train.keep_last={self.cfg.train.keep_last} of them are kept, plus the one "
+            f"being written), a bundle ~{size_text(4 * self.n_params)} (the weights)"
+        )
+        try:
+            latest = self.ckpt.latest()
+        except Exception:  # noqa: BLE001  (the message is what matters here)
+            latest = None
+        out = self.cfg.train.out_dir
+        if latest is None:
+            then = "free space there or pass train.out_dir=DIR on a bigger disk (no checkpoint "
+            then += "of this run is complete yet)"
+        elif self.cfg.train.resume != "auto":
+            then = "free space there or pass train.out_dir=DIR on a bigger disk (the last "
+            then += f"complete checkpoint is {self.ckpt.where(latest)})"
+        else:
+            then = (
+                f"free space there (or move {out} to a bigger disk and pass train.out_dir="
+                f"its new path) and run the same command again: it resumes from "
+                f"{self.ckpt.where(latest)}, the last complete checkpoint"
+            )
+        path = self.writing or (self.ckpt.where(pending[0]) if pending else out)
+        return disk_full(err, path, needs=needs, then=then)
 
     def close_out(self, status: str) -> None:
         """The run's last files to the store (rank 0's metrics.jsonl and MLflow run id,
@@ -1184,9 +1238,16 @@ def elastic_restarts_left() -> bool:
 
 
 def train(cfg: ExperimentConfig, stop_after: int | None = None) -> RunResult:
-    """Entry point of ``plm train`` on every rank."""
+    """Entry point of ``plm train`` on every rank. A full train.out_dir raises DiskFull
+    (one `plm:` line, exit 5)."""
     try:
         trainer = Trainer(cfg)
+    except OSError as err:
+        full = no_space(err)
+        if full is None:
+            raise
+        raise disk_full(full, cfg.train.out_dir, then="free space there or pass "
+                        "train.out_dir=DIR on a bigger disk") from None  # fmt: skip
     except RuntimeError as err:  # the process group or DeepSpeed's groups could not form
         rank = int(os.environ.get("RANK", "0"))
         fault = faults.peer_fault(err, rank, 0, cfg.train.collective_timeout_s)
