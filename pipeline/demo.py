@@ -64,10 +64,11 @@ def _mlm_losses(run_dir: Path) -> tuple[float, float]:
 # Fine-tuning seeds: one accuracy from 40 labelled paragraphs is noisy (up to 0.07 apart between
 # seeds), so the demo reports the mean and each seed, for both initialisations.
 FINETUNE_SEEDS = (0, 1, 2)
-# What the demo must show to say that pretraining helped (README, section 6).
+# What the demo must show to say that pretraining helped (docs/finetuning.md, "The demo's
+# fine-tuning step").
 MARGIN = 0.10
 
-# The pretraining recipe (README, section 6, has the runs that chose it): MLM only, 2500 steps
+# The pretraining recipe (docs/finetuning.md has the runs that chose it): MLM only, 2500 steps
 # of 32 x 64 tokens with 25% of the tokens to predict (more signal per token than BERT's 15%:
 # +0.157 instead of +0.038 for pretraining seed 1), lr 5e-3 with Adam's beta2 at 0.98
 # (RoBERTa's; at 0.999, 6e-3 stalled at the unigram plateau) and 10% warmup.
@@ -187,7 +188,7 @@ def _verdict(scores: dict[str, list[float]]) -> str:
     return (
         f"pretraining did NOT clearly help in this run: mean margin {margin:+.3f} (the demo "
         f"expects at least +{MARGIN:.2f}), pretrained ahead on {ahead} of {len(gaps)} seeds. "
-        f"Longer pretraining gives more (README, section 6: plm demo --steps 6000)"
+        f"Longer pretraining gives more (docs/finetuning.md: plm demo --steps 6000)"
     )
 
 
