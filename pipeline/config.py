@@ -585,10 +585,14 @@ def _given_as(loc: tuple, given: dict[tuple[str, ...], str]) -> str | None:
     """The command line's ``key=value`` that set the key at ``loc`` (or a section above
     it, or made the section ``loc`` names: ``trian.lr=1``), or None: it is the file's."""
     parts = tuple(str(p) for p in loc)
-    for n in range(len(parts), 0, -1):
-        if parts[:n] in given:
-            return given[parts[:n]]
-    return next((item for key, item in given.items() if key[: len(parts)] == parts), None)
+    found = next((given[parts[:n]] for n in range(len(parts), 0, -1) if parts[:n] in given),
+                 None)  # fmt: skip
+    if found is None:
+        found = next((item for key, item in given.items() if key[: len(parts)] == parts), None)
+    if found is None:
+        return None
+    key, _, value = found.partition("=")  # shown in a message: a URI's secrets masked
+    return f"{key}={redact_uri(value.strip())}"
 
 
 def _format_validation_error(
