@@ -417,6 +417,12 @@ class TrainSection(Strict):
     # restarts the survivors (docs/elastic.md). Longer than the longest pause one rank
     # makes alone (rank 0 writing a bundle and uploading it to MLflow).
     collective_timeout_s: float = Field(300.0, gt=0)
+    # Every rank beats once a second in the rendezvous store, from a thread the training
+    # loop cannot block, and watches the others' beats: a rank silent this long (its host
+    # frozen, its link cut), or the store itself, ends the others at once with a `plm:`
+    # line naming it, and the elastic agent restarts the survivors (train/heartbeat.py).
+    # A rank slow in a save or an upload still beats. 0: off (collective_timeout_s only).
+    heartbeat_timeout_s: float = Field(10.0, ge=0)
     # Checkpoints written in the background: a save copies nothing; the next optimizer
     # update waits until the files are written; the checkpoint is complete (COMPLETE,
     # `latest`) once every rank's files are, noticed at a step boundary. Tensors not in

@@ -32,7 +32,7 @@ from pipeline.data.stream import MixSource
 from pipeline.models.blocks import numel
 from pipeline.output import DiskFull, disk_full, no_space, rank_line, size_text
 from pipeline.train import engine as ds_engine
-from pipeline.train import faults, parallelize
+from pipeline.train import faults, heartbeat, parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for, uploads_as_checkpoint_errors
 from pipeline.train.metrics import device_peak_flops, throughput
 from pipeline.train.out_store import OutStore
@@ -369,6 +369,9 @@ class Trainer:
         faults.check_peers(cfg.train.max_clock_skew_s)
         self.dev = device()
         self.run_dir = self.out.local
+        # A silent peer ends this rank in seconds, wherever it waits (train/heartbeat.py).
+        self.heartbeat = heartbeat.start_for_rank(self.rank, self.world,
+                                                  cfg.train.heartbeat_timeout_s, self._on_silent)  # fmt: skip
         if self.rank == 0:  # metrics.jsonl and the MLflow run id travel with the checkpoints
             self.out.mirror(["metrics.jsonl", RUN_ID_FILE, SYNCED_FILE])
             self.out.restore_mirrored()
@@ -859,6 +862,7 @@ class Trainer:
         self.stopper.install()  # before the loader forks its workers: they inherit it
         self.resume_if_asked()
         self.membership = self.membership_change()
+        self.silent_note = heartbeat.take_note(self.run_dir)  # every rank: none left stale
         self.start_tracking()
         peak = device_peak_flops(t.precision)
         self.log(
@@ -885,6 +889,8 @@ class Trainer:
                     self.stop_on_signal()
                 out = self.train_step(it)
                 self.step += 1
+                if self.heartbeat is not None:
+                    self.heartbeat.set_step(self.step)
                 if out is None:
                     self.skipped += 1
                     bad_in_row += 1
@@ -994,6 +1000,8 @@ class Trainer:
             )  # fmt: skip
             raise
         finally:
+            if self.heartbeat is not None:  # this rank ends on its own: not a silent peer
+                self.heartbeat.stop()
             self.stopper.restore()
             self.tracker.end(status)
             self.stream.close()
@@ -1092,6 +1100,17 @@ class Trainer:
             "last_time": last_time, "changes": changes + 1, "grad_accum": ga,
         }  # fmt: skip
 
+    def _on_silent(self, found: heartbeat.Silent, store: str) -> None:
+        """The heartbeat thread found a silent peer: leave a note for the next round's
+        rank 0 (a survivor: this host's run folder), then end this process."""
+        note = {"line": found.line(store), "host": found.host, "address": found.address,
+                "rank": found.rank, "silent_s": found.silent_s, "step": found.step}  # fmt: skip
+        try:
+            (self.run_dir / heartbeat.NOTE_FILE).write_text(json.dumps(note), encoding="utf-8")
+        except OSError:  # the note is a convenience; leaving is not
+            pass
+        heartbeat.leave(found, store)
+
     def log_membership_change(self) -> None:
         """The first step after a membership change is done: log it (rank 0) as metrics
         and a tag of the MLflow run, and as a row of metrics.jsonl."""
@@ -1121,7 +1140,12 @@ class Trainer:
             f"{c['grad_accum'][0]} -> {c['grad_accum'][1]}); first step {lost:.1f} s after "
             f"the last one logged before (step {c['last_step']}); {recomputed} steps recomputed"
         )
-        self.tracker.set_tags({f"elastic/change_{c['changes']}": text})
+        tags = {f"elastic/change_{c['changes']}": text}
+        note, self.silent_note = self.silent_note, None
+        if note is not None:  # the round before ended on a silent peer: who, found how fast
+            tags[f"elastic/silent_{c['changes']}"] = note["line"]
+            self.tracker.log_metrics({"elastic/silent_detect_s": note["silent_s"]}, self.step)
+        self.tracker.set_tags(tags)
         self.log(f"membership change {c['changes']} {text}")
 
     def stop_on_signal(self) -> None:
