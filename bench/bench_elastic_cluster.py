@@ -2,14 +2,19 @@
 change of an elastic run costs, bert-tiny on 3 hosts x 1 rank (launch/elastic_train.py).
 
     # as root (or with sudo)
-    python bench/bench_elastic_cluster.py [--timeout 20] [--steps 700] [--keep]
+    python bench/bench_elastic_cluster.py [--timeout 300] [--steps 5000] [--keep]
 
 One run goes through five changes, each started when the run is past a given step:
 1. kill: every training process of node2 (agent and rank) gets SIGKILL;
 2. back: node2's agent is started again;
 3. link cut: node2's link goes down (`ip link set <veth> down`), nothing is killed;
    then the link comes back up, and node2's agent, alive all along, rejoins (4. relink);
-5. preempted: SIGTERM to node2's agent (a preemption notice).
+5. preempted: SIGTERM to node2's agent (a preemption notice);
+6. back again, then 7. frozen: every process of node2 gets SIGSTOP (a frozen VM).
+
+A silent host (3 and 7) is found by the ranks' heartbeats (``train.heartbeat_timeout_s``,
+10 s by default); ``--timeout`` (``train.collective_timeout_s``, default 300) is the last
+bound of a collective.
 
 For each: the time from the event to the end of the first step after it, split into
 detection (event -> the first survivor's rank fails, from the agents' log timestamps; for
@@ -78,7 +83,7 @@ def agent_events(log: Path, after: float) -> list[float]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--timeout", type=int, default=20, help="train.collective_timeout_s")
+    ap.add_argument("--timeout", type=int, default=300, help="train.collective_timeout_s")
     ap.add_argument("--steps", type=int, default=5000, help="more than the scenario needs")
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true", help="leave the rig up")
@@ -195,6 +200,13 @@ def main() -> int:
         change("link back up", lambda: subprocess.run(["ip", "link", "set", veth, "up"],
                                                       check=True))  # fmt: skip
         change("SIGTERM (preempted)", lambda: agents["node2"].send_signal(signal.SIGTERM))
+        change("back again (agent started)", lambda: start("node2", 2))
+
+        def freeze() -> None:  # a frozen VM: every process of the host stops, nothing dies
+            for pid in training_pids(rig, "node2"):
+                os.kill(pid, signal.SIGSTOP)
+
+        change("frozen (SIGSTOP of every process)", freeze)
         for h in ("node0", "node1"):  # the figures are in: stop the run (a checkpoint)
             agents[h].send_signal(signal.SIGTERM)
         codes = {h: agents[h].wait(timeout=300) for h in ("node0", "node1")}
