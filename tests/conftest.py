@@ -271,7 +271,7 @@ def family_runs(tiny_data, tiny_bpe_data, tmp_path_factory) -> dict[str, Path]:
             "config": str(REPO / "configs/test" / f"{config}.yaml"),
             "overrides": [f"data.path={data}", f"train.out_dir={root / name}",
                           "deepspeed=configs/deepspeed/zero2.json", f"train.max_steps={steps}",
-                          "mlflow.register=false", *overrides, *extra],
+                          "train.log_every=1", "mlflow.register=false", *overrides, *extra],
         })  # fmt: skip
     (root / "plan.json").write_text(json.dumps(plan, indent=1))
     driver = REPO / "tests" / "integration" / "train_many.py"

@@ -35,7 +35,7 @@ def test_every_listener_of_a_two_rank_run_is_on_master_addr(tiny_data, tmp_path)
     port = free_port()
     target = ["--module", "pipeline.cli", "train", BERT, f"data.path={tiny_data}",
               f"train.out_dir={run_dir}", "train.max_steps=12", "train.save_every=6",
-              "train.eval_every=6", "mlflow.register=false"]  # fmt: skip
+              "train.eval_every=6", "train.log_every=1", "mlflow.register=false"]  # fmt: skip
     cmd = deepspeed_argv(target, port, master_addr=ADDR, hostfile=tmp_path / "hostfile")
     log = tmp_path / "launch.log"
     seen: set[tuple[str, int, int]] = set()  # (address, port, pid)

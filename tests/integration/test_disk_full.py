@@ -73,7 +73,7 @@ def test_train_on_a_full_out_dir_is_one_line_and_resumes_exactly(tiny_data, tmp_
     run_dir = disk / "run"
     args = ["train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}",
             "train.max_steps=20", "train.save_every=10", "train.eval_every=0",
-            "mlflow.register=false"]  # fmt: skip
+            "train.log_every=1", "mlflow.register=false"]  # fmt: skip
     line = one_plm_line(plm(*args, cwd=tmp_path, check=False), code=EXIT_DISK_FULL)
     ckpt = run_dir / "checkpoints"
     assert line.startswith(f"plm: no space left on device writing {run_dir}"), line
@@ -108,7 +108,8 @@ def test_train_on_a_full_out_dir_is_one_line_and_resumes_exactly(tiny_data, tmp_
 
 def test_dry_run_compares_the_free_space_with_a_checkpoint(tiny_data, tmp_path, tmpfs):
     disk = tmpfs("4m")
-    args = ["train", BERT, f"data.path={tiny_data}", f"train.out_dir={disk / 'run'}", "--dry-run"]
+    args = ["train", BERT, f"data.path={tiny_data}", f"train.out_dir={disk / 'run'}",
+            "train.save_every=10", "--dry-run"]  # fmt: skip
     plan = plm(*args, cwd=tmp_path).stdout
     assert re.search(rf"checkpoint every 10; {SIZE} each, 4.0 MiB free\)", plan), plan
     fill(disk)

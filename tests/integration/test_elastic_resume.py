@@ -63,7 +63,8 @@ def runs(tiny_data, tmp_path_factory) -> dict:
         ds, variant = VARIANTS[stage]
         overrides = [f"data.path={tiny_data}", f"train.out_dir={root / stage / out}",
                      f"deepspeed=configs/deepspeed/{ds}.json", f"train.max_steps={STEPS}",
-                     f"train.save_every={STOP}", "train.eval_every=0", "mlflow.register=false",
+                     f"train.save_every={STOP}", "train.eval_every=0", "train.log_every=1",
+                     "mlflow.register=false",
                      *variant, *kw.pop("extra", [])]  # fmt: skip
         return {"config": BERT, "overrides": overrides, **kw}
 

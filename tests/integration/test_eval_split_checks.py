@@ -21,7 +21,8 @@ def test_a_valid_split_too_small_for_the_eval_batch_is_refused_before_any_step(t
     """micro_batch_size 128: the train split has enough examples, the valid split (64) not."""
     run = tmp_path / "run"
     args = ["train", BERT, f"data.path={tiny_data}", f"train.out_dir={run}",
-            "train.micro_batch_size=128", "train.max_steps=10", "train.eval_every=10"]  # fmt: skip
+            "train.micro_batch_size=128", "train.max_steps=10", "train.eval_every=10",
+            "train.log_every=1"]  # fmt: skip
     line = one_plm_line(plm(*args, "--dry-run", cwd=tmp_path, check=False))
     assert "split 'valid'" in line and str(tiny_data) in line
     assert "mlm+nsp examples" in line and "eval batch" in line and "= 128" in line

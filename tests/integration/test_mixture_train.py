@@ -56,7 +56,7 @@ def test_mixed_run_logs_per_source_and_resumes_exactly(tiny_data, second_data, t
     from mlflow import MlflowClient
 
     common = [*mixture(tiny_data, second_data), "train.max_steps=8", "train.eval_every=4",
-              "train.save_every=4", "mlflow.register=false"]  # fmt: skip
+              "train.save_every=4", "train.log_every=1", "mlflow.register=false"]  # fmt: skip
     train_in_process(tmp_path, BERT, None, *common, f"train.out_dir={tmp_path / 'full'}")
     train_in_process(tmp_path, BERT, 4, *common, f"train.out_dir={tmp_path / 'cut'}")
     train_in_process(tmp_path, BERT, None, *common, f"train.out_dir={tmp_path / 'cut'}")

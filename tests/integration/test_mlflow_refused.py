@@ -60,7 +60,8 @@ def test_a_server_that_refuses_the_host_is_one_plm_line_before_any_step(tiny_dat
         url = f"http://127.0.0.1:{port}"
         run_dir = tmp_path / "run"
         proc = plm("train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}",
-                   "train.max_steps=3", f"mlflow.tracking_uri={url}", "mlflow.retry_every_s=1",
+                   "train.max_steps=3", "train.log_every=1", f"mlflow.tracking_uri={url}",
+                   "mlflow.retry_every_s=1",
                    "mlflow.final_wait_s=5", cwd=tmp_path, check=False, timeout=300)  # fmt: skip
     finally:
         os.killpg(server.pid, signal.SIGKILL)

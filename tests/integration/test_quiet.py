@@ -16,7 +16,8 @@ BERT = str(REPO / "configs/test/bert-tiny.yaml")
 def test_training_is_quiet_by_default_and_chatty_with_v(tiny_data, tmp_path):
     """ZeRO-3 on one rank: DeepSpeed calls torch.distributed's deprecated collectives."""
     args = [BERT, f"data.path={tiny_data}", "train.max_steps=2", "train.eval_every=0",
-            "mlflow.register=false", "deepspeed=configs/deepspeed/zero3.json"]  # fmt: skip
+            "train.log_every=1", "mlflow.register=false",
+            "deepspeed=configs/deepspeed/zero3.json"]  # fmt: skip
     quiet = plm("train", *args, f"train.out_dir={tmp_path / 'q'}", cwd=tmp_path)
     out = quiet.stdout + quiet.stderr
     assert "FutureWarning" not in out and " INFO mlflow" not in out, out[-3000:]

@@ -53,7 +53,8 @@ def test_bert_tiny_trains_logs_and_registers(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     proc = plm(
         "train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}",
-        "train.max_steps=30", "train.save_every=15", "train.eval_every=15", cwd=tmp_path,
+        "train.max_steps=30", "train.save_every=15", "train.eval_every=15", "train.log_every=1",
+        cwd=tmp_path,
         # sample system metrics every 0.1 s: this tiny run lasts about a second
         env={"MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL": "0.1",
              "MLFLOW_SYSTEM_METRICS_SAMPLES_BEFORE_LOGGING": "1"},
@@ -139,7 +140,7 @@ def test_gpt2_tiny_trains(tiny_data, tmp_path):
     run_dir = tmp_path / "run"
     plm(
         "train", GPT2, f"data.path={tiny_data}", f"train.out_dir={run_dir}", "train.max_steps=20",
-        "mlflow.register=false", cwd=tmp_path,
+        "train.log_every=1", "mlflow.register=false", cwd=tmp_path,
     )  # fmt: skip
     losses = step_losses(run_dir)
     assert sorted(losses) == list(range(1, 21))
@@ -149,7 +150,7 @@ def test_gpt2_tiny_trains(tiny_data, tmp_path):
 
 def test_exact_resume_also_with_other_worker_count(tiny_data, tmp_path):
     common = [f"data.path={tiny_data}", "train.max_steps=20", "train.save_every=10",
-              "train.eval_every=10", "mlflow.register=false"]  # fmt: skip
+              "train.eval_every=10", "train.log_every=1", "mlflow.register=false"]  # fmt: skip
     a, b = tmp_path / "a", tmp_path / "b"
     train_in_process(tmp_path, BERT, None, *common, f"train.out_dir={a}", "data.workers=0")
     train_in_process(tmp_path, BERT, 10, *common, f"train.out_dir={b}", "data.workers=0")
@@ -245,7 +246,8 @@ def test_unreachable_tracking_server_does_not_stop_training(tiny_data, tmp_path)
     run_dir = tmp_path / "run"
     out = plm(
         "train", BERT, f"data.path={tiny_data}", f"train.out_dir={run_dir}", "train.max_steps=4",
-        "train.eval_every=0", "mlflow.tracking_uri=http://127.0.0.1:9", cwd=tmp_path,
+        "train.eval_every=0", "train.log_every=1", "mlflow.tracking_uri=http://127.0.0.1:9",
+        cwd=tmp_path,
         env={"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "3"},
         check=False,
     )  # fmt: skip

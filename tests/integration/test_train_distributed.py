@@ -28,7 +28,8 @@ def zero_runs(tiny_data, tmp_path_factory) -> dict[str, Path]:
         {"config": BERT, "overrides": [
             f"data.path={tiny_data}", f"train.out_dir={root / stage}",
             f"deepspeed=configs/deepspeed/{stage}.json", "train.max_steps=12",
-            "train.save_every=6", "train.eval_every=6", "mlflow.register=false"]}
+            "train.save_every=6", "train.eval_every=6", "train.log_every=1",
+            "mlflow.register=false"]}
         for stage in STAGES
     ]  # fmt: skip
     (root / "plan.json").write_text(json.dumps(plan))
@@ -73,7 +74,7 @@ def test_torchrun_style_env_two_ranks(tiny_data, tmp_path):
         }  # fmt: skip
         cmd = [sys.executable, "-m", "pipeline.cli", "train", BERT, f"data.path={tiny_data}",
                f"train.out_dir={run_dir}", "train.max_steps=6", "train.save_every=3",
-               "train.eval_every=0", "mlflow.register=false",
+               "train.eval_every=0", "train.log_every=1", "mlflow.register=false",
                "deepspeed=configs/deepspeed/zero2.json"]  # fmt: skip
         procs.append(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip

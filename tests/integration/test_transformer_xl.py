@@ -16,7 +16,8 @@ TXL = str(REPO / "configs/test/transformer-xl-tiny.yaml")
 
 def test_exact_resume_with_recurrent_memory(tiny_data, tmp_path):
     common = [f"data.path={tiny_data}", "train.max_steps=20", "train.save_every=10",
-              "train.eval_every=10", "mlflow.register=false", "data.workers=0"]  # fmt: skip
+              "train.eval_every=10", "train.log_every=1", "mlflow.register=false",
+              "data.workers=0"]  # fmt: skip
     a, b = tmp_path / "a", tmp_path / "b"
     train_in_process(tmp_path, TXL, None, *common, f"train.out_dir={a}")
     train_in_process(tmp_path, TXL, 10, *common, f"train.out_dir={b}")

@@ -326,7 +326,7 @@ def step_losses(run_dir) -> dict[int, float]:
 def test_plm_train_on_s3_gives_the_local_losses(tiny_data, s3, tmp_path):
     uri = s3.upload(tiny_data)
     common = ["train.max_steps=6", "train.eval_every=3", "train.save_every=0",
-              "mlflow.register=false", "data.workers=2"]  # fmt: skip
+              "train.log_every=1", "mlflow.register=false", "data.workers=2"]  # fmt: skip
     losses = {}
     for where, path in (("local", str(tiny_data)), ("s3", uri)):
         run_dir = tmp_path / where
