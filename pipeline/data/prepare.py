@@ -56,6 +56,7 @@ from pipeline.data.quality import (
 )
 from pipeline.data.readers import (
     DEFAULT_MAX_DOC_BYTES,
+    ENCODING_HINT,
     Digest,
     InputError,
     Source,
@@ -664,6 +665,8 @@ def _nothing_usable(
             f"; {rejected['no_text']:,} JSON lines have no string field {cfg.text_field!r}"
             f"{seen}: pass --text-field NAME (data config text_field)"
         )
+    if rejected.get("invalid_utf8"):
+        msg += f"; {ENCODING_HINT}"
     return f"{msg}; no data dir was written (manifest.json), nothing to train on"
 
 

@@ -609,7 +609,7 @@ def test_a_truncated_gzip_is_a_counted_reject_and_the_other_inputs_are_kept(
     assert "warning: 1 compressed input(s) break off" in err and "cut.jsonl.gz" in err
 
 
-@pytest.mark.parametrize("kind", ["empty", "content_field", "garbage"])
+@pytest.mark.parametrize("kind", ["empty", "content_field", "garbage", "latin1"])
 def test_unusable_input_exits_2_with_one_line_and_no_data_dir(
     ray_local, tokenizer_dir, tmp_path, capsys, kind
 ):
@@ -623,6 +623,10 @@ def test_unusable_input_exits_2_with_one_line_and_no_data_dir(
         path = tmp_path / "c.jsonl"
         lines = [json.dumps({"id": i, "content": paragraph(i)}) for i in range(5)]
         path.write_text("\n".join(lines) + "\n", "utf-8")
+    elif kind == "latin1":
+        path = tmp_path / "c.txt"
+        path.write_bytes("".join(f"Caf\u00e9 n\u00b0{i} \u00e0 la cr\u00e8me.\n\n"
+                                 for i in range(20)).encode("latin-1"))  # fmt: skip
     else:
         path = tmp_path / "c.jsonl"
         path.write_bytes(bytes(range(256)) * 8)
@@ -645,3 +649,5 @@ def test_unusable_input_exits_2_with_one_line_and_no_data_dir(
         assert DataDir(out).manifest["totals"]["documents_kept"] == 5
     if kind == "garbage":
         assert "none of the" in lines[0] and "rejected:" in lines[0]
+    if kind == "latin1":  # what to do about it, in the same line
+        assert "invalid_utf8" in lines[0] and "iconv -f latin1 -t utf-8" in lines[0]
