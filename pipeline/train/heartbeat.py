@@ -112,6 +112,7 @@ class Heartbeat:
         self._last_ok = time.monotonic()  # the store's last answer
         self._last: dict[int, dict] = {}  # each peer's last beat
         self._once = threading.Lock()
+        self._found = threading.Event()  # a silent peer was named (settle)
         self._owner_done = False  # rank 0 has ended: the store may go with its process
 
     @property
@@ -156,16 +157,16 @@ class Heartbeat:
             pass
 
     def _tell(self, found: Silent) -> None:
-        """Write the verdict for the others; rank 0, whose process may serve the store,
-        gives them two beats to read it before it goes."""
+        """Write the verdict for the others, and give them two beats to read it before
+        this rank goes: its going breaks their collectives, and rank 0's process may
+        serve the store."""
         v = {"rank": found.rank, "host": found.host, "address": found.address,
              "step": found.step, "silent_s": found.silent_s, "last_heard": found.last_heard}  # fmt: skip
         told = threading.Thread(target=self._store.set, args=(self.verdict, json.dumps(v)),
                                 daemon=True)  # fmt: skip
         told.start()
         told.join(timeout=self.interval_s)
-        if self.rank == 0:
-            time.sleep(2 * self.interval_s)
+        time.sleep(2 * self.interval_s)
 
     def _watch_store(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -237,10 +238,18 @@ class Heartbeat:
                                         quiet, time.time() - quiet, self.rank, self.host))  # fmt: skip
                     return
 
+    def settle(self) -> bool:
+        """The main thread met a broken collective: wait up to two beats for this watch
+        (or another rank's verdict) to name a silent peer. True: one is named, and this
+        watch ends the process; False: nothing silent, the break is the main thread's to
+        report (a killed peer's connections close at once)."""
+        return self._found.wait(timeout=3 * self.interval_s)
+
     def _silent(self, found: Silent, tell: bool = True) -> None:
         with self._once:
             if not self._stop.is_set():
                 self._stop.set()
+                self._found.set()
                 if tell and found.rank >= 0:
                     self._tell(found)
                 self.on_silent(found, self.where)

@@ -862,7 +862,7 @@ class Trainer:
         self.stopper.install()  # before the loader forks its workers: they inherit it
         self.resume_if_asked()
         self.membership = self.membership_change()
-        self.silent_note = heartbeat.take_note(self.run_dir)  # every rank: none left stale
+        self.silent_note = heartbeat.take_note(self.run_dir) if self.rank == 0 else None
         self.start_tracking()
         peak = device_peak_flops(t.precision)
         self.log(
@@ -982,6 +982,8 @@ class Trainer:
                 )  # fmt: skip
                 raise self.disk_full(full) from None
             fault = faults.peer_fault(err, self.rank, self.step, t.collective_timeout_s)
+            if fault is not None and self.heartbeat is not None and self.heartbeat.settle():
+                time.sleep(60)  # a silent peer is named: the heartbeat thread ends us
             if fault is not None:
                 self.tracker.set_tags({"elastic/last_fault": str(fault)})
                 # An elastic agent with restarts left starts the ranks again: the MLflow
@@ -1104,7 +1106,8 @@ class Trainer:
         """The heartbeat thread found a silent peer: leave a note for the next round's
         rank 0 (a survivor: this host's run folder), then end this process."""
         note = {"line": found.line(store), "host": found.host, "address": found.address,
-                "rank": found.rank, "silent_s": found.silent_s, "step": found.step}  # fmt: skip
+                "rank": found.rank, "silent_s": found.silent_s, "step": found.step,
+                "written": time.time()}  # fmt: skip
         try:
             (self.run_dir / heartbeat.NOTE_FILE).write_text(json.dumps(note), encoding="utf-8")
         except OSError:  # the note is a convenience; leaving is not
@@ -1142,7 +1145,11 @@ class Trainer:
         )
         tags = {f"elastic/change_{c['changes']}": text}
         note, self.silent_note = self.silent_note, None
-        if note is not None:  # the round before ended on a silent peer: who, found how fast
+        # A survivor's note of this change (not one a later rank 0 finds on its host from
+        # a change long past): written after the last step logged before the change.
+        if note is not None and note.get("written", 0) >= (
+            c["last_time"] or 0
+        ):  # the round before ended on a silent peer: who, found how fast
             tags[f"elastic/silent_{c['changes']}"] = note["line"]
             self.tracker.log_metrics({"elastic/silent_detect_s": note["silent_s"]}, self.step)
         self.tracker.set_tags(tags)
