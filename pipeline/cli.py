@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import NoReturn
@@ -206,6 +207,9 @@ def _finetune(args: argparse.Namespace) -> int:
     return 0
 
 
+OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
+
+
 def _eval(args: argparse.Namespace) -> int:
     from pipeline.eval.suite import EvalError
 
@@ -222,7 +226,10 @@ def _eval(args: argparse.Namespace) -> int:
     from pipeline.eval.evaluate import evaluate, watch
     from pipeline.eval.suite import load_suite
 
-    overrides = list(args.overrides)
+    # `--models A B key=value`: argparse gives the override to --models; a source is never
+    # a dotted key followed by "=" (a path has "/", a URI "://").
+    overrides = list(args.overrides) + [m for m in args.models if OVERRIDE.match(m)]
+    args.models = [m for m in args.models if not OVERRIDE.match(m)]
     if args.tracking_uri:
         overrides.append(f"mlflow.tracking_uri={args.tracking_uri}")
     suite = load_suite(args.suite, overrides)  # bad input: exit 2, before Ray

@@ -190,3 +190,15 @@ def test_an_intrinsic_task_on_an_encoder_or_a_file_it_cannot_score_is_one_line(
     assert main(["eval", suite, "--models", str(w2v), "--no-ray"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("plm: ") and "scores 0 of the 1 rows" in err, err
+
+
+def test_a_key_value_after_the_sources_is_an_override_not_a_source(w2v, tmp_path, capsys):
+    """`plm eval SUITE --models A key=value`: argparse hands key=value to --models; it is
+    the suite's override (here a typo, reported as the command line's), not a source."""
+    (tmp_path / "q.txt").write_text(": gender\nman woman king queen\n")
+    suite = write_suite(tmp_path, {"ana": {"kind": "analogy",
+                                           "data": {"test": str(tmp_path / "q.txt")}}})  # fmt: skip
+    assert main(["eval", suite, "--models", str(w2v), "wrok_dir=/tmp/x", "--no-ray"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'wrok_dir'" in err and "on the command line" in err, err
+    assert "wrok_dir=/tmp/x" not in err.split("unknown key")[0], err  # not named a source
