@@ -423,6 +423,12 @@ class TrainSection(Strict):
     # line naming it, and the elastic agent restarts the survivors (train/heartbeat.py).
     # A rank slow in a save or an upload still beats. 0: off (collective_timeout_s only).
     heartbeat_timeout_s: float = Field(10.0, ge=0)
+    # A rank that beats but makes no progress while the others go on (a deadlock, a
+    # stalled filesystem) for the larger of this and 10x its median step (30 minutes
+    # before its first step, around saves, evaluations and bundles) writes its threads'
+    # stacks and ends with exit 6, named by the others; the agent restarts the round.
+    # 0: not watched.
+    stuck_timeout_s: float = Field(60.0, ge=0)
     # Checkpoints written in the background: a save copies nothing; the next optimizer
     # update waits until the files are written; the checkpoint is complete (COMPLETE,
     # `latest`) once every rank's files are, noticed at a step boundary. Tensors not in

@@ -18,6 +18,14 @@ on the hosts still up, from the last checkpoint, as for a killed host. A rank th
 its own (the run's end, a stop, an error it raises) marks its key ``done`` first, so its
 silence is never taken for a fault.
 
+A rank that beats but makes no progress (a deadlock, a stalled read) is found by its own
+watch: the beat says where the rank is (inside step k, or past it), and a rank behind a
+peer that went on, with no progress for ``stuck_s`` (``train.stuck_timeout_s``) or 10x its
+median step (``long_s`` before its first step, around saves, evaluations, bundles and
+rank 0's MLflow logging), writes the stacks of all its threads, says so in one line and
+exits ``EXIT_STUCK``; its verdict makes the others name it. Ranks that all wait at the
+same place are left to the collective timeout: none of them is behind.
+
 The beat comes from a thread, not the training loop: a rank slow in a save, an upload, a
 resize's conversion or a garbage collection still beats. Only a whole host's processes
 stopping (or its link) stops it. Torch's long operations release the GIL; a C extension
@@ -26,6 +34,7 @@ that held it for longer than ``timeout_s`` would be taken for silence.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -44,6 +53,7 @@ from pipeline.train.rendezvous import local_address, master_addr_port
 
 PREFIX = "plm/heartbeat/"
 DONE = "done"
+EXIT_STUCK = 6  # this rank made no progress while the others went on
 NOTE_FILE = "heartbeat_silent.json"  # in a survivor's run folder, for the next round
 
 
@@ -59,9 +69,21 @@ class Silent:
     last_heard: float  # time.time() of the last beat seen
     by_rank: int
     by_host: str
+    stuck: bool = False  # beating, but no progress: its main thread is stuck
 
     def line(self, store: str) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(self.last_heard))
+        if self.stuck:
+            me = self.rank == self.by_rank
+            return (
+                f"plm: rank {self.by_rank} on {self.by_host}: "
+                + ("this rank" if me else f"rank {self.rank} on {self.host} ({self.address})")
+                + f" made no progress for {self.silent_s:.0f} s after step {self.step} while "
+                "the others went on: stuck"
+                + ("; the stacks of its threads are above" if me else "; leaving the step")
+                + ". Under launch/elastic_train.py the round starts again from the last "
+                "checkpoint"
+            )
         if self.rank < 0:
             who = f"the rendezvous store at {store} (rank 0's host, or this host's link)"
         else:
@@ -74,8 +96,10 @@ class Silent:
         )
 
 
-def _beat(count: int, step: int, host: str, address: str) -> bytes:
-    return json.dumps({"n": count, "step": step, "host": host, "addr": address}).encode()
+def _beat(count: int, step: int, host: str, address: str, at: int = 0) -> bytes:
+    """``at``: where the rank is, 2k-1 inside step k, 2k once step k is done."""
+    return json.dumps({"n": count, "step": step, "host": host, "addr": address,
+                       "at": at}).encode()  # fmt: skip
 
 
 class Heartbeat:
@@ -94,9 +118,12 @@ class Heartbeat:
         timeout_s: float = 10.0,
         address: str = "",
         on_silent: Callable[[Silent, str], None] | None = None,
+        stuck_s: float = 60.0,
+        long_s: float = 1800.0,
     ):
         self.addr, self.port, self.rank, self.world = addr, port, rank, world
         self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.stuck_s, self.long_s = stuck_s, long_s  # progress bounds (0: not watched)
         self.join_timeout_s = max(60.0, 6 * timeout_s)  # ranks start their beats seconds apart
         self.host = socket.gethostname()
         self.address = address or self.host
@@ -114,6 +141,13 @@ class Heartbeat:
         self._once = threading.Lock()
         self._found = threading.Event()  # a silent peer was named (settle)
         self._owner_done = False  # rank 0 has ended: the store may go with its process
+        self._at = 0  # this rank's place in the run (_beat), and each peer's
+        self._peer_at: dict[int, int] = {}
+        self._progress_at = time.monotonic()
+        self._began = self._progress_at
+        self._durations: list[float] = []
+        self._long_next = True  # before the first step: the resume, a conversion
+        self._long_now = False
 
     @property
     def where(self) -> str:
@@ -141,6 +175,44 @@ class Heartbeat:
     def set_step(self, step: int) -> None:
         self.step = step
 
+    # --- progress: a rank that beats but does not move ------------------------------------
+    def begin_step(self, step: int) -> None:
+        self._at, self._began = 2 * step - 1, time.monotonic()
+        self._progress_at, self._long_now = self._began, False
+
+    def end_step(self, step: int) -> None:
+        now = time.monotonic()
+        if not self._long_next:
+            self._durations.append(now - self._began)
+            del self._durations[:-50]
+        self.step, self._at, self._progress_at, self._long_next = step, 2 * step, now, False
+
+    def long_phase(self, next_step: bool = True) -> None:
+        """From now to the next step, the long bound: a save (and the step after it, whose
+        update waits for the files), an evaluation, a bundle, the run's end; with
+        ``next_step=False`` until the next step starts only (rank 0's MLflow logging)."""
+        self._progress_at, self._long_now = time.monotonic(), True
+        self._long_next = self._long_next or next_step
+
+    def bound_s(self) -> float:
+        """How long this rank may make no progress: the larger of stuck_s and 10x its
+        median step; the long bound before its first step, in a long phase and the step
+        after it."""
+        if not self._durations or self._long_next or self._long_now:
+            return self.long_s
+        ordered = sorted(self._durations)
+        return max(self.stuck_s, 10 * ordered[len(ordered) // 2])
+
+    def _check_progress(self) -> None:
+        """This rank behind a peer that went on, for longer than the bound: stuck."""
+        if not self.stuck_s:
+            return
+        quiet = time.monotonic() - self._progress_at
+        ahead = [r for r, at in self._peer_at.items() if at > self._at]
+        if quiet > self.bound_s() and ahead:
+            self._silent(Silent(self.rank, self.host, self.address, self.step, quiet,
+                                time.time() - quiet, self.rank, self.host, stuck=True))  # fmt: skip
+
     def stop(self) -> None:
         """Mark this rank done (its silence from now on is no fault) and end the threads."""
         self._stop.set()
@@ -161,7 +233,8 @@ class Heartbeat:
         this rank goes: its going breaks their collectives, and rank 0's process may
         serve the store."""
         v = {"rank": found.rank, "host": found.host, "address": found.address,
-             "step": found.step, "silent_s": found.silent_s, "last_heard": found.last_heard}  # fmt: skip
+             "step": found.step, "silent_s": found.silent_s, "last_heard": found.last_heard,
+             "stuck": found.stuck}  # fmt: skip
         told = threading.Thread(target=self._store.set, args=(self.verdict, json.dumps(v)),
                                 daemon=True)  # fmt: skip
         told.start()
@@ -212,7 +285,7 @@ class Heartbeat:
             count += 1
             try:
                 self._store.set(self.keys[self.rank],
-                                _beat(count, self.step, self.host, self.address))  # fmt: skip
+                                _beat(count, self.step, self.host, self.address, self._at))  # fmt: skip
                 *values, verdict = self._store.multi_get([*self.keys, self.verdict])
             except Exception:  # the store timed out or its connection broke: _watch_store
                 return
@@ -220,8 +293,8 @@ class Heartbeat:
             if verdict:  # another rank found one first: the same one, in this rank's words
                 v = json.loads(verdict)
                 self._silent(Silent(v["rank"], v["host"], v["address"], v["step"],
-                                    v["silent_s"], v["last_heard"], self.rank, self.host),
-                             tell=False)  # fmt: skip
+                                    v["silent_s"], v["last_heard"], self.rank, self.host,
+                                    v.get("stuck", False)), tell=False)  # fmt: skip
                 return
             for peer, raw in enumerate(values):
                 if peer == self.rank or raw == DONE.encode():
@@ -232,11 +305,13 @@ class Heartbeat:
                 if seen.get(peer) != info["n"]:
                     seen[peer], heard[peer], self._last[peer] = info["n"], now, info
                     continue
+                self._peer_at[peer] = info.get("at", 0)
                 quiet = now - heard.get(peer, started)
                 if quiet > self.timeout_s:
                     self._silent(Silent(peer, info["host"], info["addr"], int(info["step"]),
                                         quiet, time.time() - quiet, self.rank, self.host))  # fmt: skip
                     return
+            self._check_progress()
 
     def settle(self) -> bool:
         """The main thread met a broken collective: wait up to two beats for this watch
@@ -256,18 +331,26 @@ class Heartbeat:
 
 
 def leave(found: Silent, store: str) -> None:
-    """Say who went silent and end this process at once, wherever its main thread waits:
-    the elastic agent starts the next round."""
+    """Say who went silent (or is stuck) and end this process at once, wherever its main
+    thread waits: the elastic agent starts the next round. A rank that is itself stuck
+    writes the stacks of all its threads first (where its main thread waits)."""
+    me = found.stuck and found.rank == found.by_rank
     try:
+        if me:
+            faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
         sys.stderr.write(found.line(store) + "\n")
         sys.stderr.flush()
-    except OSError:  # a closed stderr must not keep this rank in the dead collective
+    except (OSError, ValueError):  # a closed stderr must not keep this rank in the step
         pass
-    os._exit(EXIT_PEER_LOST)
+    os._exit(EXIT_STUCK if me else EXIT_PEER_LOST)
 
 
 def start_for_rank(
-    rank: int, world: int, timeout_s: float, on_silent: Callable[[Silent, str], None] | None = None
+    rank: int,
+    world: int,
+    timeout_s: float,
+    on_silent: Callable[[Silent, str], None] | None = None,
+    stuck_s: float = 60.0,
 ) -> Heartbeat | None:
     """This rank's heartbeat in the process group's store (MASTER_ADDR:MASTER_PORT: rank
     0's, or the elastic agent's for this round), started; None on one rank or when
@@ -280,7 +363,7 @@ def start_for_rank(
     round_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     beat = Heartbeat(addr, port, rank, world, round_id=round_id, timeout_s=timeout_s,
                      interval_s=min(1.0, timeout_s / 10), address=local_address(addr, port),
-                     on_silent=on_silent)  # fmt: skip
+                     on_silent=on_silent, stuck_s=stuck_s)  # fmt: skip
     beat.start()
     return beat
 

@@ -370,8 +370,10 @@ class Trainer:
         self.dev = device()
         self.run_dir = self.out.local
         # A silent peer ends this rank in seconds, wherever it waits (train/heartbeat.py).
-        self.heartbeat = heartbeat.start_for_rank(self.rank, self.world,
-                                                  cfg.train.heartbeat_timeout_s, self._on_silent)  # fmt: skip
+        self.heartbeat = heartbeat.start_for_rank(
+            self.rank, self.world, cfg.train.heartbeat_timeout_s, self._on_silent,
+            cfg.train.stuck_timeout_s,
+        )  # fmt: skip
         if self.rank == 0:  # metrics.jsonl and the MLflow run id travel with the checkpoints
             self.out.mirror(["metrics.jsonl", RUN_ID_FILE, SYNCED_FILE])
             self.out.restore_mirrored()
@@ -885,12 +887,15 @@ class Trainer:
                 if stop_after is not None and self.step >= stop_after:
                     break
                 if self.stop_agreed:  # a step boundary after SIGTERM / SIGINT
+                    self._long_phase()
                     self._log_window(time.perf_counter() - t0, peak)
                     self.stop_on_signal()
+                if self.heartbeat is not None:
+                    self.heartbeat.begin_step(self.step + 1)
                 out = self.train_step(it)
                 self.step += 1
                 if self.heartbeat is not None:
-                    self.heartbeat.set_step(self.step)
+                    self.heartbeat.end_step(self.step)
                 if out is None:
                     self.skipped += 1
                     bad_in_row += 1
@@ -912,6 +917,8 @@ class Trainer:
                 bad_in_row = 0
                 self.window.append(out)
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    if self.heartbeat is not None:  # rank 0's MLflow may be slow to answer
+                        self.heartbeat.long_phase(next_step=False)
                     self._log_window(time.perf_counter() - t0, peak)
                     t0 = time.perf_counter()
                 if self.membership is not None:
@@ -922,6 +929,7 @@ class Trainer:
                 # The checkpoint due at this step is written and completed before the
                 # evaluation: an evaluation that fails loses no training (docs/training.md).
                 if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+                    self._long_phase()
                     tag = self.save()
                     n = self.n_checkpoints
                     kept = bool(t.keep_bundle_every) and n % t.keep_bundle_every == 0
@@ -930,12 +938,14 @@ class Trainer:
                         if b is not None and kept:  # MLflow gets the kept ones only
                             self.tracker.log_artifacts(b, f"bundles/{tag}")
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                    self._long_phase()
                     self.ckpt.finish()  # a pending checkpoint (this step's): complete first
                     ev = self.evaluate()
                     self.tracker.log_metrics(ev, self.step)
                     self.log(
                         f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items())
                     )
+            self._long_phase()  # the run's end: the last save, evaluation, bundle, MLflow
             self.save_complete()
             if self.step < t.max_steps:  # stopped early on purpose
                 status = "KILLED"
@@ -1101,6 +1111,10 @@ class Trainer:
             "old_world": saved, "step": self.step, "last_step": last_step,
             "last_time": last_time, "changes": changes + 1, "grad_accum": ga,
         }  # fmt: skip
+
+    def _long_phase(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.long_phase()
 
     def _on_silent(self, found: heartbeat.Silent, store: str) -> None:
         """The heartbeat thread found a silent peer: leave a note for the next round's

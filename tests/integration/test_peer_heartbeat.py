@@ -26,7 +26,7 @@ from pipeline.train.heartbeat import DONE, PREFIX
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-INTERVAL_S, TIMEOUT_S = 0.2, 3.0
+INTERVAL_S, TIMEOUT_S, STUCK_S = 0.2, 3.0, 2.0
 SCRIPT = f"""
 import sys, time
 from datetime import timedelta
@@ -37,9 +37,18 @@ if rank == 0:
     server = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=60))
 hb = Heartbeat("127.0.0.1", port, rank, world, round_id="t", interval_s={INTERVAL_S},
-               timeout_s={TIMEOUT_S}, address="127.0.0.1")
+               timeout_s={TIMEOUT_S}, address="127.0.0.1", stuck_s={STUCK_S})
 hb.start()
 print("started", flush=True)
+if mode in ("steps", "stuck"):  # steps of 50 ms; at step 5 the stuck one stops outside
+    for k in range(1, 1000):   # a step, the others wait inside step 6 (a collective)
+        hb.begin_step(k)
+        if k == 6:
+            time.sleep(3600)
+        time.sleep(0.05)
+        hb.end_step(k)
+        if k == 5 and mode == "stuck":
+            time.sleep(3600)  # a deadlock, a stalled read: the main thread goes no further
 if mode == "done":
     hb.stop()
     print("done", flush=True)
@@ -126,6 +135,29 @@ def test_a_frozen_store_ends_the_others():
             assert "the rendezvous store at 127.0.0.1:" in err and "has been silent" in err
     finally:
         os.kill(ranks.procs[0].pid, signal.SIGCONT)
+        ranks.close()
+
+
+def test_a_rank_that_beats_but_stays_behind_is_stuck_with_its_stack_and_named():
+    """Rank 1 stops after step 5 (its heartbeat goes on) while ranks 0 and 2 wait inside
+    step 6: rank 1 writes its threads' stacks and ends with exit 6; the others, ahead of
+    it, are not stuck themselves: they name rank 1 and end with exit 4."""
+    from pipeline.train.heartbeat import EXIT_STUCK
+
+    ranks = Ranks(["steps", "stuck", "steps"])
+    try:
+        code, err = ended(ranks.procs[1])
+        lines = [x for x in err.splitlines() if x.startswith("plm:")]
+        assert code == EXIT_STUCK and len(lines) == 1, err
+        assert "this rank made no progress" in lines[0] and "after step 5" in lines[0], lines
+        assert "stuck" in lines[0] and "stacks of its threads are above" in lines[0]
+        assert "in <module>" in err and "Thread 0x" in err, err  # faulthandler's stacks
+        for p in (ranks.procs[0], ranks.procs[2]):
+            code, err = ended(p)
+            named = [x for x in err.splitlines() if x.startswith("plm:")]
+            assert code == EXIT_PEER_LOST and len(named) == 1, err
+            assert "rank 1 on " in named[0] and "stuck" in named[0], named
+    finally:
         ranks.close()
 
 
