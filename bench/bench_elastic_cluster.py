@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from benchlib import write_corpus  # noqa: E402
+from benchlib import rig_data, up_rig  # noqa: E402
 
 from pipeline import rig as rigmod  # noqa: E402
 
@@ -88,36 +88,14 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--keep", action="store_true", help="leave the rig up")
     args = ap.parse_args()
-    why = rigmod.check_prerequisites(ssh=False)
-    if why:
-        raise SystemExit(f"plm: bench_elastic_cluster: {why}")
     name = "eb"
-    rigmod.down(name)
-    rig = None
-    for subnet in ("198.18.0.64/26", "198.18.0.192/26", "198.18.0.128/26", "198.18.0.0/26"):
-        try:  # a part of 198.18.0.0/24 no other rig here uses
-            rig = rigmod.up(3, name=name, subnet=subnet, shared=True)
-            break
-        except rigmod.RigError as err:
-            if "overlaps" not in str(err):
-                raise
-    if rig is None:
-        raise SystemExit("plm: bench_elastic_cluster: every subnet is taken by another rig")
+    rig = up_rig(name, "bench_elastic_cluster")
     base = rig.shared / "bench"
     base.mkdir()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
     try:
-        write_corpus(base / "corpus.txt", 600, 12, 3000, 1234)
-        for cmd in (
-            ["data", "tokenizer", "--input", str(base / "corpus.txt"), "--kind", "wordpiece",
-             "--vocab-size", "2000",
-             "--output", str(base / "tok")],
-            ["data", "prepare", "--input", str(base / "corpus.txt"), "--tokenizer",
-             str(base / "tok"), "--output", str(base / "data"), "--num-cpus", "1"],
-        ):  # fmt: skip
-            subprocess.run([sys.executable, "-m", "pipeline.cli", *cmd], env=env, check=True,
-                           capture_output=True)  # fmt: skip
+        rig_data(base, env)
         run_dir = base / "run"
         cmd = [
             sys.executable, str(REPO / "launch/elastic_train.py"), "--nnodes", "2:3",

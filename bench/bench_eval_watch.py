@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from benchlib import write_corpus  # noqa: E402
+from benchlib import rig_data, up_rig  # noqa: E402
 
 from pipeline import rig as rigmod  # noqa: E402
 
@@ -112,34 +112,14 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=2, help="rounds alone + watched")
     ap.add_argument("--json")
     args = ap.parse_args()
-    why = rigmod.check_prerequisites(ssh=False)
-    if why:
-        raise SystemExit(f"plm: bench_eval_watch: {why}")
     name = "wb"
-    rigmod.down(name)
-    rig = None
-    for subnet in ("198.18.0.64/26", "198.18.0.192/26", "198.18.0.128/26", "198.18.0.0/26"):
-        try:  # a part of 198.18.0.0/24 no other rig here uses
-            rig = rigmod.up(3, name=name, subnet=subnet, shared=True, s3=False, ssh=False)
-            break
-        except rigmod.RigError as err:
-            if "overlaps" not in str(err):
-                raise
-    if rig is None:
-        raise SystemExit("plm: bench_eval_watch: every subnet is taken by another rig")
+    rig = up_rig(name, "bench_eval_watch", s3=False, ssh=False)
     base = rig.shared / "bench"
     base.mkdir()
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
            "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
     try:
-        write_corpus(base / "corpus.txt", 600, 12, 3000, 1234)
-        for cmd in (
-            ["data", "tokenizer", "--input", str(base / "corpus.txt"), "--kind", "wordpiece",
-             "--vocab-size", "2000", "--output", str(base / "tok")],
-            ["data", "prepare", "--input", str(base / "corpus.txt"), "--tokenizer",
-             str(base / "tok"), "--output", str(base / "data"), "--num-cpus", "1"],
-        ):  # fmt: skip
-            subprocess.run(plm(*cmd), env=env, check=True, capture_output=True)
+        rig_data(base, env)
         node0 = rig.hosts[0].address
         server = rig.popen("node0", on_cpu(CPU_OTHER, [
             str(Path(sys.executable).parent / "mlflow"), "server", "--host", node0,

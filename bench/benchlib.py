@@ -596,3 +596,41 @@ def mib(n: int | None) -> str:
 
 def pct(x: float | None) -> str:
     return "-" if x is None else f"{x:.1%}"
+
+
+# --- the rehearsal cluster's benches (bench_elastic_cluster.py, bench_eval_watch.py) ------
+
+RIG_SUBNETS = ("198.18.0.64/26", "198.18.0.192/26", "198.18.0.128/26", "198.18.0.0/26")
+
+
+def up_rig(name: str, bench: str, **kwargs):
+    """3 rig hosts with a shared folder on a part of 198.18.0.0/24 no other rig here
+    uses (a rig of this name left by an earlier run is taken down first)."""
+    from pipeline import rig as rigmod
+
+    why = rigmod.check_prerequisites(ssh=kwargs.get("ssh", True))
+    if why:
+        raise SystemExit(f"plm: {bench}: {why}")
+    rigmod.down(name)
+    for subnet in RIG_SUBNETS:
+        try:
+            return rigmod.up(3, name=name, subnet=subnet, shared=True, **kwargs)
+        except rigmod.RigError as err:
+            if "overlaps" not in str(err):
+                raise
+    raise SystemExit(f"plm: {bench}: every subnet is taken by another rig")
+
+
+def rig_data(base: Path, env: dict[str, str]) -> Path:
+    """The rig benches' data: a 600-document corpus, a 2,000-word WordPiece tokenizer and
+    its shards under ``base`` (the shared folder), through the CLI; the data dir."""
+    write_corpus(base / "corpus.txt", 600, 12, 3000, 1234)
+    for cmd in (
+        ["data", "tokenizer", "--input", str(base / "corpus.txt"), "--kind", "wordpiece",
+         "--vocab-size", "2000", "--output", str(base / "tok")],
+        ["data", "prepare", "--input", str(base / "corpus.txt"), "--tokenizer",
+         str(base / "tok"), "--output", str(base / "data"), "--num-cpus", "1"],
+    ):  # fmt: skip
+        subprocess.run([sys.executable, "-m", "pipeline.cli", *cmd], env=env, check=True,
+                       capture_output=True)  # fmt: skip
+    return base / "data"
