@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from benchlib import rig_data, up_rig  # noqa: E402
+from benchlib import rig_data, rig_env, up_rig  # noqa: E402
 
 from pipeline import rig as rigmod  # noqa: E402
 
@@ -92,8 +92,7 @@ def main() -> int:
     rig = up_rig(name, "bench_elastic_cluster")
     base = rig.shared / "bench"
     base.mkdir()
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
-           "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(REPO)}  # fmt: skip
+    env = rig_env(REPO)
     try:
         rig_data(base, env)
         run_dir = base / "run"

@@ -621,6 +621,13 @@ def up_rig(name: str, bench: str, **kwargs):
     raise SystemExit(f"plm: {bench}: every subnet is taken by another rig")
 
 
+def rig_env(repo: Path) -> dict[str, str]:
+    """What the rig benches' processes run with: the CPU accelerator, one thread, this
+    checkout's code."""
+    return {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+            "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(repo)}  # fmt: skip
+
+
 def rig_data(base: Path, env: dict[str, str]) -> Path:
     """The rig benches' data: a 600-document corpus, a 2,000-word WordPiece tokenizer and
     its shards under ``base`` (the shared folder), through the CLI; the data dir."""

@@ -104,7 +104,8 @@ def _beat(count: int, step: int, host: str, address: str, at: int = 0) -> bytes:
 
 class Heartbeat:
     """The beat and the watch of one rank; ``start()`` after the process group is up,
-    ``set_step(step)`` as steps end, ``stop()`` (marks this rank done) before it ends."""
+    ``begin_step(k)`` / ``end_step(k)`` around each step, ``long_phase()`` before a save
+    or an evaluation, ``stop()`` (marks this rank done) before it ends."""
 
     def __init__(
         self,
@@ -172,9 +173,6 @@ class Heartbeat:
         threading.Thread(target=self._watch_store, name="plm-heartbeat-store",
                          daemon=True).start()  # fmt: skip
 
-    def set_step(self, step: int) -> None:
-        self.step = step
-
     # --- progress: a rank that beats but does not move ------------------------------------
     def begin_step(self, step: int) -> None:
         self._at, self._began = 2 * step - 1, time.monotonic()
@@ -229,9 +227,7 @@ class Heartbeat:
             pass
 
     def _tell(self, found: Silent) -> None:
-        """Write the verdict for the others, and give them two beats to read it before
-        this rank goes: its going breaks their collectives, and rank 0's process may
-        serve the store."""
+        """Write the verdict for the others (bounded: the store may be what went)."""
         v = {"rank": found.rank, "host": found.host, "address": found.address,
              "step": found.step, "silent_s": found.silent_s, "last_heard": found.last_heard,
              "stuck": found.stuck}  # fmt: skip
@@ -239,7 +235,6 @@ class Heartbeat:
                                 daemon=True)  # fmt: skip
         told.start()
         told.join(timeout=self.interval_s)
-        time.sleep(2 * self.interval_s)
 
     def _watch_store(self) -> None:
         while not self._stop.wait(self.interval_s):
@@ -302,10 +297,10 @@ class Heartbeat:
                     self._owner_done |= peer == 0 and raw == DONE.encode()
                     continue
                 info = json.loads(raw)
+                self._peer_at[peer] = info["at"]  # every read: a live peer's beat changes each time
                 if seen.get(peer) != info["n"]:
                     seen[peer], heard[peer], self._last[peer] = info["n"], now, info
                     continue
-                self._peer_at[peer] = info.get("at", 0)
                 quiet = now - heard.get(peer, started)
                 if quiet > self.timeout_s:
                     self._silent(Silent(peer, info["host"], info["addr"], int(info["step"]),
@@ -327,6 +322,10 @@ class Heartbeat:
                 self._found.set()
                 if tell and found.rank >= 0:
                     self._tell(found)
+                # Give the others two beats to read the verdict before this rank goes: its
+                # going breaks their collectives, and rank 0's process may serve the store.
+                if (tell and found.rank >= 0) or self.rank == 0:
+                    time.sleep(2 * self.interval_s)
                 self.on_silent(found, self.where)
 
 

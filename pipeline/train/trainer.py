@@ -926,25 +926,7 @@ class Trainer:
                 if self.writes_done:  # every rank wrote its part: complete the checkpoint
                     self.writes_done = False
                     self.ckpt.finish(agreed=True)
-                # The checkpoint due at this step is written and completed before the
-                # evaluation: an evaluation that fails loses no training (docs/training.md).
-                if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
-                    self._long_phase()
-                    tag = self.save()
-                    n = self.n_checkpoints
-                    kept = bool(t.keep_bundle_every) and n % t.keep_bundle_every == 0
-                    if kept or (t.bundle_every and n % t.bundle_every == 0):
-                        b = self.bundle(tag, kept=kept)
-                        if b is not None and kept:  # MLflow gets the kept ones only
-                            self.tracker.log_artifacts(b, f"bundles/{tag}")
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
-                    self._long_phase()
-                    self.ckpt.finish()  # a pending checkpoint (this step's): complete first
-                    ev = self.evaluate()
-                    self.tracker.log_metrics(ev, self.step)
-                    self.log(
-                        f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items())
-                    )
+                self.save_and_evaluate_if_due()
             self._long_phase()  # the run's end: the last save, evaluation, bundle, MLflow
             self.save_complete()
             if self.step < t.max_steps:  # stopped early on purpose
@@ -1111,6 +1093,27 @@ class Trainer:
             "old_world": saved, "step": self.step, "last_step": last_step,
             "last_time": last_time, "changes": changes + 1, "grad_accum": ga,
         }  # fmt: skip
+
+    def save_and_evaluate_if_due(self) -> None:
+        """After a step: the checkpoint (and bundle) due at it, then the evaluation due.
+        The checkpoint is written and completed before the evaluation: an evaluation that
+        fails loses no training (docs/training.md). The run's last step has its own."""
+        t = self.cfg.train
+        if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
+            self._long_phase()
+            tag = self.save()
+            n = self.n_checkpoints
+            kept = bool(t.keep_bundle_every) and n % t.keep_bundle_every == 0
+            if kept or (t.bundle_every and n % t.bundle_every == 0):
+                b = self.bundle(tag, kept=kept)
+                if b is not None and kept:  # MLflow gets the kept ones only
+                    self.tracker.log_artifacts(b, f"bundles/{tag}")
+        if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+            self._long_phase()
+            self.ckpt.finish()  # a pending checkpoint (this step's): complete first
+            ev = self.evaluate()
+            self.tracker.log_metrics(ev, self.step)
+            self.log(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
     def _long_phase(self) -> None:
         if self.heartbeat is not None:
