@@ -1,11 +1,18 @@
 """Which MLflow store a command talks to: the configured URI, else MLFLOW_TRACKING_URI, else
 the local store training writes to. Below the models and fine-tuning (bundles fetch
-``models:/`` and ``runs:/`` URIs from it) and the tracker (pipeline/train/tracking.py)."""
+``models:/`` and ``runs:/`` URIs from it) and the tracker (pipeline/train/tracking.py).
+
+A server's credentials never stay in the URI: ``http://user:pass@host`` gives its user and
+password to MLflow's variables and is used as ``http://host``, and
+MLFLOW_TRACKING_PASSWORD_FILE is read into MLFLOW_TRACKING_PASSWORD
+(pipeline/tracking_auth.py), so every stage that resolves its store is signed in alike."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+
+from pipeline.tracking_auth import prepare_credentials
 
 
 def default_tracking_uri() -> str:
@@ -14,4 +21,5 @@ def default_tracking_uri() -> str:
 
 
 def resolve_tracking_uri(configured: str | None) -> str:
-    return configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    uri = configured or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri()
+    return prepare_credentials(uri)
