@@ -71,15 +71,20 @@ class EvalTracking:
     def __init__(self, suite: SuiteConfig, candidates: list[Candidate], plans: dict[str, TaskPlan]):
         import mlflow
 
+        from pipeline.tracking_auth import require_write, signed_in
         from pipeline.tracking_uri import resolve_tracking_uri
         from pipeline.train.mlflow_store import create_new_store
 
         self.suite, self.candidates, self.plans = suite, candidates, plans
         self.uri = resolve_tracking_uri(suite.mlflow.tracking_uri)
+        user = signed_in(self.uri, "the evaluation")  # a wrong password: one plm: line
         create_new_store(self.uri)
         mlflow.set_tracking_uri(self.uri)
         self.client = _client(self.uri)
         self.experiment_id = self._experiment()
+        if user:  # its run goes there: the user must be allowed to write it
+            what = f"experiment id {self.experiment_id}"
+            require_write(self.uri, user, "experiment", self.experiment_id, what, "the evaluation")
         self.run_id: str | None = None
         self.model_ids: dict[int, str] = {}
 
@@ -210,9 +215,11 @@ def table_of_run(run_id: str, tracking_uri: str | None) -> tuple[str, Path]:
     import mlflow
 
     from pipeline.eval.suite import EvalError
+    from pipeline.tracking_auth import signed_in
     from pipeline.tracking_uri import resolve_tracking_uri
 
     uri = resolve_tracking_uri(tracking_uri)
+    signed_in(uri, "plm eval --report")  # a wrong password: one plm: line, not "no such run"
     client = _client(uri)
     try:
         run = client.get_run(run_id)

@@ -140,6 +140,7 @@ class Finetuner:
     def __init__(self, cfg: FinetuneConfig, track: bool = True):
         """``track``: log an MLflow run (and register); off for the evaluation suite's
         cells, whose scores its own run holds (pipeline/eval)."""
+        from pipeline.tracking_auth import check_access
         from pipeline.train import engine as ds_engine
         from pipeline.train.trainer import seed_everything
 
@@ -151,6 +152,10 @@ class Finetuner:
         self.run_dir = Path(cfg.train.out_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.ds_config = ds_engine.build_ds_config(cfg, self.world)  # reads .deepspeed, .train
+        # A wrong MLflow password or a missing permission: one plm: line, exit 2, no step.
+        registered = cfg.name if cfg.mlflow.register_model else None  # the model's name
+        check_access(cfg.mlflow.tracking_uri, cfg.mlflow.experiment or cfg.name, registered,
+                     "fine-tuning", write=track)  # fmt: skip
         # every rank resolves (and downloads) on its own: no shared filesystem needed
         p = prepare(cfg, self.run_dir / "source" / f"rank{self.rank}", self.ds_config)
         self.source, self.bundle_cfg, self.arch = p.source, p.bundle_cfg, p.arch

@@ -20,6 +20,7 @@ from pipeline.finetune.config import FinetuneError, TaskSection
 from pipeline.finetune.data import Encoder, check_columns, read_rows
 from pipeline.finetune.infer import row_predictions, run_model
 from pipeline.finetune.source import load_finetuned, resolve_source
+from pipeline.tracking_auth import check_access
 
 
 class Predictor:
@@ -88,6 +89,8 @@ def predict(
     if out.suffix.lower() not in (".jsonl", ".json", ".csv"):
         raise FinetuneError(f"--output {out}: use a .jsonl or .csv file name")
     rows = read_rows(input_path)
+    if model.startswith(("models:/", "runs:/")):  # a wrong password: one plm: line
+        check_access(tracking_uri, stage="plm predict", write=False)
     with tempfile.TemporaryDirectory(prefix="plm-predict-") as tmp:
         source = resolve_source(model, tracking_uri, Path(tmp) / "model")
         preds = predict_rows(source.path, rows, input_path, batch_size)

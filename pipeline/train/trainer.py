@@ -31,6 +31,7 @@ from pipeline.data.shards import DataDir
 from pipeline.data.stream import MixSource
 from pipeline.models.blocks import numel
 from pipeline.output import DiskFull, disk_full, no_space, rank_line, size_text
+from pipeline.tracking_auth import check_access
 from pipeline.train import engine as ds_engine
 from pipeline.train import faults, heartbeat, parallelize
 from pipeline.train.checkpoint import CheckpointManager, tag_for, uploads_as_checkpoint_errors
@@ -567,6 +568,9 @@ class Trainer:
             )
             for x in self.sources:
                 tags[f"data_fingerprint/{x.name}"] = data_fingerprint(x.path.manifest)
+        # A wrong MLflow password or a missing permission: one plm: line, exit 2, no step.
+        registered = cfg.name if cfg.mlflow.register_model else None  # the model's name
+        check_access(cfg.mlflow.tracking_uri, cfg.mlflow.experiment or cfg.name, registered)
         self.tracker.start(
             tracking_uri=cfg.mlflow.tracking_uri,
             experiment=cfg.mlflow.experiment or cfg.name,
