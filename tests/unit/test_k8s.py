@@ -563,3 +563,51 @@ def test_no_pod_may_call_the_kubernetes_api(rendered, name):
     job = next(d for d in docs if d["kind"] == "PyTorchJob" or d["kind"] == "Job")
     if job["kind"] == "PyTorchJob" and "elasticPolicy" in job["spec"]:
         assert job["spec"]["elasticPolicy"]["rdzvBackend"] == "c10d"
+
+
+# ---------------------------------------------------------------------------
+# MLflow with authentication (issue 49.1)
+
+
+def mlflow_container(docs: list[dict]) -> tuple[dict, dict]:
+    """(the MLflow Deployment's pod spec, its container)."""
+    mlflow = next(
+        d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "plm-mlflow"
+    )
+    spec = mlflow["spec"]["template"]["spec"]
+    return spec, spec["containers"][0]
+
+
+def auth_ini(docs: list[dict], spec: dict, container: dict) -> str:
+    """The basic-auth app's config, followed from MLFLOW_AUTH_CONFIG_PATH to its ConfigMap."""
+    path = Path(mlflow_env(docs)["MLFLOW_AUTH_CONFIG_PATH"]["value"])
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == str(path.parent))
+    volume = next(v for v in spec["volumes"] if v["name"] == mount["name"])
+    name = volume["configMap"]["name"]
+    cm = next(d for d in docs if d["kind"] == "ConfigMap" and d["metadata"]["name"] == name)
+    return cm["data"][path.name]
+
+
+@pytest.mark.parametrize("name", OVERLAYS + ["gpu+mlflow-s3"])
+def test_mlflow_runs_the_auth_app_with_its_secrets_from_a_secret(rendered, name, tmp_path):
+    import configparser
+
+    docs = kustomize(with_s3_component(tmp_path)) if name == "gpu+mlflow-s3" else rendered[name]
+    spec, container = mlflow_container(docs)
+    args = container["args"]
+    assert container["command"] == ["mlflow"] and args[0] == "server"
+    assert "--app-name=basic-auth" in args
+    assert any(a.startswith("--allowed-hosts=plm-mlflow,") for a in args)
+    env = mlflow_env(docs)
+    for var, key in (("MLFLOW_AUTH_ADMIN_PASSWORD", "admin-password"),
+                     ("MLFLOW_FLASK_SERVER_SECRET_KEY", "flask-secret-key")):  # fmt: skip
+        assert "value" not in env[var], var
+        assert env[var]["valueFrom"]["secretKeyRef"] == {"name": "plm-mlflow-auth", "key": key}
+    assert env["MLFLOW_SERVER_ENABLE_JOB_EXECUTION"]["value"] == "false"
+    ini = configparser.ConfigParser()
+    ini.read_string(auth_ini(docs, spec, container))
+    auth = ini["mlflow"]
+    assert auth["default_permission"] in ("READ", "NO_PERMISSIONS")  # never EDIT / MANAGE
+    assert "admin_password" not in auth  # the Secret's, through the environment
+    assert "@" not in auth["database_uri"] and "@" not in " ".join(args)  # libpq: PGPASSWORD
+    assert "password1234" not in json.dumps(docs)  # MLflow's old default
