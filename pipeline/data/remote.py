@@ -41,6 +41,7 @@ import io
 import mmap
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -56,7 +57,7 @@ import numpy as np
 
 from pipeline.config import ConfigError, redact_uri
 from pipeline.config import is_uri as is_uri  # a URI: read through a RemoteStore
-from pipeline.data.shard_index import CRC, DOCS_AT, N_DOCS, OFFSET, SIZE, ShardError
+from pipeline.data.shard_index import CRC, DOCS_AT, N_DOCS, OFFSET, SIZE, ShardError, is_plain_name
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 GiB = 1 << 30
@@ -521,6 +522,12 @@ class RemoteStore:
         prefix = self._path(name) + "/"
         for info in files:
             rel = info.path[len(prefix) :]
+            if not is_plain_name(rel):  # an object key with '..' would land outside tmp
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise ShardError(
+                    f"{redact_uri(self.where(name))} holds {rel!r}, which is not a plain name "
+                    "inside the tokenizer dir; refused, nothing written: re-run `plm data prepare`"
+                )
             target = tmp / rel
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(self.read_file(f"{name}/{rel}"))
@@ -528,8 +535,6 @@ class RemoteStore:
         try:
             os.replace(tmp, local)
         except OSError:  # another process put it there first
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
         return local
 

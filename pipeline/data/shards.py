@@ -68,6 +68,7 @@ from pipeline.data.shard_index import (  # the index columns, one row per block
     TOKENS_AT,
     WORDS_AT,
     ShardError,
+    is_plain_name,
 )
 
 if TYPE_CHECKING:
@@ -544,16 +545,24 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
 
 
 def _check_names(path: str | Path, manifest: dict[str, Any]) -> None:
-    """Every file the manifest names must stay inside the data dir."""
-    names = [manifest.get("tokenizer", {}).get("path", TOKENIZER_DIR)]
-    for split, info in manifest.get("splits", {}).items():
+    """Every file the manifest names must stay inside the data dir: plain relative names
+    (``is_plain_name``), never '..', an absolute path or another store's URI. Every reader
+    (training, the mixture, inspect and verify, eval) opens a data dir through here."""
+    splits = manifest.get("splits", {})
+    tok = manifest.get("tokenizer", {})
+    if not isinstance(splits, dict) or not isinstance(tok, dict):
+        raise ShardError(f"{path}: splits or tokenizer is not a mapping; re-run `plm data prepare`")
+    names = [tok.get("path", TOKENIZER_DIR)]
+    for split, info in splits.items():
         if split not in SPLITS:
             raise ShardError(f"{path}: unknown split {split!r}; re-run `plm data prepare`")
-        for entry in info.get("shards", []):
+        entries = info.get("shards", []) if isinstance(info, dict) else None
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ShardError(f"{path}: split {split!r} lists no shards; re-run `plm data prepare`")
+        for entry in entries:
             names += [entry.get("name", ""), entry.get("index", "")]
     for name in names:
-        parts = Path(name).parts
-        if not name or Path(name).is_absolute() or ".." in parts:
+        if not is_plain_name(name):
             raise ShardError(
                 f"{path}: names {name!r}, which is not a path inside the data dir; "
                 "this manifest was not written by `plm data prepare`: re-run it"
@@ -672,8 +681,83 @@ def _block_fields(array, row: list[int]) -> dict[str, Any]:
     }
 
 
+_NOT_REGULAR = {
+    tarfile.SYMTYPE: "a symbolic link",
+    tarfile.LNKTYPE: "a hard link",
+    tarfile.CHRTYPE: "a character device",
+    tarfile.BLKTYPE: "a block device",
+    tarfile.FIFOTYPE: "a FIFO",
+    tarfile.DIRTYPE: "a directory",
+}
+
+
+def check_member(info: tarfile.TarInfo, where: str) -> None:
+    """A member the readers take: a regular file with a plain name (``is_plain_name``).
+    webdataset would skip a link or a device silently and make ``../x`` a sample key;
+    nothing here extracts, but a shard holding one was not written by prepare."""
+    if not info.isreg():
+        kind = _NOT_REGULAR.get(info.type, f"of tar type {info.type!r}")
+        problem = f"is {kind}, not a regular file"
+    elif not is_plain_name(info.name):
+        problem = "is not a plain name inside the shard ('..', an absolute path or a URI)"
+    else:
+        return
+    raise ShardError(
+        f"{where}: tar member {info.name!r} {problem}; this shard was not written by "
+        "`plm data prepare`: refused, nothing of it read; re-run `plm data prepare --force`"
+    )
+
+
+class _Slice(io.RawIOBase):
+    """Bytes [start, start + size) of a buffer (a memory map, bytes) as a read-only file:
+    what tarfile reads a sample's headers through without copying the sample."""
+
+    def __init__(self, buf, start: int, size: int):
+        self._buf, self._start, self._size, self._pos = buf, start, size, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._size}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._size - self._pos))
+        at = self._start + self._pos
+        b[:n] = self._buf[at : at + n]
+        self._pos += n
+        return n
+
+
+def checked_members(fileobj, where: str) -> Iterator[tarfile.TarInfo]:
+    """The members of a tar (a shard, or one sample of it), headers only (tarfile seeks
+    past the data), each checked with ``check_member``."""
+    try:
+        with tarfile.open(fileobj=fileobj, mode="r:") as tar:
+            while (info := tar.next()) is not None:
+                check_member(info, where)
+                tar.members = []  # a whole shard's headers are not kept
+                yield info
+    except tarfile.TarError as err:
+        raise ShardError(
+            f"{where}: not a readable tar ({err}); re-run `plm data prepare --force`"
+        ) from None
+
+
 def _iter_samples(fileobj, url: str) -> Iterator[dict[str, Any]]:
-    """webdataset's own tar expansion and key grouping, on an open file."""
+    """webdataset's own tar expansion and key grouping, on an open file, once every
+    member's header is checked (webdataset skips links silently, keys on any name)."""
+    for _ in checked_members(fileobj, url):
+        pass
+    fileobj.seek(0)
     tar = _tariterators()
     return tar.group_by_keys(tar.tar_file_expander([{"url": url, "stream": fileobj}]))
 
@@ -746,6 +830,7 @@ class DataDir:
         else:
             self.root = Path(root)
             self.uri = str(self.root)
+            self._real_root = self.root.resolve()
             self.manifest = load_manifest(self.root)
         self._entries = {
             e.get("name"): e for info in self.manifest["splits"].values() for e in info["shards"]
@@ -758,6 +843,7 @@ class DataDir:
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._tables: OrderedDict[tuple[str, int], _BlockTable] = OrderedDict()
         self._checked: set[tuple[str, int]] = set()  # blocks whose crc32 this process checked
+        self._keys: dict[tuple[str, int], str] = {}  # blocks whose members it checked: their key
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -794,6 +880,18 @@ class DataDir:
             return f"{self.uri}/{name}" if name else self.uri
         return str(self.root / name) if name else str(self.root)
 
+    def _local(self, name: str) -> Path:
+        """A file of a local data dir, which must resolve inside it: a link out of the data
+        dir is refused, not followed (the manifest's names are plain, see _check_names)."""
+        path = self.root / name
+        real = path.resolve()
+        if real != self._real_root and self._real_root not in real.parents:
+            raise ShardError(
+                f"{path} leads outside the data dir {self.root} (to {real}); refused, nothing "
+                "read there: copy the files into the data dir, or prepare it again"
+            )
+        return path
+
     def stats(self) -> dict[str, int]:
         """A remote data dir's counters in this process (see pipeline/data/remote.py)."""
         return self._store.stats() if self._store is not None else {}
@@ -802,7 +900,7 @@ class DataDir:
         """Bytes of a file of the data dir; None when it is missing."""
         if self._store is not None:
             return self._store.size(name)
-        path = self.root / name
+        path = self._local(name)
         return path.stat().st_size if path.is_file() else None
 
     def sha256(self, name: str) -> str:
@@ -812,14 +910,14 @@ class DataDir:
                 sha = self._entries.get(shard, {}).get("index_sha256")
                 return hashlib.sha256(self._store.index_bytes(name, sha)).hexdigest()
             return self._store.sha256(name)
-        return sha256_file(self.root / name)
+        return sha256_file(self._local(name))
 
     @property
     def tokenizer_path(self) -> Path:
         """The tokenizer.json (a local file: a remote data dir's is downloaded to the cache)."""
         tok = self.manifest["tokenizer"]
         if self._store is None:
-            return self.root / tok["path"] / "tokenizer.json"
+            return self._local(f"{tok['path']}/tokenizer.json")
         if self._tokenizer_dir is None:
             key = str(tok.get("fingerprint") or self._manifest_sha)
             self._tokenizer_dir = self._store.tokenizer_dir(tok["path"], key)
@@ -849,7 +947,7 @@ class DataDir:
         path = self.where(index_name(shard))
         try:
             if self._store is None:
-                rows = np.load(path, allow_pickle=False)
+                rows = np.load(self._local(index_name(shard)), allow_pickle=False)
             else:
                 sha = self._entries.get(shard, {}).get("index_sha256")
                 data = self._store.index_bytes(index_name(shard), sha)
@@ -875,7 +973,7 @@ class DataDir:
         if mm is not None:
             self._maps.move_to_end(shard)
             return mm
-        path = self.root / shard
+        path = self._local(shard)
         try:
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -971,7 +1069,7 @@ class DataDir:
         n_tokens = row[N_TOKENS]
         try:
             meta = json.loads(self._block_bytes(shard, b, row[META_AT], row[META_SIZE]))
-            head = self._block_bytes(shard, b, 0, 100).split(b"\0", 1)[0].decode("ascii")
+            key = self._block_key(shard, b)
 
             def array(at: int, count: int, dtype) -> np.ndarray:
                 dtype = np.dtype(dtype)
@@ -979,7 +1077,7 @@ class DataDir:
 
             fields = _block_fields(array, row)
             table = _BlockTable(
-                key=head.split(".", 1)[0],
+                key=key,
                 doc_ends=np.concatenate([[0], fields["ends"]]),
                 sents=fields["sents"],
                 words=fields["words"],
@@ -1003,6 +1101,21 @@ class DataDir:
         if len(self._tables) > _BLOCK_CACHE:
             self._tables.popitem(last=False)
         return table
+
+    def _block_key(self, shard: str, b: int) -> str:
+        """Block b's sample key, its members' headers checked (``check_member``) the first
+        time this process reads the block: a link or a ``../x`` is refused, never a key."""
+        key = self._keys.get((shard, b))
+        if key is None:
+            self._block_bytes(shard, b, 0, 0)  # its bounds and crc32 checked first
+            row = self._indexes[shard][b]
+            buf, offset = self._block_buffer(shard, b, row)
+            sample = _Slice(buf, offset, int(row[SIZE]))
+            names = [m.name for m in checked_members(sample, self.where(shard))]
+            if not names:
+                raise ValueError("no tar member")
+            key = self._keys[(shard, b)] = names[0].split(".", 1)[0]
+        return key
 
     def doc_lengths(self, shard: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Token count (int64) of documents [start, stop) of the shard (default: all), from
@@ -1058,8 +1171,8 @@ class DataDir:
             for i in range(self.n_docs(shard)):
                 yield self.read(shard, i)
             return
-        with open(self.root / shard, "rb") as f:
-            for sample in _iter_samples(f, shard):
+        with open(self._local(shard), "rb") as f:
+            for sample in _iter_samples(f, self.where(shard)):
                 yield from documents_of_sample(sample)
 
     def iter_split(self, split: str) -> Iterator[Document]:

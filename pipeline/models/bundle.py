@@ -34,6 +34,8 @@ import yaml
 from pydantic import BaseModel
 from torch import Tensor, nn
 
+from pipeline.config import ConfigError
+from pipeline.data.shard_index import is_plain_name
 from pipeline.models.registry import ARCHITECTURES, build_model
 
 FORMAT_VERSION = 1
@@ -352,14 +354,48 @@ def read_bundle_config(bundle_dir: str | Path) -> dict[str, Any]:
     return config
 
 
+class BundleError(ConfigError):
+    """A bundle whose index or files lead outside its folder (``../x``, an absolute path, a
+    link to elsewhere): refused before anything there is read. A ConfigError: every
+    command prints it as one `plm:` line, exit 2."""
+
+    def __init__(self, message: str):
+        super().__init__(message, machine_wide=True)  # about this machine's files
+
+
+def bundle_file(bundle_dir: Path, name: object, named_by: str) -> Path:
+    """File ``name`` of the bundle (``named_by``: the file that names it): a plain file
+    name of the folder itself, which resolves inside it."""
+    if not is_plain_name(name, parts=1):
+        raise BundleError(
+            f"{bundle_dir / named_by} names {name!r}, a file outside the bundle {bundle_dir}; "
+            "refused, nothing read: use a bundle written by `plm train` or `plm finetune`"
+        )
+    path = bundle_dir / str(name)
+    real, root = path.resolve(), bundle_dir.resolve()
+    if real.parent != root:
+        raise BundleError(
+            f"{path} is a link to {real}, outside the bundle {bundle_dir}; refused, nothing "
+            "read: copy the file into the bundle"
+        )
+    return path
+
+
 def weight_files(bundle_dir: str | Path) -> list[Path]:
-    """The bundle's weights files: model.safetensors, or the shards its index names."""
+    """The bundle's weights files: model.safetensors, or the shards its index names, each
+    inside the bundle (``bundle_file``)."""
     bundle_dir = Path(bundle_dir)
     index = bundle_dir / INDEX_FILE
-    if index.is_file():
+    if not index.is_file():
+        return [bundle_file(bundle_dir, WEIGHTS_FILE, CONFIG_FILE)]
+    try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        return [bundle_dir / f for f in sorted(set(weight_map.values()))]
-    return [bundle_dir / WEIGHTS_FILE]
+        names = set(weight_map.values())
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise BundleError(
+            f"{index} is no safetensors index ({type(err).__name__}: {err})"
+        ) from None
+    return [bundle_file(bundle_dir, f, INDEX_FILE) for f in sorted(names, key=str)]
 
 
 _DTYPE_OF = {name: dtype for dtype, name in _ST_DTYPES.items()}
