@@ -19,12 +19,15 @@ its own (the run's end, a stop, an error it raises) marks its key ``done`` first
 silence is never taken for a fault.
 
 A rank that beats but makes no progress (a deadlock, a stalled read) is found by its own
-watch: the beat says where the rank is (inside step k, or past it), and a rank behind a
-peer that went on, with no progress for ``stuck_s`` (``train.stuck_timeout_s``) or 10x its
-median step (``long_s`` before its first step, around saves, evaluations, bundles and
-rank 0's MLflow logging), writes the stacks of all its threads, says so in one line and
-exits ``EXIT_STUCK``; its verdict makes the others name it. Ranks that all wait at the
-same place are left to the collective timeout: none of them is behind.
+watch. The beat says where the rank is (inside step k, or past it) and whether its main
+thread waits in a collective (a frame of torch.distributed, DeepSpeed's comm or autograd's
+backward, which runs ZeRO's reductions). A rank with no progress for ``stuck_s``
+(``train.stuck_timeout_s``) or 10x its median step (``long_s`` before its first step,
+around saves, evaluations, bundles and rank 0's MLflow logging, and while its checkpoint
+files are still written or uploaded), outside any collective, while every other rank went
+on or waits in one, is the one they wait for: it writes the stacks of all its threads, says
+so in one line and exits ``EXIT_STUCK``; its verdict makes the others name it. Ranks that
+all wait in a collective are left to the collective timeout: none of them is the cause.
 
 The beat comes from a thread, not the training loop: a rank slow in a save, an upload, a
 resize's conversion or a garbage collection still beats. Only a whole host's processes
@@ -55,6 +58,10 @@ PREFIX = "plm/heartbeat/"
 DONE = "done"
 EXIT_STUCK = 6  # this rank made no progress while the others went on
 NOTE_FILE = "heartbeat_silent.json"  # in a survivor's run folder, for the next round
+# Where a main thread waits for its peers: a collective, or a backward pass (ZeRO reduces
+# the gradients from autograd's hooks; on a GPU from autograd's own threads).
+_WAITING_IN = tuple(os.path.join(*parts) for parts in (
+    ("torch", "distributed", ""), ("deepspeed", "comm", ""), ("torch", "autograd", "")))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -78,8 +85,8 @@ class Silent:
             return (
                 f"plm: rank {self.by_rank} on {self.by_host}: "
                 + ("this rank" if me else f"rank {self.rank} on {self.host} ({self.address})")
-                + f" made no progress for {self.silent_s:.0f} s after step {self.step} while "
-                "the others went on: stuck"
+                + f" made no progress for {self.silent_s:.0f} s after step {self.step}, "
+                "outside any collective, while the others went on or waited for it: stuck"
                 + ("; the stacks of its threads are above" if me else "; leaving the step")
                 + ". Under launch/elastic_train.py the round starts again from the last "
                 "checkpoint"
@@ -96,16 +103,29 @@ class Silent:
         )
 
 
-def _beat(count: int, step: int, host: str, address: str, at: int = 0) -> bytes:
-    """``at``: where the rank is, 2k-1 inside step k, 2k once step k is done."""
+def _beat(count: int, step: int, host: str, address: str, at: int = 0,
+          waits: bool = False) -> bytes:  # fmt: skip
+    """``at``: where the rank is, 2k-1 inside step k, 2k once step k is done; ``waits``:
+    its main thread is inside a collective."""
     return json.dumps({"n": count, "step": step, "host": host, "addr": address,
-                       "at": at}).encode()  # fmt: skip
+                       "at": at, "wait": waits}).encode()  # fmt: skip
+
+
+def waits_for_peers(frame) -> bool:
+    """Whether a thread whose innermost frame is ``frame`` waits inside a collective."""
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in _WAITING_IN):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class Heartbeat:
     """The beat and the watch of one rank; ``start()`` after the process group is up,
     ``begin_step(k)`` / ``end_step(k)`` around each step, ``long_phase()`` before a save
-    or an evaluation, ``stop()`` (marks this rank done) before it ends."""
+    or an evaluation, ``stop()`` (marks this rank done) before it ends. ``long_wait``: a
+    check, from this thread, that something this rank may wait long for is under way (its
+    checkpoint files still written or uploaded: the next update waits for them)."""
 
     def __init__(
         self,
@@ -121,10 +141,12 @@ class Heartbeat:
         on_silent: Callable[[Silent, str], None] | None = None,
         stuck_s: float = 60.0,
         long_s: float = 1800.0,
+        long_wait: Callable[[], bool] | None = None,
     ):
         self.addr, self.port, self.rank, self.world = addr, port, rank, world
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.stuck_s, self.long_s = stuck_s, long_s  # progress bounds (0: not watched)
+        self.long_wait = long_wait
         self.join_timeout_s = max(60.0, 6 * timeout_s)  # ranks start their beats seconds apart
         self.host = socket.gethostname()
         self.address = address or self.host
@@ -144,10 +166,12 @@ class Heartbeat:
         self._owner_done = False  # rank 0 has ended: the store may go with its process
         self._at = 0  # this rank's place in the run (_beat), and each peer's
         self._peer_at: dict[int, int] = {}
+        self._peer_waits: dict[int, bool] = {}
+        self._main = threading.get_ident()  # the training loop's thread (start())
         self._progress_at = time.monotonic()
         self._began = self._progress_at
         self._durations: list[float] = []
-        self._long_next = True  # before the first step: the resume, a conversion
+        self._first = True  # before the first step: the resume, a conversion
         self._long_now = False
 
     @property
@@ -161,6 +185,7 @@ class Heartbeat:
                              timeout=timedelta(seconds=max(self.timeout_s / 2, 1.0)))  # fmt: skip
 
     def start(self) -> None:
+        self._main = threading.get_ident()
         self._store = self._connect()
         if self.rank == 0:
             self._store.set(self.verdict, b"")
@@ -180,34 +205,47 @@ class Heartbeat:
 
     def end_step(self, step: int) -> None:
         now = time.monotonic()
-        if not self._long_next:
+        if not self._first:  # the first step's time is the resume's and warm-up's
             self._durations.append(now - self._began)
             del self._durations[:-50]
-        self.step, self._at, self._progress_at, self._long_next = step, 2 * step, now, False
+        self.step, self._at, self._progress_at, self._first = step, 2 * step, now, False
 
-    def long_phase(self, next_step: bool = True) -> None:
-        """From now to the next step, the long bound: a save (and the step after it, whose
-        update waits for the files), an evaluation, a bundle, the run's end; with
-        ``next_step=False`` until the next step starts only (rank 0's MLflow logging)."""
+    def long_phase(self) -> None:
+        """From now to the next step, the long bound: a save, an evaluation, a bundle,
+        rank 0's MLflow logging, the run's end."""
         self._progress_at, self._long_now = time.monotonic(), True
-        self._long_next = self._long_next or next_step
+
+    def _waiting_long(self) -> bool:
+        try:
+            return self.long_wait is not None and bool(self.long_wait())
+        except Exception:  # a failed write: the main thread raises it; until then, long
+            return True
 
     def bound_s(self) -> float:
         """How long this rank may make no progress: the larger of stuck_s and 10x its
-        median step; the long bound before its first step, in a long phase and the step
-        after it."""
-        if not self._durations or self._long_next or self._long_now:
+        median step; the long bound before its first step, in a long phase and while
+        ``long_wait`` says so."""
+        if not self._durations or self._first or self._long_now or self._waiting_long():
             return self.long_s
         ordered = sorted(self._durations)
         return max(self.stuck_s, 10 * ordered[len(ordered) // 2])
 
-    def _check_progress(self) -> None:
-        """This rank behind a peer that went on, for longer than the bound: stuck."""
-        if not self.stuck_s:
+    def main_waits(self) -> bool:
+        """The training loop's thread waits inside a collective (for its peers)."""
+        return waits_for_peers(sys._current_frames().get(self._main))
+
+    def _check_progress(self, waits: bool) -> None:
+        """This rank the one the others wait for, for longer than the bound: stuck. That
+        is, no progress, outside any collective, while every peer went on or waits in
+        one (``waits``: this rank's main thread is in one)."""
+        if not self.stuck_s or waits or not self._peer_at:
             return
         quiet = time.monotonic() - self._progress_at
-        ahead = [r for r, at in self._peer_at.items() if at > self._at]
-        if quiet > self.bound_s() and ahead:
+        if quiet <= self.stuck_s:  # cheap first: bound_s may ask the checkpoint
+            return
+        behind = all(at > self._at or self._peer_waits.get(r, False)
+                     for r, at in self._peer_at.items())  # fmt: skip
+        if behind and quiet > self.bound_s():
             self._silent(Silent(self.rank, self.host, self.address, self.step, quiet,
                                 time.time() - quiet, self.rank, self.host, stuck=True))  # fmt: skip
 
@@ -278,9 +316,10 @@ class Heartbeat:
         started = time.monotonic()
         while not self._stop.wait(self.interval_s):
             count += 1
+            waits = self.main_waits()
             try:
-                self._store.set(self.keys[self.rank],
-                                _beat(count, self.step, self.host, self.address, self._at))  # fmt: skip
+                self._store.set(self.keys[self.rank], _beat(count, self.step, self.host,
+                                                            self.address, self._at, waits))  # fmt: skip
                 *values, verdict = self._store.multi_get([*self.keys, self.verdict])
             except Exception:  # the store timed out or its connection broke: _watch_store
                 return
@@ -294,10 +333,12 @@ class Heartbeat:
             for peer, raw in enumerate(values):
                 if peer == self.rank or raw == DONE.encode():
                     heard.pop(peer, None)
+                    self._peer_at.pop(peer, None)
                     self._owner_done |= peer == 0 and raw == DONE.encode()
                     continue
                 info = json.loads(raw)
-                self._peer_at[peer] = info["at"]  # every read: a live peer's beat changes each time
+                # every read: a live peer's beat changes each time
+                self._peer_at[peer], self._peer_waits[peer] = info["at"], info.get("wait", False)
                 if seen.get(peer) != info["n"]:
                     seen[peer], heard[peer], self._last[peer] = info["n"], now, info
                     continue
@@ -306,7 +347,7 @@ class Heartbeat:
                     self._silent(Silent(peer, info["host"], info["addr"], int(info["step"]),
                                         quiet, time.time() - quiet, self.rank, self.host))  # fmt: skip
                     return
-            self._check_progress()
+            self._check_progress(waits)
 
     def settle(self) -> bool:
         """The main thread met a broken collective: wait up to two beats for this watch
@@ -350,6 +391,7 @@ def start_for_rank(
     timeout_s: float,
     on_silent: Callable[[Silent, str], None] | None = None,
     stuck_s: float = 60.0,
+    long_wait: Callable[[], bool] | None = None,
 ) -> Heartbeat | None:
     """This rank's heartbeat in the process group's store (MASTER_ADDR:MASTER_PORT: rank
     0's, or the elastic agent's for this round), started; None on one rank or when
@@ -362,7 +404,7 @@ def start_for_rank(
     round_id = os.environ.get("TORCHELASTIC_RUN_ID", "run")
     beat = Heartbeat(addr, port, rank, world, round_id=round_id, timeout_s=timeout_s,
                      interval_s=min(1.0, timeout_s / 10), address=local_address(addr, port),
-                     on_silent=on_silent, stuck_s=stuck_s)  # fmt: skip
+                     on_silent=on_silent, stuck_s=stuck_s, long_wait=long_wait)  # fmt: skip
     beat.start()
     return beat
 

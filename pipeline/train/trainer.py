@@ -373,7 +373,7 @@ class Trainer:
         # A silent peer ends this rank in seconds, wherever it waits (train/heartbeat.py).
         self.heartbeat = heartbeat.start_for_rank(
             self.rank, self.world, cfg.train.heartbeat_timeout_s, self._on_silent,
-            cfg.train.stuck_timeout_s,
+            cfg.train.stuck_timeout_s, self._checkpoint_writes_busy,
         )  # fmt: skip
         if self.rank == 0:  # metrics.jsonl and the MLflow run id travel with the checkpoints
             self.out.mirror(["metrics.jsonl", RUN_ID_FILE, SYNCED_FILE])
@@ -922,7 +922,7 @@ class Trainer:
                 self.window.append(out)
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     if self.heartbeat is not None:  # rank 0's MLflow may be slow to answer
-                        self.heartbeat.long_phase(next_step=False)
+                        self.heartbeat.long_phase()
                     self._log_window(time.perf_counter() - t0, peak)
                     t0 = time.perf_counter()
                 if self.membership is not None:
@@ -1118,6 +1118,11 @@ class Trainer:
             ev = self.evaluate()
             self.tracker.log_metrics(ev, self.step)
             self.log(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+
+    def _checkpoint_writes_busy(self) -> bool:
+        """From the heartbeat thread: the next update may wait for the files."""
+        ckpt = getattr(self, "ckpt", None)  # the heartbeat starts before the manager exists
+        return ckpt is not None and ckpt.writes_busy()
 
     def _long_phase(self) -> None:
         if self.heartbeat is not None:

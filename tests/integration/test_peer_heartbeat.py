@@ -5,7 +5,9 @@ own, or whose main thread is busy, is never taken for silent.
 
 Each process is `python -c SCRIPT RANK WORLD PORT MODE`: rank 0 serves the store; every
 rank starts its heartbeat, then its main thread waits as a rank waits in a collective
-(MODE "wait"), spins in Python (MODE "busy") or marks itself done and idles ("done")."""
+(MODE "wait"), spins in Python (MODE "busy"), marks itself done and idles ("done"), runs
+steps ("steps"; "stuck" stops after step 5), or runs steps around a real gloo all-reduce
+("collective"; "held" stops inside step 6, before the all-reduce the others wait in)."""
 
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ INTERVAL_S, TIMEOUT_S, STUCK_S = 0.2, 3.0, 2.0
 SCRIPT = f"""
 import sys, time
 from datetime import timedelta
+import torch
 import torch.distributed as dist
 from pipeline.train.heartbeat import Heartbeat
 rank, world, port, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
@@ -49,6 +52,23 @@ if mode in ("steps", "stuck"):  # steps of 50 ms; at step 5 the stuck one stops 
         hb.end_step(k)
         if k == 5 and mode == "stuck":
             time.sleep(3600)  # a deadlock, a stalled read: the main thread goes no further
+if mode in ("collective", "held"):
+    store = server if rank == 0 else dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                   wait_for_workers=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
+                            world_size=world, timeout=timedelta(seconds=3600))
+    for k in range(1, 1000):
+        hb.begin_step(k)
+        if k == 6 and mode == "held":
+            time.sleep(3600)  # a stalled read inside the step, outside any collective
+        try:
+            dist.all_reduce(torch.ones(1))  # the others wait here for it
+        except RuntimeError:  # its connection closed: as plm train, let the watch name it
+            if hb.settle():
+                time.sleep(60)
+            raise
+        time.sleep(0.05)
+        hb.end_step(k)
 if mode == "done":
     hb.stop()
     print("done", flush=True)
@@ -161,6 +181,30 @@ def test_a_rank_that_beats_but_stays_behind_is_stuck_with_its_stack_and_named():
         ranks.close()
 
 
+def test_a_rank_stuck_inside_a_step_that_the_others_wait_for_in_a_collective():
+    """Rank 1 stops inside step 6, before its all-reduce; ranks 0 and 2 wait in that
+    all-reduce (inside step 6 too: nobody is ahead). The one outside the collective is the
+    cause: rank 1 ends stuck with its stacks (exit 6), the others name it (exit 4), long
+    before the collective's own timeout (an hour here)."""
+    from pipeline.train.heartbeat import EXIT_STUCK
+
+    ranks = Ranks(["collective", "held", "collective"])
+    try:
+        code, err = ended(ranks.procs[1])
+        lines = [x for x in err.splitlines() if x.startswith("plm:")]
+        assert code == EXIT_STUCK and len(lines) == 1, err
+        assert "this rank made no progress" in lines[0] and "after step 5" in lines[0], lines
+        assert "outside any collective" in lines[0]
+        assert "in <module>" in err and "Thread 0x" in err, err
+        for p in (ranks.procs[0], ranks.procs[2]):
+            code, err = ended(p)
+            named = [x for x in err.splitlines() if x.startswith("plm:")]
+            assert code == EXIT_PEER_LOST and len(named) == 1, err
+            assert "rank 1 on " in named[0] and "stuck" in named[0], named
+    finally:
+        ranks.close()
+
+
 def test_a_rank_that_is_done_or_busy_is_never_silent():
     ranks = Ranks(["wait", "done", "busy"])
     try:
@@ -215,6 +259,80 @@ def test_plm_train_leaves_a_frozen_peer_in_seconds_not_the_collective_timeout(ti
         print(f"rank 0 left {took:.1f} s after rank 1 froze: {lines[0]}")
     finally:
         os.kill(procs[1].pid, signal.SIGCONT)
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def test_plm_train_names_a_rank_whose_loader_stalls_as_stuck_with_its_stack(tiny_data,
+                                                                            tmp_path):  # fmt: skip
+    """2 ranks of `plm train`; rank 1's data-loader workers frozen (SIGSTOP: a stalled
+    filesystem under them). Rank 1's main thread waits for a batch inside its step, its
+    heartbeat goes on, rank 0 waits for it in the step's collective: rank 1 writes its
+    stacks (the loader's wait in them) and exits 6, rank 0 names it as stuck and exits 4,
+    long before the collective timeout (300 s)."""
+    from conftest import REPO
+
+    from pipeline.train.heartbeat import EXIT_STUCK
+
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1",
+               "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # fmt: skip
+        cmd = [sys.executable, "-m", "pipeline.cli", "train",
+               str(REPO / "configs/test/bert-tiny.yaml"), f"data.path={tiny_data}",
+               f"train.out_dir={tmp_path / 'run'}", "train.max_steps=100000",
+               "train.save_every=0", "train.eval_every=0", "train.log_every=1",
+               "train.stuck_timeout_s=5", "data.workers=1",
+               f"mlflow.tracking_uri=sqlite:///{tmp_path / 'mlflow.db'}"]  # fmt: skip
+        # rank 1's output to a file: its frozen loader holds what it inherited open
+        out = subprocess.PIPE if rank == 0 else open(tmp_path / "rank1.log", "w")  # noqa: SIM115
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    frozen: list[int] = []
+    try:
+        seen = []
+        while not any(x.startswith("[plm train] step 5:") for x in seen):
+            line = procs[0].stdout.readline()
+            assert line, "".join(seen[-50:])
+            seen.append(line)
+        frozen = children(procs[1].pid)
+        assert frozen, "rank 1 has no loader worker"
+        for pid in frozen:
+            os.kill(pid, signal.SIGSTOP)
+        procs[1].wait(timeout=200)
+        out1 = (tmp_path / "rank1.log").read_text()
+        out0, _ = procs[0].communicate(timeout=60)
+        assert procs[1].returncode == EXIT_STUCK, out1[-4000:]
+        mine = [x for x in out1.splitlines() if x.startswith("plm:")]
+        assert len(mine) == 1 and "this rank made no progress" in mine[0], out1[-4000:]
+        assert "dataloader.py" in out1 and "Thread 0x" in out1, out1[-4000:]
+        named = [x for x in out0.splitlines() if x.startswith("plm:")]
+        assert procs[0].returncode == EXIT_PEER_LOST, out0[-4000:]
+        assert len(named) == 1 and "rank 1 on " in named[0] and "stuck" in named[0], named
+        assert "Traceback" not in out0
+    finally:
+        for pid in frozen:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
         for p in procs:
             if p.poll() is None:
                 p.kill()
