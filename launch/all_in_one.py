@@ -7,13 +7,19 @@
 What it does, each step the way a real cluster does it:
 1. `ray start --head` with token authentication (a fresh token in the head's temp dir),
    its own ports, and 127.0.0.1 for the dashboard;
-2. `mlflow server` with a sqlite backend and an artifact folder, bound to 127.0.0.1;
+2. `mlflow server --app-name basic-auth` with a sqlite backend and an artifact folder,
+   bound to 127.0.0.1: its admin password and Flask secret key are generated into
+   WORKDIR/mlflow-auth/ (mode 0600) the first time and read from there after, never put
+   on a command line; a job user (EDIT on the run's experiment and model) and a viewer
+   (READ) are made through `python -m pipeline.tracking_admin`, their passwords there too;
 3. `ray job submit` of `plm data tokenizer`, then of `plm data prepare` (the job joins
    the head's cluster through RAY_ADDRESS, as on a real cluster);
 4. `plm train` as two "nodes" of one rank each, through the `deepspeed` launcher's
    per-node form (`--no_ssh --node_rank R --master_addr 127.0.0.1`, what a container
-   runs), logging to the MLflow server and registering the model;
-5. reads the run's metrics and the registered model back through MLflow's REST API.
+   runs), logging to the MLflow server and registering the model as the job user
+   (MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD_FILE);
+5. reads the run's metrics and the registered model back through MLflow's REST API, as
+   the viewer.
 
 Everything it starts is stopped at the end, also on Ctrl-C or an error: the Ray
 processes by their private temp dir (never `ray stop`, which stops every Ray on the
@@ -25,6 +31,7 @@ Outputs and logs go under the workdir; the exit status is 0 when every step work
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import secrets
@@ -191,40 +198,96 @@ def stop_ray_head(temp_dir: str, *also: str) -> list[int]:
 # MLflow server
 
 
+ADMIN_USER = "admin"
+JOB_USER = "plm-job"
+VIEWER_USER = "plm-viewer"
+
+
+def secret_file(path: Path, nbytes: int = 32) -> Path:
+    """``path``, holding a random secret: written (mode 0600, in a 0700 folder) if absent,
+    else kept, so a restarted server and its auth database agree."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(nbytes) + "\n")
+    return path
+
+
+def read_secret(path: Path) -> str:
+    return path.read_text(encoding="utf-8").strip()
+
+
+def auth_config(auth_dir: Path) -> Path:
+    """The basic-auth app's config (MLFLOW_AUTH_CONFIG_PATH): its user database in the
+    state folder, signed-in users read everything (READ), anonymous requests get 401. No
+    password in it: the admin's comes from its file through MLFLOW_AUTH_ADMIN_PASSWORD."""
+    auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ini = auth_dir / "basic_auth.ini"
+    ini.write_text(
+        "[mlflow]\n"
+        "default_permission = READ\n"
+        f"database_uri = sqlite:///{auth_dir / 'basic_auth.db'}\n"
+        f"admin_username = {ADMIN_USER}\n"
+        "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
+    )
+    return ini
+
+
 class MlflowServer:
     def __init__(self, workdir: Path, logs: Path):
         self.backend = f"sqlite:///{workdir / 'mlflow.db'}"
         self.artifacts = workdir / "mlartifacts"
+        self.auth_dir = workdir / "mlflow-auth"  # the server's secrets and its users'
         self.logs = logs
         self.proc: subprocess.Popen | None = None
         self.url = ""
+        self.reader: tuple[str, Path] | None = None  # who `get` signs in as
+
+    def password_file(self, user: str) -> Path:
+        return secret_file(self.auth_dir / f"{user}.password")
+
+    def command(self, port: int) -> list[str]:
+        return [
+            "mlflow", "server", "--app-name", "basic-auth",
+            "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+            "--backend-store-uri", self.backend,
+            "--serve-artifacts", "--artifacts-destination", str(self.artifacts),
+        ]  # fmt: skip
+
+    def env(self) -> dict[str, str]:
+        """The server's environment: secrets from the state folder's files, never argv."""
+        # MLflow's job execution (the GenAI evaluation and prompt jobs; an unauthenticated
+        # job API was CVE-2026-0545) is off: pretraining does not use it, it adds 8
+        # processes to the server, and every start leaves a folder in /dev/shm that MLflow
+        # never removes. Its usage telemetry is off too, as in everything plm starts (a
+        # user's own MLFLOW_DISABLE_TELEMETRY wins).
+        env = {"MLFLOW_DISABLE_TELEMETRY": "true", **os.environ,
+               "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # fmt: skip
+        env.update(
+            MLFLOW_AUTH_CONFIG_PATH=str(auth_config(self.auth_dir)),
+            MLFLOW_AUTH_ADMIN_USERNAME=ADMIN_USER,
+            MLFLOW_AUTH_ADMIN_PASSWORD=read_secret(self.password_file(ADMIN_USER)),
+            # The basic-auth app's CSRF key; a fixed one, so a restart keeps sessions valid.
+            MLFLOW_FLASK_SERVER_SECRET_KEY=read_secret(secret_file(self.auth_dir / "flask_secret_key")),
+        )  # fmt: skip
+        return env
 
     def start(self, timeout: float = 180.0, port: int | None = None) -> None:
         """Start (``port``: again on that port, as a restarted server would be)."""
         port = port or free_ports(1)[0]
         self.url = f"http://127.0.0.1:{port}"
-        cmd = [
-            "mlflow", "server", "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
-            "--backend-store-uri", self.backend,
-            "--serve-artifacts", "--artifacts-destination", str(self.artifacts),
-        ]  # fmt: skip
         log = open(self.logs / "mlflow-server.log", "w")  # noqa: SIM115 (lives with the server)
-        # MLflow's job execution (the GenAI evaluation and prompt jobs) is off unless asked
-        # for: pretraining does not use it, it adds 8 processes to the server, and every
-        # start leaves a folder in /dev/shm that MLflow never removes.
-        # Its usage telemetry is off too, as in everything plm starts (a user's own
-        # MLFLOW_DISABLE_TELEMETRY wins).
-        env = {"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-               **os.environ}  # fmt: skip
         # Own session: the server's workers are stopped as one process group.
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
-        )
+            self.command(port), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env=self.env(),
+        )  # fmt: skip
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise StepFailed(f"mlflow server exited; see {self.logs / 'mlflow-server.log'}")
-            try:
+            try:  # /health needs no sign-in
                 with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
                     if r.status == 200:
                         return
@@ -232,10 +295,41 @@ class MlflowServer:
                 time.sleep(0.5)
         raise StepFailed(f"mlflow server not healthy after {timeout:.0f} s")
 
+    def as_user(self, user: str) -> dict[str, str]:
+        """The variables a client of this server signs in with: the user and the file that
+        holds its password (the password itself is in no environment or argv)."""
+        return {"MLFLOW_TRACKING_URI": self.url, "MLFLOW_TRACKING_USERNAME": user,
+                "MLFLOW_TRACKING_PASSWORD_FILE": str(self.password_file(user))}  # fmt: skip
+
+    def make_users(self, experiment: str, model: str) -> None:
+        """The job's user (EDIT on ``experiment`` and ``model``) and the viewer, by the admin."""
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")}  # fmt: skip
+        env.update(self.as_user(ADMIN_USER))
+        steps = [
+            ["job", "--user", JOB_USER, "--experiment", experiment, "--model", model],
+            ["viewer", "--user", VIEWER_USER],
+        ]
+        with open(self.logs / "mlflow-users.log", "w") as out:
+            for step in steps:
+                user = step[2]
+                cmd = [sys.executable, "-m", "pipeline.tracking_admin", *step,
+                       "--password-file", str(self.password_file(user))]  # fmt: skip
+                proc = subprocess.run(cmd, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                      timeout=120)  # fmt: skip
+                if proc.returncode != 0:
+                    raise StepFailed(f"making the MLflow user {user} failed; see {out.name}")
+        self.reader = (VIEWER_USER, self.password_file(VIEWER_USER))
+
     def get(self, path: str, **params: str) -> dict:
         """GET on the REST API (``/api/2.0/mlflow/...``), JSON in, JSON out."""
         url = f"{self.url}/api/2.0/mlflow/{path}?{urllib.parse.urlencode(params)}"
-        with urllib.request.urlopen(url, timeout=30) as r:
+        headers = {}
+        if self.reader:
+            user, password_file = self.reader
+            pair = f"{user}:{read_secret(password_file)}".encode()
+            headers["Authorization"] = "Basic " + base64.b64encode(pair).decode()
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=30) as r:
             return json.loads(r.read())
 
     def stop(self) -> list[int]:
@@ -300,7 +394,8 @@ def data_steps(head: RayHead, args: argparse.Namespace, work: Path, logs: Path) 
     return data
 
 
-def train_step(args: argparse.Namespace, data: Path, tracking_uri: str, work: Path, logs: Path):
+def train_step(args: argparse.Namespace, data: Path, tracking: dict[str, str], work: Path,
+               logs: Path):  # fmt: skip
     """Two one-rank "nodes" through launch/deepspeed_train.py --no-ssh, as two containers."""
     hostfile = work / "hostfile"
     hostfile.write_text("node-0 slots=1\nnode-1 slots=1\n")
@@ -310,8 +405,11 @@ def train_step(args: argparse.Namespace, data: Path, tracking_uri: str, work: Pa
         f"train.save_every={args.steps}", "train.eval_every=0", "train.log_every=1",
         *args.overrides,
     ]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
-    env.update(MLFLOW_TRACKING_URI=tracking_uri, PYTHONUNBUFFERED="1")
+    # The job's user, its password from its file (a password of the shell's would win).
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN")}  # fmt: skip
+    env.update(DS_ACCELERATOR=os.environ.get("DS_ACCELERATOR", "cpu"), PYTHONUNBUFFERED="1")
+    env.update(tracking)
     procs = []
     for rank in (0, 1):
         cmd = [
@@ -395,16 +493,19 @@ def main(argv: list[str] | None = None) -> int:
     head, server = RayHead(args.num_cpus, logs), MlflowServer(work, logs)
     from pipeline.config import load_config
 
-    name = load_config(args.config, args.overrides).name  # bad overrides fail here, early
+    cfg = load_config(args.config, args.overrides)  # bad overrides fail here, early
+    name, experiment = cfg.name, cfg.mlflow.experiment or cfg.name
     done = False
     try:
         say("starting a Ray head (token auth) and an MLflow server ...")
         head.start()
         server.start()
-        say(f"Ray dashboard {head.address}   MLflow UI {server.url}")
+        server.make_users(experiment, name)
+        say(f"Ray dashboard {head.address}   MLflow UI {server.url} (sign in as {VIEWER_USER} "
+            f"or {ADMIN_USER}: passwords in {server.auth_dir})")  # fmt: skip
         data = data_steps(head, args, work, logs)
         say(f"data ready: {data}")
-        run_dir = train_step(args, data, server.url, work, logs)
+        run_dir = train_step(args, data, server.as_user(JOB_USER), work, logs)
         result = check_tracking(server, name, run_dir)
         result.update(mlflow_url=server.url, ray_address=head.address, ray_temp_dir=head.temp_dir,
                       ray_gcs_port=head.gcs_port)  # fmt: skip
