@@ -43,7 +43,8 @@ def checkpoint_meta(ckpt_dir: Path) -> dict[str, Any]:
 def _weights(ckpt_dir: Path, stage: int) -> dict[str, Any]:
     """name -> the checkpoint's weight, each read only when ``.contiguous()`` is called."""
     if stage == 0:
-        states = torch.load(ckpt_dir / MODEL_STATES, map_location="cpu", mmap=True)
+        path = ckpt_dir / MODEL_STATES
+        states = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         return states["module"]
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 

@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from pipeline.config import ConfigError
 from pipeline.data.shards import atomic_write_bytes
 from pipeline.train import universal
 from pipeline.train.out_store import OutStore, UploadError, owner
@@ -77,6 +78,16 @@ UNIVERSAL = universal.UNIVERSAL  # <tag>/universal: the tag converted (to_univer
 
 class CheckpointError(RuntimeError):
     """A checkpoint we chose to resume from that cannot be used."""
+
+
+class CheckpointNameError(CheckpointError, ConfigError):
+    """A ``latest`` that names no checkpoint tag of this run (``../x``, a path): refused
+    before anything it points at is read. Also a ConfigError, so the commands that print
+    only those as one line (``plm train --dry-run``) print it so too."""
+
+    def __init__(self, message: str):
+        CheckpointError.__init__(self, message)
+        self.machine_wide = False  # what ConfigError's callers read
 
 
 @contextlib.contextmanager
@@ -266,7 +277,14 @@ class CheckpointManager:
         data = self.store.read_bytes(f"{CHECKPOINTS}/{LATEST}")
         if data is None:
             return None
-        tag = data.decode("utf-8").strip()
+        tag = data.decode("utf-8", "replace").strip()
+        if not _TAG.fullmatch(tag):  # a tag is one folder name: never a path elsewhere
+            raise CheckpointNameError(
+                f"{self.where(LATEST)} names {tag!r}, which is not a checkpoint of this run "
+                f"(a folder stepNNNNNNNN of {self.where()}); refused, nothing read there: "
+                "write the tag of a complete checkpoint into it, or pass a new "
+                "train.out_dir to start a new run"
+            )
         if not self.is_complete(tag):
             raise CheckpointError(
                 f"{self.where(LATEST)} names {tag!r} but {self.where(tag)}/{COMPLETE} is "
@@ -425,6 +443,7 @@ class CheckpointManager:
         out = self.root / tag / UNIVERSAL
         # The whole checkpoint (every rank's partitions) into this node's folder.
         self.store.fetch(p for p, _ in self.store.list_files(rel) if f"/{UNIVERSAL}/" not in p)
+        universal.check_checkpoint_names(self.root / tag)  # DeepSpeed makes folders of them
         tmp = self.root / tag / f".{UNIVERSAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.store.clear(f"{rel}/{UNIVERSAL}")

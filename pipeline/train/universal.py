@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -38,12 +39,43 @@ PARTS = "universal-parts"  # the fragments between the two steps; deleted at the
 OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 MODEL_FILE = "zero_pp_rank_{}_mp_rank_00_model_states.pt"
 STATES = ("fp32", "exp_avg", "exp_avg_sq")  # per parameter: what extract writes, merge joins
+# A parameter's name as torch makes it: module names joined by dots. DeepSpeed's conversion
+# makes a folder of each (os.path.join(out, name)): '/' or '..' would write elsewhere.
+_PARAM_NAME = re.compile(r"[A-Za-z0-9_-]+(?:\.[A-Za-z0-9_-]+)*")
 
 
 def fragment(parts: str, name: str, state: str, d: int) -> str:
     """Where DeepSpeed's extract step writes old rank ``d``'s fragment of a parameter's state
     (``dump_param_fragment``: tensor-parallel index 0, the old rank in two digits)."""
     return f"{parts}/{name}/0/{state}.{d:02d}"
+
+
+def check_param_names(groups, where: object) -> None:
+    """Every name of ``groups`` (DeepSpeed's ``param_shapes`` or ``param_slice_mappings``:
+    one mapping per parameter group, or one mapping) a dotted module path, before the
+    conversion makes a folder of it; ValueError naming the file and the name otherwise."""
+    for group in [groups] if isinstance(groups, dict) else list(groups or []):
+        for name in group:
+            if not (isinstance(name, str) and _PARAM_NAME.fullmatch(name)):
+                raise ValueError(
+                    f"{where}: parameter name {name!r} is not a dotted module path, and the "
+                    "conversion would make a folder of it outside the checkpoint; refused, "
+                    "nothing written: resume only from checkpoints written by `plm train`"
+                )
+
+
+def check_checkpoint_names(folder: Path) -> None:
+    """The parameter names of a ZeRO 1-2 checkpoint folder that DeepSpeed's
+    ``ds_to_universal`` makes folders of: its model states' ``param_shapes`` and its
+    optimizer partitions' ``param_slice_mappings`` (memory-mapped: nothing else is read).
+    Loaded as the caller set it up (``weights_only_loads``)."""
+    for path in sorted(folder.glob("*model_states.pt")):
+        states = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        check_param_names(states.get("param_shapes"), path)
+    for path in sorted(folder.glob("*optim_states.pt")):
+        states = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        optim = states.get("optimizer_state_dict") or {}
+        check_param_names(optim.get("param_slice_mappings"), path)
 
 
 class ConversionFailed(RuntimeError):
@@ -116,7 +148,8 @@ def convert_zero3(store: OutStore, rel: str, rank: int, world: int) -> None:
     def extract() -> None:
         store.fetch([f"{rel}/{MODEL_FILE.format(0)}"])
         model0 = local / rel / MODEL_FILE.format(0)
-        shapes.extend(torch.load(model0, map_location="cpu")["param_shapes"])
+        shapes.extend(torch.load(model0, map_location="cpu", weights_only=True)["param_shapes"])
+        check_param_names(shapes, model0)  # before any folder is made of them
         params = [n for group in shapes for n in group]
         for d in mine:
             files = [f"{rel}/{old[d]}", f"{rel}/{MODEL_FILE.format(d)}"]
