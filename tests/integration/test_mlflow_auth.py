@@ -278,3 +278,40 @@ def test_plm_train_as_the_job_user_logs_and_registers(server, tiny_data, tmp_pat
         assert steps == [1, 2, 3]
         version = client.get_model_version_by_alias(EXP, "current")
         assert version.run_id == run_id
+
+
+# --- credentials from the environment, no server needed ------------------------------------
+
+
+def test_a_uris_user_part_moves_into_mlflows_variables(monkeypatch):
+    from pipeline.tracking_uri import resolve_tracking_uri
+
+    for k in CLIENT_VARS:
+        monkeypatch.delenv(k, raising=False)
+    uri = resolve_tracking_uri("http://job%40a:p%3Aw%40rd-123@mlflow.internal:5000/x")
+    assert uri == "http://mlflow.internal:5000/x"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "job@a"
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "p:w@rd-123"
+    # variables set already win; the URI is cleaned all the same
+    assert resolve_tracking_uri("https://other:x@h") == "https://h"
+    assert os.environ["MLFLOW_TRACKING_USERNAME"] == "job@a"
+    assert resolve_tracking_uri("sqlite:///tmp/u:p@x.db") == "sqlite:///tmp/u:p@x.db"
+
+
+def test_the_password_file_is_read_for_a_server_only(tmp_path, monkeypatch):
+    from pipeline.config import ConfigError
+    from pipeline.tracking_uri import resolve_tracking_uri
+
+    for k in CLIENT_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD_FILE", str(tmp_path / "missing"))
+    resolve_tracking_uri(f"sqlite:///{tmp_path / 'mlflow.db'}")  # a local store: no users
+    with pytest.raises(ConfigError, match="MLFLOW_TRACKING_PASSWORD_FILE=.*missing: cannot read"):
+        resolve_tracking_uri("http://127.0.0.1:1")
+    (tmp_path / "pw").write_text("s3cret-from-a-file\n")
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD_FILE", str(tmp_path / "pw"))
+    resolve_tracking_uri("http://127.0.0.1:1")
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "s3cret-from-a-file"
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD", "the-variable")  # it wins, as MLflow's do
+    resolve_tracking_uri("http://127.0.0.1:1")
+    assert os.environ["MLFLOW_TRACKING_PASSWORD"] == "the-variable"
