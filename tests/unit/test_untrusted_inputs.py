@@ -384,3 +384,23 @@ def test_every_torch_load_in_the_package_says_weights_only():
                 if not (isinstance(value, ast.Constant) and value.value is True):
                     missing.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not missing, missing
+
+
+def test_a_tokenizer_listing_with_a_dotdot_key_writes_nothing_outside_the_cache(s3, tmp_path):
+    """An object store may hold a key ``tokenizer/../../x`` (S3 keys are plain strings): its
+    copy into the node cache would land outside the cache's tokenizer folder."""
+    import boto3
+    from test_remote_data import make_blocky_dir
+
+    from pipeline.data.remote import CacheConfig
+
+    uri = s3.upload(make_blocky_dir(tmp_path / "data", n_docs=10, n_shards=1))
+    bucket, key = uri[len("s3://") :].split("/", 1)
+    client = boto3.client("s3", endpoint_url=s3.endpoint, region_name="us-east-1")
+    client.put_object(Bucket=bucket, Key=f"{key}/tokenizer/../../../../escaped.json", Body=b"{}")
+    cache = tmp_path / "cache"
+    d = DataDir(uri, CacheConfig(str(cache), 1 << 30, 2))
+    with pytest.raises(ShardError, match="not a plain name") as err:
+        _ = d.tokenizer_path  # its download into the cache is what is refused
+    assert "../../../../escaped.json" in str(err.value)
+    assert not list(tmp_path.rglob("escaped.json"))
