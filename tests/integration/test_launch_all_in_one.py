@@ -4,6 +4,7 @@ server; checked from outside through the servers' own REST APIs, then stopped cl
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -31,8 +32,12 @@ def get_json(url: str, headers: dict[str, str] | None = None) -> dict:
         return json.loads(r.read())
 
 
+SIGN_IN: dict[str, str] = {}  # the viewer's, once the all-in-one made it
+
+
 def mlflow_get(base: str, endpoint: str, **params: str) -> dict:
-    return get_json(f"{base}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}")
+    url = f"{base}/api/2.0/mlflow/{endpoint}?{urllib.parse.urlencode(params)}"
+    return get_json(url, SIGN_IN)
 
 
 LOOPBACK = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
@@ -79,6 +84,13 @@ def test_all_in_one_data_training_tracking(tmp_path):
         result = json.loads(result_file.read_text())
         mlflow, ray = result["mlflow_url"], result["ray_address"]
 
+        # MLflow refuses an anonymous client (basic-auth app) and answers its viewer.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            mlflow_get(mlflow, "runs/get", run_id=result["run_id"])
+        assert refused.value.code == 401
+        viewer = aio.read_secret(work / "mlflow-auth" / f"{aio.VIEWER_USER}.password")
+        pair = base64.b64encode(f"{aio.VIEWER_USER}:{viewer}".encode()).decode()
+        SIGN_IN["Authorization"] = f"Basic {pair}"
         # MLflow, through the server's REST API: the run, its loss curve, the registered model.
         run = mlflow_get(mlflow, "runs/get", run_id=result["run_id"])["run"]
         assert run["info"]["status"] == "FINISHED"
@@ -120,6 +132,7 @@ def test_all_in_one_data_training_tracking(tmp_path):
             proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out[-4000:]
+    assert viewer not in out and aio.read_secret(work / "mlflow-auth" / "admin.password") not in out
     # Stopped cleanly: every process exited on SIGTERM (none needed SIGKILL), no process of
     # our head left, the MLflow port closed.
     assert "[all-in-one] stopped\n" in out, out[-2000:]
