@@ -30,7 +30,16 @@ MODEL_STATES = "mp_rank_00_model_states.pt"
 
 
 def checkpoint_meta(ckpt_dir: Path) -> dict[str, Any]:
-    """COMPLETE's record (step, ZeRO stage, vocabulary size); EvalError when absent."""
+    """COMPLETE's record (step, ZeRO stage, vocabulary size); EvalError when absent, or
+    when the folder holds a link out of it (checked before anything of it is read)."""
+    from pipeline.train.checkpoint import link_out_of
+
+    found = link_out_of(ckpt_dir) if ckpt_dir.is_dir() else None
+    if found is not None:
+        raise EvalError(
+            f"checkpoint {ckpt_dir}: {found[0]} is a link to {found[1]}, outside the "
+            "checkpoint; refused, nothing read: evaluate checkpoints written by `plm train`"
+        )
     path = ckpt_dir / "COMPLETE"
     if not path.is_file():
         raise EvalError(

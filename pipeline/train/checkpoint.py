@@ -100,6 +100,29 @@ def uploads_as_checkpoint_errors():
         raise CheckpointError(str(err)) from None
 
 
+def link_out_of(folder: Path) -> tuple[Path, Path] | None:
+    """(an entry of ``folder``, or of its subfolders, that is a link to elsewhere, where it
+    leads), or None: what a checkpoint must not hold before any of it is read."""
+    root = Path(folder).resolve()
+    for top, dirs, files in os.walk(folder):  # links to folders are not followed
+        for name in [*dirs, *files]:
+            path = Path(top) / name
+            real = path.resolve()
+            if real != root and root not in real.parents:
+                return path, real
+    return None
+
+
+def check_inside(folder: Path) -> None:
+    """CheckpointError naming a link out of checkpoint ``folder`` (DeepSpeed would read it)."""
+    found = link_out_of(folder)
+    if found is not None:
+        raise CheckpointError(
+            f"{found[0]} is a link to {found[1]}, outside the checkpoint {folder}; refused, "
+            "nothing read: resume only from checkpoints written by `plm train`"
+        )
+
+
 def tag_for(step: int) -> str:
     return f"step{step:08d}"
 
@@ -338,6 +361,7 @@ class CheckpointManager:
         elastic = saved_world != self.world_size
         rank_file = self.rank if not elastic else min(self.rank, saved_world - 1)
         self.fetched = self.fetch_for_load(tag, universal, rank_file)
+        check_inside(self.root / tag)
         stage = meta.get("zero_stage")
         if stage is None:  # checkpoints of older versions: ZeRO 1-3 write optimizer shards
             stage = 1 if any((self.root / tag).glob("*optim_states.pt")) else 0

@@ -404,3 +404,23 @@ def test_a_tokenizer_listing_with_a_dotdot_key_writes_nothing_outside_the_cache(
         _ = d.tokenizer_path  # its download into the cache is what is refused
     assert "../../../../escaped.json" in str(err.value)
     assert not list(tmp_path.rglob("escaped.json"))
+
+
+def test_a_checkpoint_holding_a_link_out_of_it_is_not_read(tmp_path):
+    """Resuming (CheckpointManager.load) and evaluating (checkpoint_bundle) a checkpoint
+    whose config.yaml is a link to a file elsewhere: refused before anything is read."""
+    from pipeline.eval.checkpoint_bundle import checkpoint_meta
+    from pipeline.eval.suite import EvalError
+    from pipeline.train.checkpoint import CheckpointError, CheckpointManager
+
+    run = tmp_path / "run"
+    tag = _crafted_checkpoint(run, 0, "w")
+    folder = run / "checkpoints" / tag
+    (tmp_path / "elsewhere.yaml").write_text("name: elsewhere\n")
+    (folder / "config.yaml").symlink_to(tmp_path / "elsewhere.yaml")
+    with pytest.raises(EvalError, match="outside the checkpoint") as err:
+        checkpoint_meta(folder)
+    assert str(folder / "config.yaml") in str(err.value)
+    mgr = CheckpointManager(run, keep_last=2, rank=0, world_size=1)
+    with pytest.raises(CheckpointError, match="outside the checkpoint"):
+        mgr.load(engine=None, tag=tag)
