@@ -842,8 +842,8 @@ class DataDir:
         self._firsts: dict[str, np.ndarray] = {}  # per shard: first document of each block
         self._maps: OrderedDict[str, mmap.mmap] = OrderedDict()
         self._tables: OrderedDict[tuple[str, int], _BlockTable] = OrderedDict()
-        self._checked: set[tuple[str, int]] = set()  # blocks whose crc32 this process checked
-        self._keys: dict[tuple[str, int], str] = {}  # blocks whose members it checked: their key
+        # Blocks whose crc32 and tar members (check_member) this process checked.
+        self._checked: set[tuple[str, int]] = set()
         self._pid = os.getpid()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -987,8 +987,8 @@ class DataDir:
         return mm
 
     def _block_bytes(self, shard: str, b: int, start: int, size: int, check: bool = True) -> bytes:
-        """Bytes [start, start + size) of block b's sample, its crc32 checked once per
-        process (``check=False``: not checked, for the stream's start-up table)."""
+        """Bytes [start, start + size) of block b's sample, its crc32 and members checked
+        once per process (``check=False``: not checked, for the stream's start-up table)."""
         row = self._indexes[shard][b]
         total = int(row[SIZE])
         mm, offset = self._block_buffer(shard, b, row)
@@ -1011,7 +1011,9 @@ class DataDir:
                 self._store.drop(shard, b, row.tolist(), self._shard_sha(shard))
                 self._blocks.pop((shard, b), None)
                 mm, offset = self._block_buffer(shard, b, row)
-            self._checked.add((shard, b))
+            if (shard, b) not in self._checked:  # (a fetch checks them)
+                self._check_members(shard, mm, offset, total)
+                self._checked.add((shard, b))
         if start < 0 or start + size > total:
             raise ShardError(
                 f"{self.where(shard)}: block {b}: its index points outside the block; "
@@ -1031,7 +1033,8 @@ class DataDir:
             self._blocks.move_to_end((shard, b))
             return buf, 0
         buf, checked = self._store.block(shard, b, row.tolist(), self._shard_sha(shard))
-        if checked:
+        if checked:  # its crc32 checked by the fetch: its members here
+            self._check_members(shard, buf, 0, int(row[SIZE]))
             self._checked.add((shard, b))
         self._blocks[(shard, b)] = buf
         if len(self._blocks) > MAX_OPEN_BLOCKS:
@@ -1102,20 +1105,24 @@ class DataDir:
             self._tables.popitem(last=False)
         return table
 
+    def _check_members(self, shard: str, buf, offset: int, size: int) -> None:
+        """Every tar member of the sample at ``buf[offset:offset + size]`` (its headers
+        only): a link, a device or a ``../x`` is refused before anything of it is read."""
+        for _ in checked_members(_Slice(buf, offset, size), self.where(shard)):
+            pass
+
     def _block_key(self, shard: str, b: int) -> str:
-        """Block b's sample key, its members' headers checked (``check_member``) the first
-        time this process reads the block: a link or a ``../x`` is refused, never a key."""
-        key = self._keys.get((shard, b))
-        if key is None:
-            self._block_bytes(shard, b, 0, 0)  # its bounds and crc32 checked first
-            row = self._indexes[shard][b]
-            buf, offset = self._block_buffer(shard, b, row)
-            sample = _Slice(buf, offset, int(row[SIZE]))
-            names = [m.name for m in checked_members(sample, self.where(shard))]
-            if not names:
-                raise ValueError("no tar member")
-            key = self._keys[(shard, b)] = names[0].split(".", 1)[0]
-        return key
+        """Block b's sample key: its first member's name up to the first dot (the members
+        were checked with its crc32)."""
+        self._block_bytes(shard, b, 0, 0)
+        row = self._indexes[shard][b]
+        buf, offset = self._block_buffer(shard, b, row)
+        members = checked_members(_Slice(buf, offset, int(row[SIZE])), self.where(shard))
+        first = next(members, None)
+        members.close()
+        if first is None:
+            raise ValueError("no tar member")
+        return first.name.split(".", 1)[0]
 
     def doc_lengths(self, shard: str, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Token count (int64) of documents [start, stop) of the shard (default: all), from
