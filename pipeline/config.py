@@ -429,6 +429,10 @@ class TrainSection(Strict):
     # stacks and ends with exit 6, named by the others; the agent restarts the round.
     # 0: not watched.
     stuck_timeout_s: float = Field(60.0, ge=0)
+    # Every this many steps, the rank the others wait for at the step's all-reduce (a
+    # fifth of their steps or more: it is 1.25x slower) is named in one `plm:` line and
+    # MLflow's straggler/* metrics (train/stragglers.py). 0: not watched.
+    straggler_every: int = Field(100, ge=0)
     # Checkpoints written in the background: a save copies nothing; the next optimizer
     # update waits until the files are written; the checkpoint is complete (COMPLETE,
     # `latest`) once every rank's files are, noticed at a step boundary. Tensors not in

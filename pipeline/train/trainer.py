@@ -33,7 +33,7 @@ from pipeline.models.blocks import numel
 from pipeline.output import DiskFull, disk_full, no_space, rank_line, size_text
 from pipeline.tracking_auth import check_access
 from pipeline.train import engine as ds_engine
-from pipeline.train import faults, heartbeat, parallelize
+from pipeline.train import faults, heartbeat, parallelize, stragglers
 from pipeline.train.checkpoint import CheckpointManager, tag_for, uploads_as_checkpoint_errors
 from pipeline.train.metrics import device_peak_flops, throughput
 from pipeline.train.out_store import OutStore
@@ -375,6 +375,10 @@ class Trainer:
             self.rank, self.world, cfg.train.heartbeat_timeout_s, self._on_silent,
             cfg.train.stuck_timeout_s, self._checkpoint_writes_busy,
         )  # fmt: skip
+        self.stragglers = stragglers.StragglerWatch(
+            cfg.train.straggler_every, self.rank, self.world,
+            self.heartbeat.address if self.heartbeat is not None else "",
+        )  # fmt: skip
         if self.rank == 0:  # metrics.jsonl and the MLflow run id travel with the checkpoints
             self.out.mirror(["metrics.jsonl", RUN_ID_FILE, SYNCED_FILE])
             self.out.restore_mirrored()
@@ -648,7 +652,8 @@ class Trainer:
                         nonfinite.new_tensor(float(self.ckpt.writes_busy())),
                     ]
                 )
-                dist.all_reduce(flags)
+                with self.stragglers.sync(flags):  # where a rank early waits for the others
+                    dist.all_reduce(flags)
                 bad, stop, writing = (float(x) > 0 for x in flags.tolist())
                 self.stop_agreed = self.stop_agreed or stop
                 self.writes_done = self.ckpt.pending is not None and not writing
@@ -896,10 +901,13 @@ class Trainer:
                     self.stop_on_signal()
                 if self.heartbeat is not None:
                     self.heartbeat.begin_step(self.step + 1)
+                self.stragglers.begin_step(self.step + 1)
                 out = self.train_step(it)
                 self.step += 1
+                self.stragglers.end_step()
                 if self.heartbeat is not None:
                     self.heartbeat.end_step(self.step)
+                self.name_straggler()
                 if out is None:
                     self.skipped += 1
                     bad_in_row += 1
@@ -1118,6 +1126,20 @@ class Trainer:
             ev = self.evaluate()
             self.tracker.log_metrics(ev, self.step)
             self.log(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+
+    def name_straggler(self) -> None:
+        """Every train.straggler_every steps (a collective): the slowest rank, if it holds
+        the others back, in one `plm:` line and MLflow metrics (rank 0)."""
+        found = self.stragglers.check(self.step)
+        if found is None:
+            return
+        rank_line(found.line(), err=True)
+        self.tracker.log_metrics({"straggler/rank": found.rank,
+                                  "straggler/slowdown": round(found.slowdown, 3),
+                                  "straggler/others_waited": round(found.waited, 3)},
+                                 self.step)  # fmt: skip
+        self.tracker.set_tags({"straggler/last": f"rank {found.rank} on {found.host} "
+                               f"({found.address}), steps {found.first_step}-{found.last_step}"})  # fmt: skip
 
     def _checkpoint_writes_busy(self) -> bool:
         """From the heartbeat thread: the next update may wait for the files."""

@@ -1,0 +1,129 @@
+"""Stragglers: a rank whose steps are consistently slower than the others', named.
+
+Every step has one synchronising all-reduce before its last backward pass (the trainer's
+stop / non-finite flags): a rank that reaches it early waits there for the last one. Over
+a window of ``train.straggler_every`` steps each rank adds up the time of its steps and
+of that wait. At the window's end one all-gather brings every rank's two sums to rank 0:
+the rank that waits least, while the others wait a fifth of their steps or more than it
+does (it is ``SLOWDOWN`` times slower), is named once for the window: one `plm:` line on
+stderr, MLflow metrics. Shares, not its own work, decide: a slowed rank is slowed inside
+the all-reduce too, which makes its own wait read longer than it is.
+
+On a CPU the collective returns when it is done, so a clock around it measures the wait;
+on a GPU it only queues the kernel, and the wait is read from CUDA events around it.
+Under ZeRO-3 the forward pass's all-gathers already hold the ranks together, so part of
+the wait falls there and a straggler's share reads smaller.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from statistics import median
+
+import torch
+import torch.distributed as dist
+
+SLOWDOWN = 1.25  # the others wait a fifth of every step or more for it
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    host: str
+    address: str
+    slowdown: float  # its busy share of the steps over the others' (median)
+    waited: float  # the others' share of their steps spent waiting at the sync (median)
+    first_step: int
+    last_step: int
+
+    def line(self) -> str:
+        return (
+            f"plm: rank {self.rank} on {self.host} ({self.address}) is a straggler: "
+            f"over steps {self.first_step}-{self.last_step} the others waited "
+            f"{self.waited:.0%} of each step for it, {self.slowdown:.2f}x slower than them "
+            "(a busy or slower host, a slow disk under its data)"
+        )
+
+
+def find_straggler(wait_s: list[float], step_s: list[float]) -> tuple[int, float, float] | None:
+    """From each rank's wait at the sync and its step time over a window: (rank,
+    slowdown, the others' share of waiting) of the rank that waits least, if the others
+    wait for it a share ``1 - 1/SLOWDOWN`` of their steps more than it does; None
+    otherwise. Its slowdown is its busy share over theirs: the ranks keep step together,
+    so the others could go that much faster without it."""
+    if len(wait_s) < 2 or min(step_s) <= 0:
+        return None
+    share = [w / s for w, s in zip(wait_s, step_s, strict=True)]
+    slow = min(range(len(share)), key=lambda r: share[r])
+    others = median(x for r, x in enumerate(share) if r != slow)
+    if others - share[slow] < 1 - 1 / SLOWDOWN:
+        return None
+    return slow, (1 - share[slow]) / (1 - others), others
+
+
+class StragglerWatch:
+    """One rank's sums over the window; ``check(step)`` at every step's end (a collective
+    every ``every`` steps, on every rank at the same step)."""
+
+    def __init__(self, every: int, rank: int, world: int, address: str = ""):
+        self.every, self.rank, self.world = every, rank, world
+        self.address = address or socket.gethostname()
+        self.step_s = self.wait_s = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._began = 0.0
+        self._first_step = 0
+        self._names: list[tuple[str, str]] | None = None
+
+    @property
+    def on(self) -> bool:
+        return self.every > 0 and self.world > 1
+
+    def begin_step(self, step: int) -> None:
+        if not self._first_step:
+            self._first_step = step
+        self._began = time.perf_counter()
+
+    def end_step(self) -> None:
+        self.step_s += time.perf_counter() - self._began
+
+    @contextmanager
+    def sync(self, tensor: torch.Tensor):
+        """Around the step's synchronising all-reduce of ``tensor``."""
+        if tensor.is_cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+            return
+        t0 = time.perf_counter()
+        yield
+        self.wait_s += time.perf_counter() - t0
+
+    def check(self, step: int) -> Straggler | None:
+        """At the window's end: every rank's sums to rank 0, which names the straggler."""
+        if not self.on or step % self.every:
+            return None
+        if self._events:
+            torch.cuda.synchronize()
+            self.wait_s += sum(a.elapsed_time(b) for a, b in self._events) / 1000
+            self._events.clear()
+        if self._names is None:  # once: who each rank is
+            self._names = [None] * self.world  # type: ignore[list-item]
+            dist.all_gather_object(self._names, (socket.gethostname(), self.address))
+        mine = torch.tensor([self.wait_s, self.step_s], dtype=torch.float64)
+        rows = [torch.zeros_like(mine) for _ in range(self.world)]
+        dist.all_gather(rows, mine)
+        first, self._first_step = self._first_step, 0
+        self.step_s = self.wait_s = 0.0
+        if self.rank != 0:
+            return None
+        found = find_straggler([float(r[0]) for r in rows], [float(r[1]) for r in rows])
+        if found is None:
+            return None
+        slow, slowdown, waited = found
+        host, address = self._names[slow]
+        return Straggler(slow, host, address, slowdown, waited, first, step)
