@@ -32,6 +32,13 @@ def wait_until(what, proc, timeout=300.0) -> None:
         time.sleep(0.2)
 
 
+def sign_in(monkeypatch, aio, server) -> None:
+    """As the server's admin (it runs MLflow's basic-auth app), here and in plm's children."""
+    monkeypatch.setenv("MLFLOW_TRACKING_USERNAME", aio.ADMIN_USER)
+    monkeypatch.setenv("MLFLOW_TRACKING_PASSWORD",
+                       aio.read_secret(server.password_file(aio.ADMIN_USER)))  # fmt: skip
+
+
 def crash(server) -> None:
     """The outage: the server's process group killed at once, as a crash or an evicted pod
     ends it. A SIGTERM'd server shuts down gracefully and keeps answering its open
@@ -41,13 +48,15 @@ def crash(server) -> None:
     server.proc.wait(timeout=60)
 
 
-def test_a_run_that_lost_its_server_is_complete_once_the_server_is_back(tiny_data, tmp_path):
+def test_a_run_that_lost_its_server_is_complete_once_the_server_is_back(tiny_data, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
     from mlflow import MlflowClient
 
     aio = load_launch_script("all_in_one")
     (tmp_path / "logs").mkdir()
     server = aio.MlflowServer(tmp_path, tmp_path / "logs")
     server.start()
+    sign_in(monkeypatch, aio, server)
     port = int(server.url.rsplit(":", 1)[1])
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
@@ -92,7 +101,7 @@ def test_a_run_that_lost_its_server_is_complete_once_the_server_is_back(tiny_dat
         server.stop()
 
 
-def test_the_tracker_picks_up_again_in_the_middle_of_a_run(tmp_path):
+def test_the_tracker_picks_up_again_in_the_middle_of_a_run(tmp_path, monkeypatch):
     """The Tracker itself, against a real server stopped and started again between two
     logged steps: the steps logged meanwhile arrive, then logging goes on live."""
     from mlflow import MlflowClient
@@ -103,6 +112,7 @@ def test_the_tracker_picks_up_again_in_the_middle_of_a_run(tmp_path):
     (tmp_path / "logs").mkdir()
     server = aio.MlflowServer(tmp_path, tmp_path / "logs")
     server.start()
+    sign_in(monkeypatch, aio, server)
     port = int(server.url.rsplit(":", 1)[1])
     tracker = Tracker(tmp_path / "run", enabled=True, retry_every_s=0.5, final_wait_s=0)
     try:
@@ -177,7 +187,7 @@ class SlowArtifactStore(Outage):
             threading.Thread(target=self._pump, args=(a, b, hook), daemon=True).start()
 
 
-def test_an_upload_may_wait_longer_for_the_server_than_the_other_calls(tmp_path):
+def test_an_upload_may_wait_longer_for_the_server_than_the_other_calls(tmp_path, monkeypatch):
     """A server that takes 7 s to answer an upload: the bundle's files still arrive
     (mlflow.upload_timeout_s, 600 by default), while every other call keeps its 5 s
     (an unreachable server costs seconds); the same upload with upload_timeout_s at 2 is
@@ -191,6 +201,7 @@ def test_an_upload_may_wait_longer_for_the_server_than_the_other_calls(tmp_path)
     (tmp_path / "logs").mkdir()
     server = aio.MlflowServer(tmp_path, tmp_path / "logs")
     server.start()
+    sign_in(monkeypatch, aio, server)
     relay = SlowArtifactStore(int(server.url.rsplit(":", 1)[1]), delay_s=7.0)
     bundle = tmp_path / "bundle"
     bundle.mkdir()
