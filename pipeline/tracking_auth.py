@@ -203,29 +203,3 @@ def require_write(uri: str, user: str, kind: str, resource_id: str, what: str, s
     have = permission_of(uri, user, kind, resource_id)
     if have is not None and have not in WRITE_LEVELS:
         raise AccessRefused(lacking(redact_uri(uri), user, have, what, stage))
-
-
-def check_access(
-    tracking_uri: str | None,
-    experiment: str | None = None,
-    model: str | None = None,
-    stage: str = "training",
-    write: bool = True,
-) -> None:
-    """Before any work: the server knows this user (else 401: AccessRefused), and, when the
-    stage will ``write``, the user holds EDIT or MANAGE on ``experiment`` and ``model`` (the
-    registered model), each that exists: one that does not exist yet any signed-in user may
-    create, and then MANAGEs. Nothing for a local store, a server without the auth app, or
-    one that does not answer."""
-    from pipeline.tracking_uri import resolve_tracking_uri
-
-    uri = resolve_tracking_uri(tracking_uri)
-    user = signed_in(uri, stage, experiment)
-    if user is None or not write:
-        return
-    if experiment and (exp_id := experiment_id(uri, experiment)):
-        what = f"experiment {experiment!r} (id {exp_id})"
-        require_write(uri, user, "experiment", exp_id, what, stage)
-    if model and model_exists(uri, model):
-        what = f"registered model {model!r} (of experiment {experiment!r})"
-        require_write(uri, user, "registered_model", model, what, stage)

@@ -140,7 +140,7 @@ class Finetuner:
     def __init__(self, cfg: FinetuneConfig, track: bool = True):
         """``track``: log an MLflow run (and register); off for the evaluation suite's
         cells, whose scores its own run holds (pipeline/eval)."""
-        from pipeline.tracking_auth import check_access
+        from pipeline.tracking_uri import check_access
         from pipeline.train import engine as ds_engine
         from pipeline.train.trainer import seed_everything
 

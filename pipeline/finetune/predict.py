@@ -20,7 +20,7 @@ from pipeline.finetune.config import FinetuneError, TaskSection
 from pipeline.finetune.data import Encoder, check_columns, read_rows
 from pipeline.finetune.infer import row_predictions, run_model
 from pipeline.finetune.source import load_finetuned, resolve_source
-from pipeline.tracking_auth import check_access
+from pipeline.tracking_uri import check_access
 
 
 class Predictor:

@@ -31,7 +31,7 @@ from pipeline.data.shards import DataDir
 from pipeline.data.stream import MixSource
 from pipeline.models.blocks import numel
 from pipeline.output import DiskFull, disk_full, no_space, rank_line, size_text
-from pipeline.tracking_auth import check_access
+from pipeline.tracking_uri import check_access
 from pipeline.train import engine as ds_engine
 from pipeline.train import faults, heartbeat, parallelize, stragglers
 from pipeline.train.checkpoint import CheckpointManager, tag_for, uploads_as_checkpoint_errors

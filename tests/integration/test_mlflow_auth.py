@@ -27,7 +27,8 @@ import pytest
 from conftest import REPO, load_launch_script, plm
 
 from pipeline import tracking_admin
-from pipeline.tracking_auth import AccessRefused, auth_headers, check_access
+from pipeline.tracking_auth import AccessRefused, auth_headers
+from pipeline.tracking_uri import check_access
 
 pytestmark = pytest.mark.slow
 
