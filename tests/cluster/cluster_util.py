@@ -286,3 +286,116 @@ def ray_cluster_on(rig: rigmod.Rig, folder: Path):
         cluster.stop()
         for h in rig.hosts:
             assert ray_pids(rig, h.name) == [], h.name
+
+
+# --- faults a host can meet without dying (the silent-host tests) ---------------------
+
+
+class HeldRelay:
+    """A TCP relay on the laptop's bridge address in front of a host's port (the S3
+    server): it passes bytes through until ``hold(s)``, then keeps every byte that arrives,
+    in either direction and on every connection, for ``s`` seconds from the first one (a
+    store that stops answering mid-upload), and passes them on afterwards."""
+
+    def __init__(self, listen: str, target: tuple[str, int]):
+        import socket
+        import threading
+
+        self.server = socket.create_server((listen, 0))
+        self.url = f"http://{listen}:{self.server.getsockname()[1]}"
+        self.target = target
+        self._lock = threading.Lock()
+        self._hold_s, self._until = 0.0, 0.0
+        self.held_bytes, self.held_since = 0, None  # what the hold kept, from when
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold(self, seconds: float) -> None:
+        with self._lock:
+            self._hold_s, self.held_bytes, self.held_since = seconds, 0, None
+
+    def close(self) -> None:
+        self.server.close()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            try:
+                upstream = socket.create_connection(self.target, timeout=10)
+            except OSError:
+                client.close()
+                continue
+            upstream.settimeout(None)
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    def _pipe(self, src, dst) -> None:
+        try:
+            while data := src.recv(65536):
+                self._wait(len(data))
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(2)
+                except OSError:
+                    pass
+
+    def _wait(self, n: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._hold_s and self.held_since is None:  # armed: this byte starts it
+                self._until, self.held_since = now + self._hold_s, time.time()
+                self._hold_s = 0.0
+            wait = self._until - now
+            if wait > 0:
+                self.held_bytes += n
+        if wait > 0:
+            time.sleep(wait)
+
+
+@contextmanager
+def cpu_share(pids: list[int], share: float, name: str):
+    """``pids`` (and what they start) in a CPU cgroup of their own (cgroup v1's cpu
+    controller) limited to ``share`` of one CPU: a host whose CPU another tenant takes.
+    They go back to the root group after, and the group is removed."""
+    root = Path("/sys/fs/cgroup/cpu")
+    group = root / f"plm-starved-{name}"
+    group.mkdir()
+    try:
+        (group / "cpu.cfs_period_us").write_text("100000")
+        (group / "cpu.cfs_quota_us").write_text(str(int(share * 100000)))
+        for pid in pids:
+            try:
+                (group / "cgroup.procs").write_text(str(pid))
+            except OSError:  # gone already
+                pass
+        yield group
+    finally:
+        for pid in (group / "cgroup.procs").read_text().split():
+            try:
+                (root / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass
+        group.rmdir()
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a rank's data-loader workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found
