@@ -222,7 +222,8 @@ def test_every_pod_is_non_root_limited_and_holds_no_credentials(rendered, name):
             assert csc.get("capabilities", {}).get("drop") == ["ALL"], who
             assert not c.get("securityContext", {}).get("privileged"), who
             for env in c.get("env", []):
-                if SECRET_NAME.search(env["name"]):
+                # A *_FILE variable names a path (a mounted Secret: its own test, below).
+                if SECRET_NAME.search(env["name"]) and not env["name"].endswith("_FILE"):
                     assert "value" not in env, f"{who}: {env['name']} inline"
                     assert "secretKeyRef" in env["valueFrom"], f"{who}: {env['name']}"
             text = json.dumps(c)
@@ -611,3 +612,146 @@ def test_mlflow_runs_the_auth_app_with_its_secrets_from_a_secret(rendered, name,
     assert "admin_password" not in auth  # the Secret's, through the environment
     assert "@" not in auth["database_uri"] and "@" not in " ".join(args)  # libpq: PGPASSWORD
     assert "password1234" not in json.dumps(docs)  # MLflow's old default
+
+
+# ---------------------------------------------------------------------------
+# Training signs in to MLflow as its job's user (issue 49.1)
+
+# The stages that talk to MLflow (pipeline/tracking_uri.py's check_access callers).
+MLFLOW_STAGES = {"train", "finetune", "eval", "predict"}
+# Variables that would carry an MLflow secret itself: never inline in a manifest.
+MLFLOW_SECRET_VARS = {"MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
+                      "MLFLOW_AUTH_ADMIN_PASSWORD", "MLFLOW_FLASK_SERVER_SECRET_KEY"}  # fmt: skip
+CREDENTIALS_IN_URI = re.compile(r"[a-z][a-z0-9+.-]*://[^/\s\"'@:]+:[^/\s\"'@]+@", re.I)
+
+
+def all_containers(docs: list[dict]):
+    """(where, pod spec, container) of every container, init containers included."""
+    for where, spec in all_pods(docs):
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            yield f"{where}/{c['name']}", spec, c
+
+
+def talks_to_mlflow(c: dict) -> bool:
+    """A container pointed at a tracking server, or running a stage that logs to one."""
+    argv = [*c.get("command", []), *c.get("args", [])]
+    runs_stage = argv[:1] == ["plm"] and argv[1:2] and argv[1] in MLFLOW_STAGES
+    elastic = argv[:2] == ["python", "launch/elastic_train.py"]  # runs `plm train`
+    told = any(e["name"] == "MLFLOW_TRACKING_URI" for e in c.get("env", []))
+    return bool(runs_stage or elastic or told)
+
+
+def secret_file_of(spec: dict, c: dict, path: str) -> tuple[str, str] | None:
+    """(Secret, key) behind the file ``path`` in container ``c``, if a read-only mount of a
+    secret volume (or a projected one's secret source) puts it there; else None."""
+    for m in c.get("volumeMounts", []):
+        base = m["mountPath"].rstrip("/")
+        if not path.startswith(base + "/") or not m.get("readOnly"):
+            continue
+        rel = path[len(base) + 1 :] if not m.get("subPath") else None
+        volume = next(v for v in spec["volumes"] if v["name"] == m["name"])
+        sources = [volume["secret"]] if "secret" in volume else [
+            s["secret"] for s in volume.get("projected", {}).get("sources", []) if "secret" in s
+        ]  # fmt: skip
+        for s in sources:
+            name = s.get("secretName") or s.get("name")
+            for item in s.get("items") or []:
+                if item["path"] == rel:
+                    return name, item["key"]
+    return None
+
+
+def mlflow_credential_violations(docs: list[dict]) -> list[str]:
+    """What keeps a manifest's MLflow clients from signing in as their job's user, or puts
+    an MLflow secret in the manifest itself."""
+    bad = []
+    for who, spec, c in all_containers(docs):
+        env = {e["name"]: e for e in c.get("env", [])}
+        for var in MLFLOW_SECRET_VARS & set(env):
+            if "value" in env[var]:
+                bad.append(f"{who}: {var} inline")
+        if not talks_to_mlflow(c):
+            continue
+        user = env.get("MLFLOW_TRACKING_USERNAME", {}).get("valueFrom", {}).get("secretKeyRef")
+        if not user:
+            bad.append(f"{who}: MLFLOW_TRACKING_USERNAME not from a Secret")
+        if "MLFLOW_TRACKING_PASSWORD" in env or "MLFLOW_TRACKING_TOKEN" in env:
+            bad.append(f"{who}: an MLflow password or token in the env (use a file)")
+        path = env.get("MLFLOW_TRACKING_PASSWORD_FILE", {}).get("value", "")
+        source = secret_file_of(spec, c, path) if path else None
+        if source is None:
+            bad.append(f"{who}: MLFLOW_TRACKING_PASSWORD_FILE {path!r} is no mounted Secret file")
+        elif user and source[0] != user["name"]:
+            bad.append(f"{who}: user from Secret {user['name']}, password from {source[0]}")
+        elif source[0] == "plm-mlflow-auth":
+            bad.append(f"{who}: signs in with the admin's Secret")
+    for doc in docs:
+        if doc["kind"] == "RayJob":  # the Ray job's own environment
+            runtime = yaml.safe_load(doc["spec"].get("runtimeEnvYAML") or "{}") or {}
+            for var in MLFLOW_SECRET_VARS & set(runtime.get("env_vars", {})):
+                bad.append(f"RayJob/{doc['metadata']['name']}: {var} in runtimeEnvYAML")
+    text = json.dumps(docs)
+    bad += [f"credentials in a URI: {m}" for m in CREDENTIALS_IN_URI.findall(text)]
+    if "password1234" in text:  # MLflow's old default
+        bad.append("MLflow's default admin password")
+    return bad
+
+
+@pytest.mark.parametrize("name", OVERLAYS + ["gpu+mlflow-s3"])
+def test_every_mlflow_client_signs_in_from_secrets(rendered, name, tmp_path):
+    """Every training container is an MLflow client with its user from the job's Secret
+    (secretKeyRef) and its password a file of that Secret (MLFLOW_TRACKING_PASSWORD_FILE),
+    never in the pod spec's env; no MLflow secret or user:pass@ URI anywhere."""
+    docs = kustomize(with_s3_component(tmp_path)) if name == "gpu+mlflow-s3" else rendered[name]
+    assert mlflow_credential_violations(docs) == []
+    clients = {who for who, _, c in all_containers(docs) if talks_to_mlflow(c)}
+    training = {who for who, _, c in all_containers(docs)
+                if who.split(":")[0].endswith("/plm-train") and c["name"] != "wait-for-data"}  # fmt: skip
+    assert training and training <= clients, (training, clients)
+    assert not [who for who in clients if who.startswith("RayJob/")]  # the data job: no MLflow
+
+
+def test_the_mlflow_credential_check_finds_what_it_should(rendered):
+    docs = rendered["overlays/cpu-smoke"]
+    assert mlflow_credential_violations(docs) == []
+
+    def train_container(d: list[dict]) -> tuple[dict, dict]:
+        job = next(x for x in d if x["kind"] == "Job" and x["metadata"]["name"] == "plm-train")
+        spec = job["spec"]["template"]["spec"]
+        return spec, spec["containers"][0]
+
+    def broken(change) -> list[str]:
+        d = copy.deepcopy(docs)
+        change(*train_container(d), d)
+        return mlflow_credential_violations(d)
+
+    def env_of(c: dict, var: str) -> dict:
+        return next(e for e in c["env"] if e["name"] == var)
+
+    def inline_password(spec, c, d):
+        c["env"].append({"name": "MLFLOW_TRACKING_PASSWORD", "value": "hunter2hunter2"})
+
+    def inline_user(spec, c, d):
+        env_of(c, "MLFLOW_TRACKING_USERNAME").update(value="bert-job")
+        env_of(c, "MLFLOW_TRACKING_USERNAME").pop("valueFrom")
+
+    def file_from_configmap(spec, c, d):
+        env_of(c, "MLFLOW_TRACKING_PASSWORD_FILE")["value"] = "/etc/plm/experiment.yaml"
+
+    def unmounted(spec, c, d):
+        c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "mlflow-credentials"]
+
+    def uri_with_password(spec, c, d):
+        env_of(c, "MLFLOW_TRACKING_URI")["value"] = "http://bert-job:s3cret@plm-mlflow:5000"
+
+    def other_secret(spec, c, d):
+        env_of(c, "MLFLOW_TRACKING_USERNAME")["valueFrom"]["secretKeyRef"]["name"] = "other"
+
+    for change, words in [(inline_password, "MLFLOW_TRACKING_PASSWORD inline"),
+                          (inline_user, "MLFLOW_TRACKING_USERNAME not from a Secret"),
+                          (file_from_configmap, "no mounted Secret file"),
+                          (unmounted, "no mounted Secret file"),
+                          (uri_with_password, "credentials in a URI"),
+                          (other_secret, "password from plm-train-mlflow")]:  # fmt: skip
+        found = broken(change)
+        assert any(words in v for v in found), (change.__name__, found)
