@@ -20,6 +20,12 @@ file (``DS_ENV_FILE``) holding those lines plus the variables named by ``--expor
 HF_HOME, PLM_*, MALLOC_*, and the object store's AWS_ENDPOINT_URL*, AWS_REGION, AWS_DEFAULT_REGION,
 AWS_PROFILE). Names that look like secrets (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY) are
 never written to the file; give those to the nodes another way (~/.aws/credentials). With ``--no-ssh`` each node's own environment is used as is.
+
+MLflow's secrets follow the AWS keys: they never travel. DeepSpeed itself forwards every
+MLFLOW* variable on the pdsh command line, so a launch over ssh with
+``MLFLOW_TRACKING_PASSWORD`` or ``MLFLOW_TRACKING_TOKEN`` set (in the environment or a
+.deepspeed_env) stops before anything starts, with one ``plm:`` line: give every host the
+password as a file at the same path, ``MLFLOW_TRACKING_PASSWORD_FILE`` (only the path travels).
 """
 
 from __future__ import annotations
@@ -54,12 +60,21 @@ DEFAULT_EXPORTS = (
 )
 # Written to a file on disk and put on the pdsh command line: keep credentials out.
 SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSWORD|PASSWD|CREDENTIAL|(^|_)KEY($|_)", re.I)
+CREDENTIALS_IN_URI = re.compile(r"://[^/@\s]*:[^/@\s]*@")  # http://user:pass@host
 HOSTFILE_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
 ENV_FILE_NAME = ".deepspeed_env"
 
 
 class LaunchError(Exception):
     """A launch that cannot work as given; the message says what to change."""
+
+    prefix = "deepspeed_train"
+
+
+class SecretOnCommandLine(LaunchError):
+    """An MLflow secret that DeepSpeed's pdsh launcher would put on every host's command line."""
+
+    prefix = "plm"  # what a sign-in problem of plm train says too (pipeline/tracking_auth.py)
 
 
 def parse_hostfile(path: str | Path) -> dict[str, int]:
@@ -124,6 +139,34 @@ def write_env_file(path: Path, cwd: Path, extra: dict[str, str]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(x + "\n" for x in lines), encoding="utf-8")
     return path
+
+
+def over_pdsh(args: argparse.Namespace, hosts: dict[str, int] | None) -> bool:
+    """Whether DeepSpeed's runner starts the ranks through pdsh: more than one active host
+    and ssh (its ``multi_node_exec``); one host runs locally, in this environment."""
+    return bool(hosts) and not args.no_ssh and len(list(hosts)[: args.num_nodes or None]) > 1
+
+
+def refuse_mlflow_secrets(env: dict[str, str], cwd: Path) -> None:
+    """SecretOnCommandLine if an MLflow password or token would be exported over pdsh:
+    DeepSpeed forwards every MLFLOW* variable and .deepspeed_env line as ``export K=V;`` on
+    the pdsh command line, seen in the process lists of this host and every host's sshd.
+    A *_FILE variable names a path and may travel; a URI may not carry ``user:pass@``."""
+    lines = dict(x.split("=", 1) for x in existing_env_lines(cwd))
+    mlflow = {k.strip(): v for k, v in {**lines, **env}.items() if k.strip().startswith("MLFLOW")}
+    found = sorted(k for k, v in mlflow.items()
+                   if (SECRET_NAME.search(k) and not k.endswith("_FILE"))
+                   or CREDENTIALS_IN_URI.search(v))  # fmt: skip
+    if not found:
+        return
+    raise SecretOnCommandLine(
+        f"{', '.join(found)} set: DeepSpeed's pdsh launcher would put its value on the ssh "
+        "command line of every host (their process lists and this one's), so the launch "
+        "does not start: unset it and sign in with MLFLOW_TRACKING_USERNAME and "
+        "MLFLOW_TRACKING_PASSWORD_FILE, a file holding the password at the same path on "
+        "every host (mode 0600; only its path travels), or launch each node with --no-ssh "
+        "(docs/tracking.md)"
+    )
 
 
 def deepspeed_argv(args: argparse.Namespace) -> list[str]:
@@ -205,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         world = world_size(hosts, args.num_gpus, args.num_nodes)
         cmd = deepspeed_argv(args)
         env = dict(os.environ)
+        if over_pdsh(args, hosts):
+            refuse_mlflow_secrets(env, Path.cwd())
         if hosts and not args.no_ssh:
             # Only this process reads it (pdsh puts the exports on the remote command line).
             env_file = Path(tempfile.mkdtemp(prefix="plm-dsenv-")) / ENV_FILE_NAME
@@ -218,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.skip_dry_run:
             dry_run(args, world)
     except LaunchError as err:
-        print(f"deepspeed_train: {err}", file=sys.stderr)
+        print(f"{err.prefix}: {err}", file=sys.stderr)
         return 2
     print(f"world size {world}: {shown}", file=sys.stderr, flush=True)
     return subprocess.run(cmd, env=env).returncode
