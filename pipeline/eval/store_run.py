@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 
 from pipeline.config import redact_uri
+from pipeline.data.shard_index import is_plain_name
 from pipeline.eval.suite import EvalError
 
 _CHUNK = 8 << 20
@@ -94,7 +95,15 @@ class StoreMirror:
             raise self._fault(err) from None
 
     def _get(self, rel: str) -> None:
-        """One file into the mirror (FileNotFoundError when it is gone)."""
+        """One file into the mirror (FileNotFoundError when it is gone). ``rel`` is a key
+        the store listed: any string (``x/../../y``), so plain parts only, or it would be
+        written outside the mirror."""
+        if not is_plain_name(rel):
+            raise EvalError(
+                f"--models {self.shown} holds {rel!r}, which is not a plain path inside the "
+                f"run; refused, nothing written outside {self.local}: delete that object "
+                "from the store"
+            )
         dst = self.local / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         tmp = dst.with_name(f"{dst.name}.{os.getpid()}.tmp")

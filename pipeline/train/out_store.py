@@ -45,6 +45,7 @@ from pathlib import Path
 
 from pipeline.config import ConfigError, is_uri, redact_uri
 from pipeline.data.remote import Counters, store_fault
+from pipeline.data.shard_index import is_plain_name
 from pipeline.output import rank_line
 
 UPLOAD_RETRY_S = 900.0  # train.upload_retry_s's default
@@ -303,6 +304,17 @@ class RemoteOut(OutStore):
     def _path(self, rel: str) -> str:
         return f"{self.base}/{rel}" if rel else self.base
 
+    def _inside(self, rel: str) -> str:
+        """``rel``, a key of the store fetched into ``local``: plain parts only (S3 keys are
+        any string: ``x/../../y`` or an absolute part would land outside ``local``)."""
+        if not is_plain_name(rel):
+            raise ConfigError(
+                f"{self.where()} holds {rel!r}, which is not a plain path inside the run; "
+                f"refused, nothing fetched into {self.local}: delete that object from the store",
+                machine_wide=True,
+            )
+        return rel
+
     def stats(self) -> dict[str, int]:
         return self._counts.snapshot()
 
@@ -557,14 +569,16 @@ class RemoteOut(OutStore):
 
         n = len(self.base) + 1 if self.base else 0
         return sorted(
-            (i.path[n:], i.size) for i in self._infos(rel, True) if i.type == pafs.FileType.File
+            (self._inside(i.path[n:]), i.size)
+            for i in self._infos(rel, True)
+            if i.type == pafs.FileType.File
         )
 
     def fetch(self, rels: Iterable[str]) -> int:
         """Side by side; a file already staged at the store's size is not fetched again."""
         import pyarrow.fs as pafs
 
-        rels = list(rels)
+        rels = [self._inside(r) for r in rels]  # all checked before any is fetched
         if not rels:
             return []
         infos = self._retrying(

@@ -424,3 +424,61 @@ def test_a_checkpoint_holding_a_link_out_of_it_is_not_read(tmp_path):
     mgr = CheckpointManager(run, keep_last=2, rank=0, world_size=1)
     with pytest.raises(CheckpointError, match="outside the checkpoint"):
         mgr.load(engine=None, tag=tag)
+
+
+# --- store keys: a run on a store mirrored or fetched into a local folder ---------------------
+
+ESCAPED = "../../../../escaped"  # from <tag>/<sub>/ up to the test's own tmp_path
+
+
+def _put_key(s3, uri: str, rel: str, body: bytes = b"{}") -> None:
+    """An object at ``uri/rel`` exactly as given (S3 keys are plain strings: '..' stays)."""
+    import boto3
+
+    bucket, key = uri[len("s3://") :].split("/", 1)
+    client = boto3.client("s3", endpoint_url=s3.endpoint, region_name="us-east-1")
+    client.put_object(Bucket=bucket, Key=f"{key}/{rel}", Body=body)
+
+
+def test_a_store_key_leading_out_of_the_staging_folder_is_refused(s3, tmp_path):
+    """train.out_dir on a store: a resume lists a checkpoint's universal/ files and fetches
+    them into this node's staging folder; a key ``universal/../../../../escaped`` would land
+    outside it. Refused by the listing and by the fetch, naming the key; nothing written."""
+    from pipeline.train.checkpoint import CheckpointManager
+    from pipeline.train.out_store import OutStore
+
+    uri, tag = s3.prefix("run"), "step00000001"
+    _put_key(s3, uri, f"checkpoints/{tag}/COMPLETE", json.dumps({"step": 1}).encode())
+    bad = f"checkpoints/{tag}/universal/{ESCAPED}"
+    _put_key(s3, uri, bad)
+    store = OutStore.open(uri, str(tmp_path / "stage"), rank=0, local_rank=0)
+    mgr = CheckpointManager(store, keep_last=2, rank=0, world_size=1)
+    reads = (lambda: store.list_files(f"checkpoints/{tag}/universal"),
+             lambda: store.fetch([f"checkpoints/{tag}/COMPLETE", bad]),
+             lambda: mgr.fetch_for_load(tag, universal=True, rank_file=0))  # fmt: skip
+    for read in reads:
+        with pytest.raises(ConfigError, match="not a plain path inside the run") as err:
+            read()
+        assert repr(bad) in str(err.value) and "\n" not in str(err.value)
+    assert not list(tmp_path.rglob("escaped")) and not list(tmp_path.rglob("COMPLETE"))
+    store.close()
+
+
+def test_a_run_on_a_store_mirrored_for_eval_writes_nothing_outside_the_mirror(s3, tmp_path):
+    """`plm eval --models s3://.../run`: a complete checkpoint whose listing holds a key
+    ``../../../../escaped`` is refused with one EvalError naming the key, before it is
+    written beside (outside) the mirror."""
+    from pipeline.eval.store_run import StoreMirror
+    from pipeline.eval.suite import EvalError
+
+    uri, tag = s3.prefix("run"), "step00000001"
+    _put_key(s3, uri, f"checkpoints/{tag}/config.yaml", b"name: x\n")
+    _put_key(s3, uri, f"checkpoints/{tag}/COMPLETE", json.dumps({"step": 1}).encode())
+    bad = f"checkpoints/{tag}/{ESCAPED[3:]}"  # from <tag>/ to tmp_path
+    _put_key(s3, uri, bad)
+    mirror = StoreMirror(uri, tmp_path)
+    with pytest.raises(EvalError, match="not a plain path inside the run") as err:
+        mirror.sync()
+    assert repr(bad) in str(err.value) and "\n" not in str(err.value)
+    assert not list(tmp_path.rglob("escaped"))
+    assert not (mirror.local / "checkpoints" / tag / "COMPLETE").exists()
