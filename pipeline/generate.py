@@ -228,12 +228,12 @@ def generate_text(
     """Load the model, continue the prompt; returns {"text", "prompt", "completion", ...}."""
     from tokenizers import Tokenizer
 
-    from pipeline.models.bundle import load_bundle
+    from pipeline.models.bundle import load_bundle, own_file
 
     with tempfile.TemporaryDirectory(prefix="plm-generate-") as tmp:
         bundle = resolve_bundle(model_uri, tracking_uri, tmp)
         model, config = load_bundle(bundle)
-        tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+        tokenizer = Tokenizer.from_file(str(own_file(bundle, "tokenizer.json")))
     if config["arch"] not in GENERATIVE:
         raise ConfigError(
             f"MODEL {model_uri!r} is a {config['arch']}, not a left-to-right language model; "

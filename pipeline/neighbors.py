@@ -73,11 +73,11 @@ def neighbors(model_ref: str | Path, word: str, k: int = 10) -> list[tuple[str, 
     """[(token, cosine)] of the k nearest tokens of ``word``."""
     from tokenizers import Tokenizer
 
-    from pipeline.models.bundle import load_bundle, special_ids
+    from pipeline.models.bundle import load_bundle, own_file, special_ids
 
     bundle = resolve_bundle(model_ref)
     model, config = load_bundle(bundle)
-    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(own_file(bundle, "tokenizer.json")))
     vectors, candidates = static_vectors(model, config["arch"])
     specials = special_ids(bundle)
     ids = [i for i in word_ids(tokenizer, word) if i not in specials]

@@ -46,6 +46,7 @@ from pipeline.export.hf_xlnet import hf_xlnet_model, xlnet_template, xlnet_to_hf
 from pipeline.models.bundle import (
     BundleTensors,
     max_shard_bytes_of,
+    own_file,
     read_bundle_config,
     replace_dir,
 )
@@ -106,7 +107,7 @@ def _hf_tokenizer(
     from tokenizers.processors import TemplateProcessing
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer.from_file(str(bundle_dir / "tokenizer.json"))
+    tok = Tokenizer.from_file(str(own_file(bundle_dir, "tokenizer.json")))
     names = {role: tok.id_to_token(i) for role, i in roles.items() if i is not None}
     if arch in ("bert", "albert", "electra", "ernie", "distilbert"):
         cls, sep = names["cls"], names["sep"]

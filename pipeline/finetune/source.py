@@ -91,7 +91,13 @@ def load_backbone(source: ModelSource, ds_config: dict[str, Any] | None = None):
     ZeRO-3 ``ds_config`` (collective: every rank calls it) the model is built partitioned
     (``partitioned_build``) and filled in place, one parameter at a time
     (``load_into_partitions``): no rank ever holds the whole model."""
-    from pipeline.models.bundle import check_names, load_bundle, read_bundle_config
+    from pipeline.models.bundle import (
+        BundleError,
+        check_names,
+        load_bundle,
+        own_file,
+        read_bundle_config,
+    )
 
     path = source.path
     if (path / FINETUNE_FILE).is_file():
@@ -105,6 +111,7 @@ def load_backbone(source: ModelSource, ds_config: dict[str, Any] | None = None):
             f"model source {source.uri!r} is not a model bundle: no config.yaml (found: "
             f"{', '.join(found) or 'nothing'}); point it at a bundle written by `plm train`"
         )
+    own_file(path, "config.yaml")  # a link out of it: refused as itself, before any read
     try:
         if not partitioned(ds_config):
             return load_bundle(path)
@@ -117,6 +124,8 @@ def load_backbone(source: ModelSource, ds_config: dict[str, Any] | None = None):
         with partitioned_build(ds_config):
             model = build_model(config["arch"], model_cfg)
         check_names(path, model)
+    except BundleError:  # a file outside the bundle: its own line, not "incompatible"
+        raise
     except (ValueError, RuntimeError, FileNotFoundError, KeyError, OSError) as err:
         raise FinetuneError(
             f"model source {source.uri!r} is an incompatible bundle: {str(err).splitlines()[0]}"
@@ -247,10 +256,13 @@ def build_task_model(backbone, meta: dict[str, Any]):
 
 def load_finetuned(path: str | Path):
     """(TaskModel in eval mode, finetune meta, backbone bundle dir) from a fine-tuned folder."""
-    from pipeline.models.bundle import load_bundle
+    from pipeline.models.bundle import bundle_file, load_bundle
 
     path = Path(path)
-    meta_file = path / FINETUNE_FILE
+    # Its three parts, none a link out of the folder (a model from MLflow, a copy).
+    meta_file, head_file, backbone_dir = (
+        bundle_file(path, name, FINETUNE_FILE) for name in (FINETUNE_FILE, HEAD_FILE, BACKBONE_DIR)
+    )
     if not meta_file.is_file():
         raise FinetuneError(
             f"{path} is not a fine-tuned model (no {FINETUNE_FILE}); `plm finetune` writes one"
@@ -260,14 +272,14 @@ def load_finetuned(path: str | Path):
         raise FinetuneError(
             f"{meta_file}: format_version {meta.get('format_version')!r}, expected {FORMAT_VERSION}"
         )
-    backbone, _ = load_bundle(path / BACKBONE_DIR)
+    backbone, _ = load_bundle(backbone_dir)
     model = build_task_model(backbone, meta)
-    head = load_file(str(path / HEAD_FILE))
+    head = load_file(str(head_file))
     missing, unexpected = model.load_state_dict(head, strict=False)
     missing = [k for k in missing if not k.startswith("backbone.")]
     if missing or unexpected:
         raise FinetuneError(
-            f"{path / HEAD_FILE} does not fit the task: missing {missing}, unexpected {unexpected}"
+            f"{head_file} does not fit the task: missing {missing}, unexpected {unexpected}"
         )
     model.eval()
-    return model, meta, path / BACKBONE_DIR
+    return model, meta, backbone_dir

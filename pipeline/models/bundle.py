@@ -338,7 +338,7 @@ def replace_dir(new: Path, target: Path) -> None:
 
 def read_bundle_config(bundle_dir: str | Path) -> dict[str, Any]:
     bundle_dir = Path(bundle_dir)
-    path = bundle_dir / CONFIG_FILE
+    path = own_file(bundle_dir, CONFIG_FILE)
     if not path.is_file():
         raise FileNotFoundError(f"{bundle_dir} is not a model bundle: no {CONFIG_FILE}")
     config = yaml.safe_load(path.read_text(encoding="utf-8"))
@@ -379,6 +379,17 @@ def bundle_file(bundle_dir: Path, name: object, named_by: str) -> Path:
             "read: copy the file into the bundle"
         )
     return path
+
+
+def own_file(bundle_dir: str | Path, name: str) -> Path:
+    """File ``name`` of those every bundle has (config.yaml, the tokenizer's), once none
+    of them is a link out of the bundle: the one check of every reader of a bundle
+    (``read_bundle_config``, ``special_ids``, the tokenizer's readers), so a bundle from
+    elsewhere (MLflow, a copy) cannot have ``plm`` read a file outside it."""
+    bundle_dir = Path(bundle_dir)
+    for own in (CONFIG_FILE, *TOKENIZER_FILES):
+        bundle_file(bundle_dir, own, CONFIG_FILE)
+    return bundle_dir / name
 
 
 def weight_files(bundle_dir: str | Path) -> list[Path]:
@@ -595,7 +606,7 @@ def bundle_in(folder: Path) -> Path | None:
 
 def special_ids(bundle: Path) -> set[int]:
     """The ids of a bundle's special tokens (its tokenizer_meta.json)."""
-    meta = json.loads((bundle / "tokenizer_meta.json").read_text(encoding="utf-8"))
+    meta = json.loads(own_file(bundle, "tokenizer_meta.json").read_text(encoding="utf-8"))
     return {int(i) for i in meta.get("special_tokens", {}).values()}
 
 

@@ -482,3 +482,93 @@ def test_a_run_on_a_store_mirrored_for_eval_writes_nothing_outside_the_mirror(s3
     assert repr(bad) in str(err.value) and "\n" not in str(err.value)
     assert not list(tmp_path.rglob("escaped"))
     assert not (mirror.local / "checkpoints" / tag / "COMPLETE").exists()
+
+
+# --- bundles: their own files (config.yaml, the tokenizer) as links ---------------------------
+
+BUNDLE_OWN = ("config.yaml", "tokenizer.json", "tokenizer_meta.json")
+
+
+def _link_out(bundle: Path, outside: Path, name: str) -> Path:
+    """The bundle's file ``name`` moved out of it and linked back: valid, read only
+    through the link."""
+    shutil.move(bundle / name, outside / name)
+    (bundle / name).symlink_to(outside / name)
+    return outside / name
+
+
+def _bundle_readers() -> dict:
+    """Every reader of a bundle, each given the bundle folder."""
+    from pipeline.finetune.source import ModelSource, load_backbone
+    from pipeline.generate import generate_text
+    from pipeline.models.bundle import load_bundle, read_bundle_config, special_ids
+    from pipeline.neighbors import neighbors
+
+    return {
+        "load_bundle": load_bundle,
+        "read_bundle_config": read_bundle_config,
+        "special_ids": special_ids,
+        "finetune": lambda b: load_backbone(ModelSource(b, str(b))),
+        "neighbors": lambda b: neighbors(b, "the"),
+        "generate": lambda b: generate_text(str(b), "the", max_new_tokens=1),
+    }
+
+
+@pytest.mark.parametrize("name", BUNDLE_OWN)
+def test_a_bundle_file_linked_out_of_the_bundle_is_refused_by_every_reader(
+    sharded_bundle, tmp_path, name
+):
+    bundle, outside = _copy_bundle(sharded_bundle, tmp_path)
+    target = _link_out(bundle, outside, name)
+    for reader, read in _bundle_readers().items():
+        with pytest.raises(ConfigError, match="outside the bundle") as err:
+            read(bundle)
+        text = str(err.value)
+        assert str(bundle / name) in text and str(target) in text, (reader, text)
+
+
+def test_export_of_a_bundle_whose_tokenizer_is_a_link_out_is_one_line(
+    sharded_bundle, tmp_path, capsys
+):
+    from pipeline.cli import main
+
+    for name in BUNDLE_OWN:
+        bundle, outside = _copy_bundle(sharded_bundle, tmp_path / name)
+        target = _link_out(bundle, outside, name)
+        out = tmp_path / name / "hf"
+        assert main(["export", "--to", "hf", str(bundle), str(out)]) == 2
+        (line,) = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith("plm: ") and str(target) in line, line
+        assert not out.exists()
+
+
+def _finetuned(bundle: Path, out: Path) -> Path:
+    """A fine-tuned folder (finetune.yaml, head.safetensors, backbone/) around ``bundle``."""
+    from safetensors.torch import save_file
+
+    from pipeline.finetune.source import BACKBONE_DIR, FINETUNE_FILE, HEAD_FILE, build_task_model
+    from pipeline.models.bundle import load_bundle
+
+    meta = {"task": {"type": "classification"}, "mode": "full", "labels": ["a", "b"]}
+    backbone, _ = load_bundle(bundle)
+    head = {k: v for k, v in build_task_model(backbone, meta).state_dict().items()
+            if not k.startswith("backbone.")}  # fmt: skip
+    out.mkdir(parents=True)
+    shutil.copytree(bundle, out / BACKBONE_DIR)
+    save_file(head, str(out / HEAD_FILE))
+    (out / FINETUNE_FILE).write_text(json.dumps({"format_version": 1, **meta}))
+    return out
+
+
+@pytest.mark.parametrize("name", ["finetune.yaml", "head.safetensors", "backbone"])
+def test_a_finetuned_folder_whose_part_is_a_link_out_is_not_read(sharded_bundle, tmp_path, name):
+    from pipeline.finetune.source import load_finetuned
+
+    folder = _finetuned(sharded_bundle, tmp_path / "ft")
+    load_finetuned(folder)  # the crafting is sound: it loads
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    target = _link_out(folder, outside, name)
+    with pytest.raises(ConfigError, match="outside") as err:
+        load_finetuned(folder)
+    assert str(folder / name) in str(err.value) and str(target) in str(err.value)
