@@ -134,11 +134,17 @@ def _train(args: argparse.Namespace) -> int:
     from pipeline.config import load_config
 
     cfg = load_config(args.config, args.overrides)  # fails here, naming the key
+    from pipeline.train.checkpoint import CheckpointError
+
     if args.dry_run:
         from pipeline.train.plan import print_plan
 
-        return print_plan(cfg)
-    from pipeline.train.checkpoint import CheckpointError
+        try:
+            return print_plan(cfg)
+        except CheckpointError as err:  # the run's `latest` cannot be resumed: as below
+            if _prints(err):  # a CheckpointNameError is a ConfigError too: rank 0's line
+                print(f"plm: {err}", file=sys.stderr)
+            return 2
     from pipeline.train.faults import EXIT_PEER_LOST, PeerLost
     from pipeline.train.stop import TrainingStopped
     from pipeline.train.trainer import TrainingDiverged, train

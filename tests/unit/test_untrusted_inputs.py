@@ -572,3 +572,24 @@ def test_a_finetuned_folder_whose_part_is_a_link_out_is_not_read(sharded_bundle,
     with pytest.raises(ConfigError, match="outside") as err:
         load_finetuned(folder)
     assert str(folder / name) in str(err.value) and str(target) in str(err.value)
+
+
+# --- plm train --dry-run: a checkpoint that cannot be resumed ---------------------------------
+
+
+def test_dry_run_with_latest_naming_an_incomplete_checkpoint_is_one_line(
+    tiny_data, tmp_path, monkeypatch, capsys
+):
+    """`latest` names a tag whose COMPLETE is missing: the dry run says so in one `plm:` line,
+    exit 2 (a checkpoint error, as `plm train` without --dry-run), no traceback."""
+    from pipeline.cli import main
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step00000002").mkdir(parents=True)
+    (run / "checkpoints" / "latest").write_text("step00000002")
+    monkeypatch.chdir(tmp_path)
+    argv = ["train", str(REPO / "configs/test/bert-tiny.yaml"), f"data.path={tiny_data}",
+            f"train.out_dir={run}", "--dry-run"]  # fmt: skip
+    assert main(argv) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("plm: ") and "step00000002" in line and "COMPLETE" in line, line
