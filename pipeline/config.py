@@ -101,6 +101,18 @@ def uri_secret_part(uri: str) -> str | None:
     return "query (?...)" if m["query"] is not None else None
 
 
+def tracking_uri_refusal(what: str, value: str) -> str:
+    """The one line that refuses an MLflow tracking URI with a user part in a config: the
+    config is printed and logged as the run's params. (MLFLOW_TRACKING_URI may carry one:
+    pipeline/tracking_uri.py moves it into MLflow's variables.)"""
+    return (
+        f"{what}={redact_uri(value)}: a tracking URI here may not carry a user part "
+        "(user:pass@): the config is printed and logged as MLflow params; give "
+        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD_FILE (a file holding the "
+        "password) in the environment (docs/tracking.md)"
+    )
+
+
 def local_path_refusal(what: str, value: str, alternative: str = "") -> str:
     """The one line that refuses a URI given to ``what`` (a flag or a config key)."""
     line = f"{what}={redact_uri(value)}: {what} takes a local path, not a URI"
@@ -149,11 +161,20 @@ def _refuse_secrets(value: Any) -> Any:
     return value
 
 
+def _refuse_tracking_secrets(value: Any) -> Any:
+    m = _URI_PARTS.match(value) if is_uri(value) else None
+    if m is not None and m["user"] is not None:  # a query is MLflow's own business
+        raise PydanticCustomError("tracking_uri", "{value} carries a user part",
+                                  {"value": redact_uri(value)})  # fmt: skip
+    return value
+
+
 # Config field types: a local path (a URI refused, naming the key), a bundle reference
 # (a local folder or an MLflow URI, never a filesystem URI), a local path or a store URI.
 LocalPath = Annotated[str, refuse_uri()]
 BundleRef = Annotated[str, refuse_uri(f"give {BUNDLE_OR_MLFLOW}")]
 StorePath = Annotated[str, AfterValidator(_refuse_secrets)]
+TrackingUri = Annotated[str, AfterValidator(_refuse_tracking_secrets)]  # no user:pass@
 
 
 def local_path_type(alternative: str) -> Any:
@@ -161,14 +182,19 @@ def local_path_type(alternative: str) -> Any:
     return Annotated[str, refuse_uri(alternative)]
 
 
+URI_ERRORS = ("local_path", "store_uri", "tracking_uri")  # each said in one line
+
+
 def uri_error_line(err: ValidationError) -> str | None:
-    """The one line of a URI refused by a LocalPath / StorePath key, or None."""
+    """The one line of a URI refused by a LocalPath / StorePath / TrackingUri key, or None."""
     for e in err.errors():
-        if e["type"] in ("local_path", "store_uri"):
+        if e["type"] in URI_ERRORS:
             key = ".".join(str(p) for p in e["loc"])
             ctx = e.get("ctx") or {}
             if e["type"] == "local_path":
                 return local_path_refusal(key, ctx["value"], ctx.get("alternative", ""))
+            if e["type"] == "tracking_uri":
+                return tracking_uri_refusal(key, ctx["value"])
             return store_uri_refusal(key, ctx["value"])
     return None
 
@@ -243,7 +269,7 @@ class DistillConfig(Strict):
     """DistilBERT: loss = alpha_ce * soft CE(T) + alpha_mlm * MLM + alpha_cos * cosine."""
 
     teacher: BundleRef = ""  # bundle dir, runs:/RUN_ID/model or models:/NAME@ALIAS
-    tracking_uri: str | None = None  # for URIs; None: MLFLOW_TRACKING_URI or the local store
+    tracking_uri: TrackingUri | None = None  # for URIs; None: MLFLOW_TRACKING_URI or local
     temperature: float = Field(2.0, gt=0)
     alpha_ce: float = Field(5.0, ge=0)
     alpha_mlm: float = Field(2.0, ge=0)
@@ -512,7 +538,7 @@ def with_global_batch(cfg: ExperimentConfig, world: int) -> ExperimentConfig:
 
 class MlflowSection(Strict):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
-    tracking_uri: str | None = None  # None: MLFLOW_TRACKING_URI or the local store in the cwd
+    tracking_uri: TrackingUri | None = None  # None: MLFLOW_TRACKING_URI or the local store
     # The MLflow experiment of the run (None: the config's `name`, which stays the
     # registered model's name) and the run's name (None: the name of train.out_dir).
     experiment: str | None = None
@@ -624,7 +650,7 @@ def _format_validation_error(
     uri_line = uri_error_line(err)
     if uri_line is not None:  # a URI where a local path is taken: one line
         item = next((_given_as(e["loc"], given) for e in err.errors()
-                     if e["type"] in ("local_path", "store_uri")), None)  # fmt: skip
+                     if e["type"] in URI_ERRORS), None)  # fmt: skip
         return f"{uri_line} ({f'given on the command line: {item}' if item else source})"
     errors = err.errors()
     items = [_given_as(e["loc"], given) for e in errors]

@@ -100,3 +100,55 @@ def test_every_experiment_config_validates_with_its_model_preset(path):
     cfg = load_config(path, [])
     model = resolve_model_config(cfg.model.model_dump(), 1000)
     assert model.vocab_size == 1000
+
+
+# --- no credentials in a config's URIs (issue 49): it is printed and logged as MLflow params
+
+
+def test_a_tracking_uri_with_a_user_part_is_refused_naming_the_key(tmp_path):
+    """mlflow.tracking_uri (and distill.tracking_uri, and every stage's mlflow section) may
+    not carry user:pass@: one line naming the key, the password masked, the variables to
+    use; a URI without one, or MLflow's own query, is taken."""
+    from pipeline.finetune.config import validate_finetune
+
+    secret = "http://bert-job:hunter2hunter2@mlflow.internal:5000"
+    for key, validate in (
+        ("mlflow.tracking_uri", lambda v: validate_dict({**BASE, "mlflow": {"tracking_uri": v}})),
+        ("objective.distill.tracking_uri", lambda v: validate_dict(
+            {**BASE, "objective": {"kind": "distill", "distill": {"tracking_uri": v}}})),
+        ("mlflow.tracking_uri", lambda v: validate_finetune(
+            {"name": "x", "model": {"source": "m"}, "task": {"type": "classification"},
+             "data": {"train": "t.jsonl"}, "mlflow": {"tracking_uri": v}}, "c.yaml")),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            validate(secret)
+        text = str(err.value)
+        assert "\n" not in text and "hunter2" not in text and "bert-job" not in text, text
+        assert text.startswith(f"{key}=http://***@mlflow.internal:5000: a tracking URI"), text
+        assert "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD_FILE" in text
+        for fine in ("http://mlflow.internal:5000", "sqlite:///mlflow.db", "databricks"):
+            validate(fine)
+    with pytest.raises(ConfigError, match="user part"):  # a token alone is a secret too
+        validate_dict({**BASE, "mlflow": {"tracking_uri": "https://tok3n@mlflow.internal"}})
+
+
+def test_a_tracking_uri_override_with_a_password_is_refused_as_the_command_lines():
+    config = CONFIGS_DIR / "test" / "bert-tiny.yaml"
+    with pytest.raises(ConfigError) as err:
+        load_config(config, ["mlflow.tracking_uri=http://u:hunter2hunter2@127.0.0.1:5000"])
+    text = str(err.value)
+    assert text.startswith("mlflow.tracking_uri=http://***@127.0.0.1:5000: a tracking URI")
+    assert text.endswith("(given on the command line: mlflow.tracking_uri=http://***@127.0.0.1:5000)")  # fmt: skip
+    assert "hunter2" not in text
+
+
+def test_a_store_uri_with_credentials_is_refused_naming_the_key():
+    """StorePath keys (data.path, train.out_dir, ...) refuse s3://KEY:SECRET@bucket alike
+    (every such key: tests/unit/test_uri_paths.py)."""
+    for raw, key in (({**BASE, "data": {"path": "s3://AKIA:hunter2@b/d"}}, "data.path"),
+                     ({**BASE, "train": {"out_dir": "s3://AKIA:hunter2@b/r"}}, "train.out_dir")):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            validate_dict(raw)
+        text = str(err.value)
+        assert text.startswith(f"{key}=s3://***@b/") and "hunter2" not in text, text
+        assert "user part" in text and "AWS_SECRET_ACCESS_KEY" in text
