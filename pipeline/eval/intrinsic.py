@@ -112,9 +112,9 @@ def check_coverage(kind: str, task: str, rows_file: str, bundle: str | Path) -> 
     (a similarity pair needs both words, an analogy its answer as one token)."""
     from tokenizers import Tokenizer
 
-    from pipeline.models.bundle import special_ids
+    from pipeline.models.bundle import own_file, special_ids
 
-    tokenizer = Tokenizer.from_file(str(Path(bundle) / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(own_file(bundle, "tokenizer.json")))
     specials = special_ids(Path(bundle))
     rows = _read_rows(rows_file)
     if kind == "similarity":

@@ -25,6 +25,7 @@ import yaml
 from pipeline.config import is_uri
 from pipeline.eval.checkpoint_bundle import bundle_from_checkpoint, checkpoint_meta
 from pipeline.eval.suite import EvalError
+from pipeline.models.bundle import own_file
 
 RANDOM = "random"
 
@@ -51,7 +52,8 @@ class Candidate:
 
 
 def read_arch(bundle: Path) -> str:
-    return str(yaml.safe_load((bundle / "config.yaml").read_text(encoding="utf-8"))["arch"])
+    config = own_file(bundle, "config.yaml")  # a link out of the bundle is refused
+    return str(yaml.safe_load(config.read_text(encoding="utf-8"))["arch"])
 
 
 def _is_bundle(path: Path) -> bool:
@@ -144,7 +146,8 @@ def _mlflow_candidate(uri: str, tracking_uri: str | None, work_dir: Path) -> Can
 
     safe = "".join(c if c.isalnum() else "_" for c in uri)
     src = resolve_source(uri, tracking_uri, work_dir / "downloads" / safe)
-    meta = yaml.safe_load((src.path / "config.yaml").read_text(encoding="utf-8")).get("meta", {})
+    config = own_file(src.path, "config.yaml")
+    meta = yaml.safe_load(config.read_text(encoding="utf-8")).get("meta", {})
     step = meta.get("step")
     return Candidate(
         label=uri,
@@ -215,7 +218,8 @@ def _local_candidates(path: Path, work_dir: Path) -> list[Candidate]:
             raise EvalError(f"--models {path}: the run has no complete checkpoint yet")
         return [checkpoint_candidate(t, work_dir) for t in tags]
     if _is_bundle(path):
-        meta = yaml.safe_load((path / "config.yaml").read_text(encoding="utf-8")).get("meta", {})
+        config = own_file(path, "config.yaml")
+        meta = yaml.safe_load(config.read_text(encoding="utf-8")).get("meta", {})
         step = meta.get("step")
         return [Candidate(label=str(path), bundle=path,
                           step=int(step) if step is not None else None,

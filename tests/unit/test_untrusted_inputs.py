@@ -499,6 +499,8 @@ def _link_out(bundle: Path, outside: Path, name: str) -> Path:
 
 def _bundle_readers() -> dict:
     """Every reader of a bundle, each given the bundle folder."""
+    from pipeline.eval.intrinsic import check_coverage
+    from pipeline.eval.sources import read_arch, resolve_candidates
     from pipeline.finetune.source import ModelSource, load_backbone
     from pipeline.generate import generate_text
     from pipeline.models.bundle import load_bundle, read_bundle_config, special_ids
@@ -511,7 +513,16 @@ def _bundle_readers() -> dict:
         "finetune": lambda b: load_backbone(ModelSource(b, str(b))),
         "neighbors": lambda b: neighbors(b, "the"),
         "generate": lambda b: generate_text(str(b), "the", max_new_tokens=1),
+        "eval_arch": read_arch,
+        "eval_candidates": lambda b: resolve_candidates([str(b)], b.parent / "work", None),
+        "eval_coverage": lambda b: check_coverage("similarity", "t", _no_rows(b), b),
     }
+
+
+def _no_rows(bundle: Path) -> str:
+    rows = bundle.parent / "rows.jsonl"
+    rows.write_text("", encoding="utf-8")
+    return str(rows)
 
 
 @pytest.mark.parametrize("name", BUNDLE_OWN)
