@@ -315,6 +315,38 @@ def _add_eval_parser(sub) -> None:
     ev.set_defaults(func=_eval)
 
 
+TRACKING_USER_HELP = """\
+an MLflow server's users (its basic-auth app), made by its admin, who signs in from the
+environment: MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD_FILE (or
+MLFLOW_TRACKING_PASSWORD). The new user's password comes from --password-file only, never
+from the command line (every process list shows it); --generate writes a new one there.
+
+  plm tracking user job --user bert-job --experiment bert-tiny \\
+      --password-file ~/.mlflow/bert-job --generate
+  plm tracking user viewer --user viewer --password-file ~/.mlflow/viewer --generate
+
+docs/tracking.md ("Who may write") says what each role may do."""
+
+
+def _add_tracking_parser(sub) -> None:
+    """`plm tracking user job|viewer` (pipeline/tracking_admin.py)."""
+    from pipeline.tracking_admin import add_role_parsers
+
+    tracking = sub.add_parser("tracking", help="the MLflow server's users (its admin)")
+    user = tracking.add_subparsers(dest="tracking_command", required=True).add_parser(
+        "user", help="make a job's user or a viewer", description=TRACKING_USER_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_role_parsers(user.add_subparsers(dest="role", required=True), path_arg=_local)
+    user.set_defaults(func=_tracking_user)
+
+
+def _tracking_user(args: argparse.Namespace) -> int:
+    from pipeline.tracking_admin import run
+
+    return run(args)  # an AdminError is a ConfigError: one plm: line, exit 2
+
+
 DESCRIPTION = """\
 Pretrain language models of the ELMo -> GPT -> BERT family on your own text: train a
 tokenizer, turn a corpus into shards (a Ray job), pretrain under DeepSpeed (from one CPU
@@ -545,6 +577,8 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "kill":
             cmd.add_argument("host")
             cmd.add_argument("--signal", default="KILL", help="KILL (a lost host) or TERM")
+
+    _add_tracking_parser(sub)
 
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
     _local(demo, "--workdir", default="demo")

@@ -1,9 +1,11 @@
 """The users of an MLflow server with authentication (``mlflow server --app-name
 basic-auth``): a job's user and a viewer, made by its admin.
 
-    python -m pipeline.tracking_admin job --user NAME --experiment EXP [--model MODEL]
+    plm tracking user job --user NAME --experiment EXP [--model MODEL]
         --password-file FILE [--generate] [--permission EDIT|MANAGE] [--tracking-uri URL]
-    python -m pipeline.tracking_admin viewer --user NAME --password-file FILE [--generate]
+    plm tracking user viewer --user NAME --password-file FILE [--generate]
+
+(``python -m pipeline.tracking_admin job|viewer ...`` is the same without the CLI.)
 
 The admin signs in as any MLflow client does, from the environment: MLFLOW_TRACKING_USERNAME
 and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_PASSWORD_FILE). The new user's password
@@ -28,6 +30,7 @@ import argparse
 import os
 import secrets
 import sys
+import urllib.parse
 from pathlib import Path
 
 from pipeline.config import ConfigError, redact_uri
@@ -40,9 +43,10 @@ class AdminError(ConfigError):
     """A step the server refused; the message names it and what it said."""
 
 
-def password_from(path: Path, generate: bool) -> str:
+def password_from(path: str | Path, generate: bool) -> str:
     """The password in ``path``; with ``generate``, a new one written there (0600) when the
     file does not exist."""
+    path = Path(path)
     if generate and not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -134,48 +138,89 @@ def make_viewer(uri: str, user: str, password: str) -> dict:
     return {"user": user, "created": made, "permission": "READ"}
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m pipeline.tracking_admin",
-                                     description=__doc__.split("\n\n")[0])  # fmt: skip
-    sub = parser.add_subparsers(dest="role", required=True)
-    for role in ("job", "viewer"):
-        p = sub.add_parser(role)
+ROLES = {
+    "job": "a job's user: EDIT (or MANAGE) on its own experiment and registered model",
+    "viewer": "a viewer: READ on every experiment and registered model, writes nothing",
+}
+NO_PASSWORD_ARG = (
+    "passwords never go on the command line (every process list shows it): "
+    "give --password-file FILE (--generate: a new one written there)"
+)
+
+
+class _RefusePassword(argparse.Action):
+    """``--password X``: refused without echoing X (argparse's own error would print it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {NO_PASSWORD_ARG}")
+
+
+def add_role_parsers(sub, path_arg=None) -> None:
+    """The ``job`` and ``viewer`` commands, on ``sub`` (this module's parser, or `plm
+    tracking user`'s, whose ``path_arg`` registers a local-path flag: a URI refused). No
+    abbreviations: ``--password`` must not stand for ``--password-file``."""
+    path_arg = path_arg or (lambda p, *flags, **kw: p.add_argument(*flags, **kw))
+    for role, text in ROLES.items():
+        p = sub.add_parser(role, help=text, description=text, allow_abbrev=False)
         p.add_argument("--user", required=True)
-        p.add_argument("--password-file", type=Path, required=True,
-                       help="the new user's password (never on the command line)")  # fmt: skip
+        path_arg(p, "--password-file", required=True,
+                 help="the new user's password (never on the command line)")  # fmt: skip
         p.add_argument("--generate", action="store_true",
                        help="write a new random password there (0600) if the file is absent")  # fmt: skip
+        p.add_argument("--password", nargs="?", action=_RefusePassword, help=argparse.SUPPRESS)
         p.add_argument("--tracking-uri", help="the server (default: MLFLOW_TRACKING_URI)")
         if role == "job":
             p.add_argument("--experiment", required=True)
             p.add_argument("--model", help="the registered model (default: the experiment)")
             p.add_argument("--permission", default="EDIT", choices=WRITE_LEVELS)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m pipeline.tracking_admin",
+                                     description=__doc__.split("\n\n")[0])  # fmt: skip
+    add_role_parsers(parser.add_subparsers(dest="role", required=True))
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def server_uri(given: str | None) -> str:
+    """The server to talk to; a ``--tracking-uri`` with a user part is refused (argv is in
+    every process list), MLFLOW_TRACKING_URI's is moved into MLflow's variables."""
     from pipeline.tracking_uri import resolve_tracking_uri
 
+    if given and "@" in urllib.parse.urlsplit(given).netloc:
+        raise AdminError(f"--tracking-uri={redact_uri(given)}: a URI on the command line may "
+                         "not carry a user part (every process list shows it): give it without "
+                         "and sign in with MLFLOW_TRACKING_USERNAME and "
+                         "MLFLOW_TRACKING_PASSWORD_FILE")  # fmt: skip
+    uri = resolve_tracking_uri(given)
+    if not uri.startswith(("http://", "https://")):
+        raise AdminError(f"{uri}: users live on an MLflow server; give --tracking-uri URL")
+    return uri
+
+
+def run(args: argparse.Namespace) -> int:
+    """Make the user ``args`` names; an AdminError (a ConfigError) for what went wrong."""
+    uri = server_uri(args.tracking_uri)
+    password = password_from(args.password_file, args.generate)
+    if args.role == "job":
+        done = make_job_user(uri, args.user, password, args.experiment,
+                             args.model or args.experiment, args.permission)  # fmt: skip
+        print(f"user {done['user']!r} ({'created' if done['created'] else 'existed'}): "
+              f"{done['permission']} on experiment {args.experiment!r} (id "
+              f"{done['experiment_id']}) and registered model {done['model']!r}")  # fmt: skip
+    else:
+        done = make_viewer(uri, args.user, password)
+        print(f"user {done['user']!r} ({'created' if done['created'] else 'existed'}): "
+              "READ on every experiment and registered model")  # fmt: skip
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        args = parse_args(argv)
-        uri = resolve_tracking_uri(args.tracking_uri)
-        if not uri.startswith(("http://", "https://")):
-            raise AdminError(f"{uri}: users live on an MLflow server; give --tracking-uri URL")
-        password = password_from(args.password_file, args.generate)
-        if args.role == "job":
-            done = make_job_user(uri, args.user, password, args.experiment,
-                                 args.model or args.experiment, args.permission)  # fmt: skip
-            print(f"user {done['user']!r} ({'created' if done['created'] else 'existed'}): "
-                  f"{done['permission']} on experiment {args.experiment!r} (id "
-                  f"{done['experiment_id']}) and registered model {done['model']!r}")  # fmt: skip
-        else:
-            done = make_viewer(uri, args.user, password)
-            print(f"user {done['user']!r} ({'created' if done['created'] else 'existed'}): "
-                  "READ on every experiment and registered model")  # fmt: skip
+        return run(parse_args(argv))
     except ConfigError as err:
         print(f"plm: {err}", file=sys.stderr)
         return 2
-    return 0
 
 
 if __name__ == "__main__":

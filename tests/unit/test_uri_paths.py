@@ -48,6 +48,10 @@ LOCAL_FLAGS = {
     **{("rig", c, "root"): ["rig", c, "--root", URI, *(["node1"] if c in ("exec", "kill") else [])]
        for c in ("up", "exec", "env", "mem", "kill", "down")},
     ("rig", "cp", "root"): ["rig", "cp", "--root", URI, "f", "node1:/tmp/f"],
+    ("tracking", "user", "job", "password_file"): ["tracking", "user", "job", "--user", "u",
+                                                   "--experiment", "e", "--password-file", URI],
+    ("tracking", "user", "viewer", "password_file"): ["tracking", "user", "viewer", "--user",
+                                                      "u", "--password-file", URI],
 }  # fmt: skip
 # Those that take a URI too (the store's tests: test_tokenizer_store.py).
 STORE_FLAGS = {
@@ -59,7 +63,8 @@ STORE_FLAGS = {
 _PATHISH = re.compile(r"input|output|dir|path|file|config|model|bundle|root|workdir|tokenizer|"
                       r"entities|out\b|teacher|source")  # fmt: skip
 NOT_PATHS = {("generate", "tracking_uri"), ("predict", "tracking_uri"), ("data", "prepare",
-             "ray_address"), ("rig", "up", "no_ssh")}  # fmt: skip
+             "ray_address"), ("rig", "up", "no_ssh"),
+             ("tracking", "user", "job", "model")}  # a registered model's name  # fmt: skip
 
 
 def _commands(parser: argparse.ArgumentParser, words=()):
