@@ -199,9 +199,24 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _no_credentials_flag(args: argparse.Namespace) -> None:
+    """--tracking-uri with a user part: refused (argv is in every process list)."""
+    from pipeline.config import ConfigError, redact_uri, uri_secret_part
+
+    value = getattr(args, "tracking_uri", None)
+    if value and (uri_secret_part(value) or "").startswith("user part"):
+        raise ConfigError(
+            f"--tracking-uri {redact_uri(value)}: may not carry a user part (user:pass@): "
+            "the command line is in every process list; give MLFLOW_TRACKING_USERNAME and "
+            "MLFLOW_TRACKING_PASSWORD_FILE (a file holding the password) in the environment "
+            "(docs/tracking.md)"
+        )
+
+
 def _generate(args: argparse.Namespace) -> int:
     from pipeline.generate import generate_from_cli
 
+    _no_credentials_flag(args)
     return generate_from_cli(args)
 
 
@@ -219,6 +234,7 @@ OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
 def _eval(args: argparse.Namespace) -> int:
     from pipeline.eval.suite import EvalError
 
+    _no_credentials_flag(args)
     if args.report:
         from pipeline.eval.evaluate import report_run
 
@@ -251,6 +267,7 @@ def _eval(args: argparse.Namespace) -> int:
 def _predict(args: argparse.Namespace) -> int:
     from pipeline.finetune.predict import predict
 
+    _no_credentials_flag(args)
     out = predict(args.model, args.input, args.output, args.batch_size, args.tracking_uri)
     print(f"predictions written to {out}")
     return 0

@@ -181,7 +181,7 @@ def unauthenticated(shown: str, answer: dict | str, experiment: str | None, stag
 def lacking(shown: str, user: str, have: str, what: str, stage: str) -> str:
     return (f"MLflow at {shown} gives user {user!r} {have} on {what}, and {stage} needs "
             f"EDIT there (HTTP 403 otherwise), so it does not start: run it as the job's "
-            f"own user, or have an admin grant it: python -m pipeline.tracking_admin job "
+            f"own user, or have an admin grant it: plm tracking user job "
             f"--user {user} ... (docs/tracking.md)")  # fmt: skip
 
 

@@ -86,3 +86,15 @@ def test_plm_tracking_user_makes_the_user_from_the_password_file(tmp_path, monke
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("plm: --tracking-uri=http://***@127.0.0.1:9: a URI")
     assert "hunter2" not in err and err.count("\n") == 1 and len(made) == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["predict", "m", "--input", "rows.jsonl"],
+    ["generate", "m", "--prompt", "x"],
+    ["eval", "--report", "r"],
+])  # fmt: skip
+def test_a_tracking_uri_flag_with_a_password_is_refused_without_showing_it(argv, capsys):
+    code = main([*argv, "--tracking-uri", "http://job:s3cret-pw@node0:5000"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("plm:") == 1, err
+    assert "s3cret-pw" not in err and "MLFLOW_TRACKING_PASSWORD_FILE" in err, err
