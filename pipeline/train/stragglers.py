@@ -9,10 +9,12 @@ does (it is ``SLOWDOWN`` times slower), is named once for the window: one `plm:`
 stderr, MLflow metrics. Shares, not its own work, decide: a slowed rank is slowed inside
 the all-reduce too, which makes its own wait read longer than it is.
 
-On a CPU the collective returns when it is done, so a clock around it measures the wait;
-on a GPU it only queues the kernel, and the wait is read from CUDA events around it.
-Under ZeRO-3 the forward pass's all-gathers already hold the ranks together, so part of
-the wait falls there and a straggler's share reads smaller.
+On a CPU the collective returns when it is done, so a clock around it measures the wait,
+and DeepSpeed's comm logger times its own collectives the same way (ZeRO-2's reductions
+after each micro-batch's backward, ZeRO-3's all-gathers), where a rank also waits. On a
+GPU a collective only queues the kernel: the all-reduce's wait is read from CUDA events
+around it, and DeepSpeed's collectives are not timed (its logger would synchronise the
+device after each), so under gradient accumulation or ZeRO-3 a straggler reads smaller.
 """
 
 from __future__ import annotations
@@ -64,6 +66,28 @@ def find_straggler(wait_s: list[float], step_s: list[float]) -> tuple[int, float
     return slow, (1 - share[slow]) / (1 - others), others
 
 
+def _comm_timers():
+    """On a CPU, DeepSpeed's own comm logger timing every collective it makes (ZeRO's
+    reductions in the backward pass, its all-gathers): where else a rank waits. Off on a
+    GPU, where it would synchronise the device after every collective. The timers, or
+    False."""
+    if torch.cuda.is_available():
+        return False
+    import deepspeed.comm as ds_comm
+    from deepspeed.comm import comm as ds_comm_impl
+
+    ds_comm.configure(enabled=True, prof_all=True, verbose=False)
+    return ds_comm_impl
+
+
+def _read_comm_s(comm) -> float:
+    """Seconds in DeepSpeed's collectives since the last read, the timers reset (the
+    logger's own records, cumulative per name, are dropped: they only grow)."""
+    total_ms = sum(t.elapsed(reset=True) for t in comm.timers.timers.values())
+    comm.comms_logger.comms_dict.clear()
+    return total_ms / 1000
+
+
 class StragglerWatch:
     """One rank's sums over the window; ``check(step)`` at every step's end (a collective
     every ``every`` steps, on every rank at the same step)."""
@@ -76,6 +100,7 @@ class StragglerWatch:
         self._began = 0.0
         self._first_step = 0
         self._names: list[tuple[str, str]] | None = None
+        self._comm = None  # DeepSpeed's comm timers (on a CPU), once the engine is up
 
     @property
     def on(self) -> bool:
@@ -84,10 +109,14 @@ class StragglerWatch:
     def begin_step(self, step: int) -> None:
         if not self._first_step:
             self._first_step = step
+        if self.on and self._comm is None:
+            self._comm = _comm_timers()
         self._began = time.perf_counter()
 
     def end_step(self) -> None:
         self.step_s += time.perf_counter() - self._began
+        if self._comm:
+            self.wait_s += _read_comm_s(self._comm)
 
     @contextmanager
     def sync(self, tensor: torch.Tensor):
