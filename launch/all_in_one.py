@@ -218,20 +218,46 @@ def read_secret(path: Path) -> str:
     return path.read_text(encoding="utf-8").strip()
 
 
-def auth_config(auth_dir: Path) -> Path:
-    """The basic-auth app's config (MLFLOW_AUTH_CONFIG_PATH): its user database in the
-    state folder, signed-in users read everything (READ), anonymous requests get 401. No
-    password in it: the admin's comes from its file through MLFLOW_AUTH_ADMIN_PASSWORD."""
-    auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    ini = auth_dir / "basic_auth.ini"
-    ini.write_text(
+def auth_ini(auth_dir: str | Path) -> str:
+    """The basic-auth app's config for a server whose state folder is ``auth_dir`` (on the
+    host that runs it): its user database there, signed-in users read everything (READ),
+    anonymous requests get 401. No password in it: the admin's comes through
+    MLFLOW_AUTH_ADMIN_PASSWORD."""
+    return (
         "[mlflow]\n"
         "default_permission = READ\n"
-        f"database_uri = sqlite:///{auth_dir / 'basic_auth.db'}\n"
+        f"database_uri = sqlite:///{Path(auth_dir) / 'basic_auth.db'}\n"
         f"admin_username = {ADMIN_USER}\n"
         "authorization_function = mlflow.server.auth:authenticate_request_basic_auth\n"
     )
+
+
+def auth_config(auth_dir: Path) -> Path:
+    """``auth_ini`` written into the state folder (MLFLOW_AUTH_CONFIG_PATH)."""
+    auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    ini = auth_dir / "basic_auth.ini"
+    ini.write_text(auth_ini(auth_dir))
     return ini
+
+
+def server_env(config: str | Path, admin_password: str, secret_key: str) -> dict[str, str]:
+    """The auth server's environment (on top of this process's): the secrets by
+    environment, never argv."""
+    # MLflow's job execution (the GenAI evaluation and prompt jobs; an unauthenticated
+    # job API was CVE-2026-0545) is off: pretraining does not use it, it adds 8
+    # processes to the server, and every start leaves a folder in /dev/shm that MLflow
+    # never removes. Its usage telemetry is off too, as in everything plm starts (a
+    # user's own MLFLOW_DISABLE_TELEMETRY wins).
+    env = {"MLFLOW_DISABLE_TELEMETRY": "true", **os.environ,
+           "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # fmt: skip
+    env.update(
+        MLFLOW_AUTH_CONFIG_PATH=str(config),
+        MLFLOW_AUTH_ADMIN_USERNAME=ADMIN_USER,
+        MLFLOW_AUTH_ADMIN_PASSWORD=admin_password,
+        # The basic-auth app's CSRF key; a fixed one, so a restart keeps sessions valid.
+        MLFLOW_FLASK_SERVER_SECRET_KEY=secret_key,
+    )
+    return env
 
 
 class MlflowServer:
@@ -257,21 +283,9 @@ class MlflowServer:
 
     def env(self) -> dict[str, str]:
         """The server's environment: secrets from the state folder's files, never argv."""
-        # MLflow's job execution (the GenAI evaluation and prompt jobs; an unauthenticated
-        # job API was CVE-2026-0545) is off: pretraining does not use it, it adds 8
-        # processes to the server, and every start leaves a folder in /dev/shm that MLflow
-        # never removes. Its usage telemetry is off too, as in everything plm starts (a
-        # user's own MLFLOW_DISABLE_TELEMETRY wins).
-        env = {"MLFLOW_DISABLE_TELEMETRY": "true", **os.environ,
-               "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}  # fmt: skip
-        env.update(
-            MLFLOW_AUTH_CONFIG_PATH=str(auth_config(self.auth_dir)),
-            MLFLOW_AUTH_ADMIN_USERNAME=ADMIN_USER,
-            MLFLOW_AUTH_ADMIN_PASSWORD=read_secret(self.password_file(ADMIN_USER)),
-            # The basic-auth app's CSRF key; a fixed one, so a restart keeps sessions valid.
-            MLFLOW_FLASK_SERVER_SECRET_KEY=read_secret(secret_file(self.auth_dir / "flask_secret_key")),
-        )  # fmt: skip
-        return env
+        return server_env(auth_config(self.auth_dir),
+                          read_secret(self.password_file(ADMIN_USER)),
+                          read_secret(secret_file(self.auth_dir / "flask_secret_key")))  # fmt: skip
 
     def start(self, timeout: float = 180.0, port: int | None = None) -> None:
         """Start (``port``: again on that port, as a restarted server would be)."""

@@ -15,19 +15,18 @@ with an experiment of its own.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
+import mlflow_auth_util as auth_util
 import pytest
 from conftest import REPO, load_launch_script, plm
+from mlflow_auth_util import CLIENT_VARS, signed_in
 
 from pipeline import tracking_admin
-from pipeline.tracking_auth import AccessRefused, auth_headers
+from pipeline.tracking_auth import AccessRefused
 from pipeline.tracking_uri import check_access
 
 pytestmark = pytest.mark.slow
@@ -36,22 +35,6 @@ aio = load_launch_script("all_in_one")
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 EXP = "bert-tiny"  # the tiny config's name: its experiment and its registered model
 OTHER, OTHER_USER = "someone-else", "other-job"
-CLIENT_VARS = ("MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD", "MLFLOW_TRACKING_TOKEN",
-               "MLFLOW_TRACKING_PASSWORD_FILE", "MLFLOW_TRACKING_URI")  # fmt: skip
-
-
-@contextlib.contextmanager
-def signed_in(user: str | None, password: str | None = None):
-    """MLflow's client variables meanwhile: ``user`` with ``password`` (None: nobody)."""
-    saved = {k: os.environ.pop(k) for k in CLIENT_VARS if k in os.environ}
-    if user:
-        os.environ.update(MLFLOW_TRACKING_USERNAME=user, MLFLOW_TRACKING_PASSWORD=password or "")
-    try:
-        yield
-    finally:
-        for k in CLIENT_VARS:
-            os.environ.pop(k, None)
-        os.environ.update(saved)
 
 
 def password(server, user: str) -> str:
@@ -98,39 +81,12 @@ def written(server) -> dict:
 def call(server, method: str, path: str, body=None, user: str | None = None,
          secret: str | None = None) -> tuple[int, bytes]:  # fmt: skip
     """One raw HTTP call: (status, body), as ``user`` (None: anonymous)."""
-    headers = {}
-    if user:
-        with signed_in(user, secret if secret is not None else password(server, user)):
-            headers = auth_headers()
-    data = None
-    if isinstance(body, dict):
-        data, headers["Content-Type"] = json.dumps(body).encode(), "application/json"
-    elif isinstance(body, bytes):
-        data = body
-    req = urllib.request.Request(f"{server.url}/{path}", data=data, headers=headers,
-                                 method=method)  # fmt: skip
-    try:
-        with urllib.request.urlopen(req, timeout=30) as r:
-            return r.status, r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
+    auth = (user, secret if secret is not None else password(server, user)) if user else None
+    return auth_util.call(server.url, method, path, body, auth)
 
 
 def writes(w: dict, exp: str | None = None) -> dict[str, tuple[str, str, object]]:
-    """The writes the issue names, on the job's run and model (or on experiment ``exp``)."""
-    exp = exp or w["exp"]
-    api = "api/2.0/mlflow"
-    return {
-        "create run": ("POST", f"{api}/runs/create", {"experiment_id": exp}),
-        "log metric": ("POST", f"{api}/runs/log-metric",
-                       {"run_id": w["run"], "key": "loss", "value": 0.0,
-                        "timestamp": 0, "step": 2}),
-        "upload artifact": ("PUT", f"api/2.0/mlflow-artifacts/artifacts/{w['exp']}/{w['run']}/"
-                            "artifacts/evil.txt", b"evil"),
-        "delete run": ("POST", f"{api}/runs/delete", {"run_id": w["run"]}),
-        "move alias": ("POST", f"{api}/registered-models/alias",
-                       {"name": EXP, "alias": "current", "version": "1"}),
-    }  # fmt: skip
+    return auth_util.writes(w, EXP, exp)
 
 
 def test_the_server_keeps_its_secrets_in_0600_files_and_off_its_command_line(server):
@@ -230,15 +186,9 @@ def train(server, tiny_data, tmp_path, env: dict[str, str], steps: int = 3):
 
 
 def refused_before_any_step(proc, run_dir, *parts: str) -> str:
-    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = [x for x in proc.stderr.splitlines() if x.startswith("plm:")]
-    assert len(lines) == 1, proc.stderr[-3000:]
-    for part in parts:
-        assert part in lines[0], lines[0]
-    assert "Traceback" not in proc.stderr
-    assert "step 1:" not in proc.stdout
+    line = auth_util.refused_before_any_step(proc, *parts)
     assert not (run_dir / "metrics.jsonl").exists()
-    return lines[0]
+    return line
 
 
 def test_plm_train_with_a_wrong_password_stops_before_its_first_step(server, tiny_data, tmp_path):
