@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+import functools
 import os
 import secrets
 import shutil
@@ -10,6 +12,7 @@ import subprocess
 import sys
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from pipeline import rig as rigmod
@@ -57,24 +60,110 @@ def s3_fs(rig: rigmod.Rig):
 
 
 MLFLOW_PORT = 5000
+ADMIN, JOB, VIEWER = "admin", "plm-job", "plm-viewer"  # the users docs/cluster.md makes
+AUTH_DIR = "/mnt/local/mlflow-auth"  # on node0: the server's secrets, its users' passwords
+# The server's two secrets, made on node0 (0600) unless there: a restart keeps them.
+MAKE_SECRETS = (
+    'umask 077 && mkdir -p "$1" && for f in admin.password flask_secret_key; do '
+    '[ -s "$1/$f" ] || "$2" -c "import secrets; print(secrets.token_urlsafe(32))" > "$1/$f"; '
+    "done"
+)
 
 
-def start_mlflow(rig: rigmod.Rig, db: str, artifacts: str, log: str,
-                 port: int = MLFLOW_PORT) -> tuple[str, str]:  # fmt: skip
-    """`mlflow server` on node0, as docs/cluster.md starts it: its sqlite store ``db`` on
-    node0's own disk, artifacts proxied to ``artifacts`` (an s3:// URI), no job workers,
-    output appended to ``log`` (a path on the laptop). Its URL by name and by address."""
+@dataclass
+class RigMlflow:
+    """The rig's `mlflow server --app-name basic-auth` on node0 and where its users'
+    credentials are: every password file under ``auth_dir`` on node0, the job's at the
+    same path on every host (a job's ranks run anywhere), the laptop's copies of the job's
+    and the viewer's in ``laptop_dir``."""
+
+    rig: rigmod.Rig
+    url: str  # by name: what the hosts use
+    address: str  # by address: what the laptop uses
+    port: int
+    auth_dir: str
+    laptop_dir: Path
+
+    def password_file(self, user: str) -> str:
+        """The file of ``user``'s password on the hosts that have it (node0: every user)."""
+        return f"{self.auth_dir}/{user}.password"
+
+    def password(self, user: str) -> str:
+        return self.rig.get("node0", self.password_file(user)).decode().strip()
+
+    def as_job(self, on_laptop: bool = False) -> dict[str, str]:
+        """A plm stage's variables as the job's user: its password from a file."""
+        where = self.laptop_dir / f"{JOB}.password" if on_laptop else self.password_file(JOB)
+        return {"MLFLOW_TRACKING_URI": self.address if on_laptop else self.url,
+                "MLFLOW_TRACKING_USERNAME": JOB, "MLFLOW_TRACKING_PASSWORD_FILE": str(where)}  # fmt: skip
+
+    def as_viewer(self) -> dict[str, str]:
+        """A plain MLflow client's variables on the laptop (MLflow reads no password file)."""
+        return {"MLFLOW_TRACKING_URI": self.address, "MLFLOW_TRACKING_USERNAME": VIEWER,
+                "MLFLOW_TRACKING_PASSWORD": self.password(VIEWER)}  # fmt: skip
+
+
+def start_mlflow(rig: rigmod.Rig, db: str, artifacts: str, log: str, port: int = MLFLOW_PORT,
+                 experiments: tuple[str, ...] = (), auth_dir: str = AUTH_DIR) -> RigMlflow:  # fmt: skip
+    """`mlflow server --app-name basic-auth` on node0, as docs/cluster.md starts it: its
+    sqlite store ``db`` on node0's own disk, artifacts proxied to ``artifacts`` (an s3://
+    URI), no job workers, output appended to ``log`` (a path on the laptop); its secrets
+    in ``auth_dir`` on node0, passed by environment. The admin makes the job's user (EDIT
+    on each of ``experiments`` and the registered model of that name) and the viewer; the
+    job's password goes to every host, the job's and the viewer's to the laptop. Again on
+    the same ``auth_dir`` (a restart), the secrets and users are kept."""
     node0 = rig.hosts[0]
+    on(rig, "node0", ["sh", "-c", MAKE_SECRETS, "sh", auth_dir, sys.executable])
+    ini = f"{auth_dir}/basic_auth.ini"
+    rig.put("node0", aio().auth_ini(auth_dir), ini, mode=0o600)
+    secret = {f: rig.get("node0", f"{auth_dir}/{f}").decode().strip()
+              for f in ("admin.password", "flask_secret_key")}  # fmt: skip
+    env = aio().server_env(ini, secret["admin.password"], secret["flask_secret_key"])
     out = open(log, "ab")  # noqa: SIM115  (the server's, for as long as it runs)
-    env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     rig.popen("node0", [
-        tool("mlflow"), "server", "--host", node0.address, "--port", str(port),
+        tool("mlflow"), "server", "--app-name", "basic-auth",
+        "--host", node0.address, "--port", str(port),
         "--allowed-hosts", f"{node0.address}:{port},node0:{port}",
         "--backend-store-uri", f"sqlite:///{db}", "--artifacts-destination", artifacts,
         "--workers", "1",
     ], env=env, cwd="/", stdout=out, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     wait_port(node0.address, port)
-    return f"http://node0:{port}", f"http://{node0.address}:{port}"
+    server = RigMlflow(rig, f"http://node0:{port}", f"http://{node0.address}:{port}", port,
+                       auth_dir, Path(rig.root) / "laptop" / f"mlflow-{port}")  # fmt: skip
+    make_users(server, experiments)
+    return server
+
+
+def make_users(server: RigMlflow, experiments: tuple[str, ...]) -> None:
+    """docs/cluster.md's `python -m pipeline.tracking_admin` on node0, as the admin; then
+    the copies (`plm rig cp`): the job's password onto every host at the same path, the
+    job's and the viewer's onto the laptop."""
+    admin = {"MLFLOW_TRACKING_URI": server.url, "MLFLOW_TRACKING_USERNAME": ADMIN,
+             "MLFLOW_TRACKING_PASSWORD_FILE": server.password_file(ADMIN)}  # fmt: skip
+    steps = [["job", "--user", JOB, "--experiment", e] for e in experiments]
+    for step in [*steps, ["viewer", "--user", VIEWER]]:
+        on(server.rig, "node0", [sys.executable, "-m", "pipeline.tracking_admin", *step,
+                                 "--password-file", server.password_file(step[2]),
+                                 "--generate"], env=admin, timeout=120)  # fmt: skip
+    job = server.rig.get("node0", server.password_file(JOB)) if experiments else None
+    for h in server.rig.hosts[1:] if job else []:
+        server.rig.put(h.name, job, server.password_file(JOB), mode=0o600)
+    server.laptop_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for user in (JOB, VIEWER) if job else (VIEWER,):
+        copy = server.laptop_dir / f"{user}.password"
+        copy.touch(mode=0o600)
+        copy.write_bytes(server.rig.get("node0", server.password_file(user)))
+
+
+@functools.cache
+def aio():
+    """launch/all_in_one.py (a script, not a package): its auth config and server env."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("all_in_one", REPO / "launch" / "all_in_one.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def stop_mlflow(rig: rigmod.Rig, port: int) -> list[int]:
@@ -146,6 +235,56 @@ def assert_same_shards(s3, root: str, local: Path) -> tuple[dict, dict]:
                 n_files += 1
     assert n_files >= 8
     return ours, theirs
+
+
+# --- secrets where they should not be (issue 49.3) -----------------------------------------
+
+
+def secret_forms(value: str) -> set[bytes]:
+    """``value`` as it could be written: raw, URL-encoded, and inside any base64 text
+    (standard or URL-safe; the characters that depend on it alone, at each of the 3
+    alignments, so `Basic base64(user:password)` is found too)."""
+    from urllib.parse import quote, quote_plus
+
+    raw = value.encode()
+    forms = {raw, quote(value, safe="").encode(), quote_plus(value).encode()}
+    for encode in (base64.b64encode, base64.urlsafe_b64encode):
+        for pad in range(3):
+            text = encode(b"\0" * pad + raw)
+            forms.add(text[4 if pad else 0 : 4 * ((pad + len(raw)) // 3)])
+    return {f for f in forms if len(f) >= 8}
+
+
+def find_secrets(roots: list[Path], secrets_: dict[str, str], skip: dict[Path, str],
+                 texts: dict[str, str] | None = None,
+                 allow: dict[Path, set[str]] | None = None) -> list[str]:  # fmt: skip
+    """Every file under ``roots`` (and every text of ``texts``, by name) holding a form of
+    a value of ``secrets_`` (name -> value), but the files of ``skip`` (path -> why it
+    must hold one) and, in a file of ``allow``, the secrets it names: "WHERE: NAME (FORM)"
+    each. GNU grep's fixed-string search (one pass over every byte, all forms at once);
+    links not followed, sockets and FIFOs skipped."""
+    import tempfile
+
+    needles = {form: name for name, value in secrets_.items() for form in secret_forms(value)}
+    hits = []
+    for label, text in (texts or {}).items():
+        hits += [f"{label}: {name} ({form!r})" for form, name in needles.items()
+                 if form in text.encode()]  # fmt: skip
+    with tempfile.TemporaryDirectory() as folder:  # outside every root searched
+        patterns = Path(folder) / "patterns"
+        patterns.write_bytes(b"\n".join(needles))
+        found = subprocess.run(["grep", "-rlFa", "-D", "skip", "-s", "--null", "-f",
+                                str(patterns), *map(str, roots)], capture_output=True)  # fmt: skip
+    assert found.returncode in (0, 1), found.stderr[-2000:]
+    skipped = {Path(p).resolve() for p in skip}
+    allowed = {Path(p).resolve(): names for p, names in (allow or {}).items()}
+    for path in sorted({Path(x.decode()) for x in found.stdout.split(b"\0") if x}):
+        if path.resolve() in skipped:
+            continue
+        data, ok = path.read_bytes(), allowed.get(path.resolve(), set())
+        hits += [f"{path}: {name} ({form!r})" for form, name in needles.items()
+                 if form in data and name not in ok]  # fmt: skip
+    return hits
 
 
 SMALL_SUBNETS = ("198.18.0.240/29", "198.18.0.232/29", "198.18.0.224/29", "198.18.0.248/29",

@@ -7,7 +7,9 @@ default: the machine's files read-only on every host, files copied onto a host w
   `s3://`, then `ray job submit` of `plm data prepare --near-dedup on` from s3:// to s3://
   (a corpus with planted near-duplicates): the shards, counts and rejects are those of a
   local one-CPU run and the manifest names the hosts that wrote them;
-- one MLflow server on node0 (its store on node0's disk, the artifacts on S3);
+- one MLflow server on node0 with MLflow's users (`--app-name basic-auth`; its store,
+  secrets and users on node0's disk, the artifacts on S3): training and the fine-tune
+  sign in as the job's user, the laptop reads as the viewer;
 - training across 2 hosts x 2 ranks with `train.out_dir=s3://...`, the `deepspeed`
   launcher over ssh/pdsh from node0: the losses equal a one-host run with the same global
   batch (within 1e-4 relative); every rank's checkpoint files, `latest`, the bundle and
@@ -16,8 +18,14 @@ default: the machine's files read-only on every host, files copied onto a host w
   from the store alone (a copy of the run under another prefix, nothing staged on the
   hosts): its steps 4-6 are the first run's, bit for bit;
 - from the laptop, `mlflow.pyfunc.load_model("models:/...")`; `plm finetune` on node1
-  starts from the registered model;
-- what listens where.
+  starts from the registered model (its password in the tracking URI's user part);
+  `plm export --to hf` on node1;
+- what listens where;
+- issue 49: anonymous 401 and viewer 403 on every write the issue names, the viewer
+  reads; a wrong password stops `plm train` on node1 before step 1 (exit 2); the S3 keys
+  in a URI are refused, shown as `***@`; last, no secret of the run (S3 keys, Ray token,
+  MLflow passwords, Flask key) in any file it wrote, on any host, in the bucket or in
+  any output.
 """
 
 from __future__ import annotations
@@ -36,9 +44,12 @@ from pathlib import Path
 import pyarrow.fs as pafs
 import pytest
 from cluster_util import (
+    JOB,
     MLFLOW_PORT,
     REPO,
+    VIEWER,
     assert_same_shards,
+    find_secrets,
     listeners,
     on,
     pids_of,
@@ -48,6 +59,7 @@ from cluster_util import (
     tool,
 )
 from conftest import synthetic_corpus
+from mlflow_auth_util import assert_refused_everywhere, call, refused_before_any_step, signed_in
 
 from pipeline import rig as rigmod
 
@@ -64,6 +76,13 @@ TOKEN = "~/.ray/auth_token"  # each host's own copy (the host's private ~/.ray)
 # host is its own address and its loopback (the only two it has: test_rig checks that).
 RAY_WILDCARD = ("gcs_server", "raylet", "ray::DashboardA", "python3.11", "python3", "python")
 PREPARE = ["--shard-docs", "40", "--valid-fraction", "0.1", "--split-bytes", "20000"]
+MODEL, FT_MODEL = "bert-rig", "bert-rig-verb"  # the job's experiments and registered models
+OUTPUTS: list[str] = []  # what the module's commands printed: searched for secrets at the end
+
+
+def kept(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    OUTPUTS.append(f"{proc.stdout or ''}{proc.stderr or ''}")  # not argv: a test's own
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +103,7 @@ def laptop(rig, argv: list[str], cwd, **env) -> subprocess.CompletedProcess:
     full = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1", **env}
     done = subprocess.run(argv, env=full, cwd=cwd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
-    return done
+    return kept(done)
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +131,10 @@ def ray_cluster(rig, tmp_path_factory):
 
 def submit(cluster, args: list[str], **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
-    return subprocess.run([sys.executable, str(REPO / "launch" / "ray_submit.py"), "--address",
-                           cluster["address"], *args],
-                          env={**clean, **env}, capture_output=True, text=True, timeout=600,
-                          cwd=REPO)  # fmt: skip
+    return kept(subprocess.run([sys.executable, str(REPO / "launch" / "ray_submit.py"),
+                                "--address", cluster["address"], *args],
+                               env={**clean, **env}, capture_output=True, text=True,
+                               timeout=600, cwd=REPO))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -173,9 +192,12 @@ def test_prepare_with_near_dedup_from_s3_to_s3_on_the_cluster(rig, prepared):
 
 @pytest.fixture(scope="module")
 def mlflow_server(rig):
-    """`mlflow server` on node0: sqlite on node0's own disk, artifacts proxied to S3."""
+    """Step 3: `mlflow server --app-name basic-auth` on node0: sqlite on node0's own disk,
+    artifacts proxied to S3, its secrets in /mnt/local/mlflow-auth; the job's user (EDIT
+    on the pretraining's and the fine-tune's experiment and model) and the viewer."""
     return start_mlflow(rig, "/mnt/local/mlflow.db", f"s3://{BUCKET}/mlflow",
-                        f"{rig.root}/hosts/node0/local/mlflow.log")  # fmt: skip
+                        f"{rig.root}/hosts/node0/local/mlflow.log",
+                        experiments=(MODEL, FT_MODEL))  # fmt: skip
 
 
 def store_rows(rig, prefix: str) -> list[dict]:
@@ -215,11 +237,11 @@ def hostfile_run(rig, prepared, mlflow_server):
     watch = ListenerWatch(rig, ["node0", "node1"])
     watch.start()
     try:
-        proc = on(rig, "node0", [
+        proc = kept(on(rig, "node0", [
             sys.executable, str(REPO / "launch" / "deepspeed_train.py"), "--hostfile",
             "/mnt/local/hostfile", "--master-addr", "node0", BERT, f"data.path={prepared['uri']}",
-            f"train.out_dir=s3://{BUCKET}/runs/bert", "name=bert-rig", *STEPS,
-        ], env={**RANK_ENV, "MLFLOW_TRACKING_URI": mlflow_server[0]})  # fmt: skip
+            f"train.out_dir=s3://{BUCKET}/runs/bert", f"name={MODEL}", *STEPS,
+        ], env={**RANK_ENV, **mlflow_server.as_job()}))  # fmt: skip
     finally:
         watch.done.set()
         watch.join()
@@ -299,8 +321,7 @@ def test_per_node_launch_resumes_from_the_store_bit_for_bit(rig, prepared, hostf
             s3.copy_file(info.path, f"{dst}/{rel}")
     with s3.open_output_stream(f"{dst}/checkpoints/latest") as f:
         f.write(b"step00000003")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", **RANK_ENV,
-           "MLFLOW_TRACKING_URI": mlflow_server[0]}  # fmt: skip
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **RANK_ENV, **mlflow_server.as_job()}
     procs = []
     for r in (0, 1):
         rig.put(f"node{r}", "node0 slots=2\nnode1 slots=2\n", "/mnt/local/hostfile")
@@ -312,6 +333,7 @@ def test_per_node_launch_resumes_from_the_store_bit_for_bit(rig, prepared, hostf
             *STEPS,
         ], env=env, cwd="/", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
     outs = [p.communicate(timeout=600)[0] for p in procs]
+    OUTPUTS.extend(outs)
     assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
     assert "resumed from" in outs[0]
     # Each rank fetched its own files (the ones every rank reads: one rank of the node),
@@ -335,15 +357,15 @@ def test_per_node_launch_resumes_from_the_store_bit_for_bit(rig, prepared, hostf
 def test_laptop_loads_the_registered_model_and_node1_finetunes_it(
     rig, hostfile_run, mlflow_server, tmp_path
 ):
-    _, address = mlflow_server
-    # The laptop has no S3 keys: the artifacts come through the server (proxied).
+    # The laptop has no S3 keys: the artifacts come through the server (proxied). It
+    # reads as the viewer.
     code = ("import mlflow, pandas as pd; m = mlflow.pyfunc.load_model('models:/bert-rig@current');"
             " out = m.predict(pd.DataFrame({'text': ['the cat reads the book']}));"
             " print('rows', len(out))")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env["MLFLOW_TRACKING_URI"] = address
-    loaded = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                            text=True, cwd=tmp_path, timeout=300)  # fmt: skip
+    env.update(mlflow_server.as_viewer())
+    loaded = kept(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                                 text=True, cwd=tmp_path, timeout=300))  # fmt: skip
     assert loaded.returncode == 0 and "rows 1" in loaded.stdout, loaded.stderr[-3000:]
 
     import yaml
@@ -356,21 +378,27 @@ def test_laptop_loads_the_registered_model_and_node1_finetunes_it(
         rig.put("node1", "".join(json.dumps(r) + "\n" for r in rows),
                 f"/mnt/local/task/{split}.jsonl")  # fmt: skip
     rig.put("node1", yaml.safe_dump({
-        "name": "bert-rig-verb", "model": {"source": "models:/bert-rig@current"},
+        "name": FT_MODEL, "model": {"source": f"models:/{MODEL}@current"},
         "task": {"type": "classification", "max_length": 32},
         "data": {s: f"/mnt/local/task/{s}.jsonl" for s in ("train", "valid", "test")},
         "train": {"epochs": 1, "micro_batch_size": 8, "lr": 1.0e-3, "out_dir": "/mnt/local/ft"},
     }), "/mnt/local/ft.yaml")  # fmt: skip
-    out = on(rig, "node1", [sys.executable, "-m", "pipeline.cli", "finetune", "/mnt/local/ft.yaml"],
-             env={**RANK_ENV, "MLFLOW_TRACKING_URI": mlflow_server[0]})  # fmt: skip
-    assert "registered model bert-rig-verb" in out.stdout, out.stdout[-3000:]
+    # As the job's user, its password in the URI's user part (in the environment, never
+    # on a command line): plm takes it out of the URI, so no URI it shows or logs has it.
+    secret = rig.get("node1", mlflow_server.password_file(JOB)).decode().strip()
+    with_user = mlflow_server.url.replace("http://", f"http://{JOB}:{secret}@")
+    out = kept(on(rig, "node1", [sys.executable, "-m", "pipeline.cli", "finetune",
+                                 "/mnt/local/ft.yaml"],
+                  env={**RANK_ENV, "MLFLOW_TRACKING_URI": with_user}))  # fmt: skip
+    assert f"registered model {FT_MODEL}" in out.stdout, out.stdout[-3000:]
 
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=address)
-    mv = client.get_model_version_by_alias("bert-rig-verb", "current")
-    run = client.get_run(mv.run_id)
-    assert run.data.tags.get("source_uri") == "models:/bert-rig@current"
+    with signed_in(VIEWER, mlflow_server.password(VIEWER)):
+        client = MlflowClient(tracking_uri=mlflow_server.address)
+        mv = client.get_model_version_by_alias(FT_MODEL, "current")
+        run = client.get_run(mv.run_id)
+    assert run.data.tags.get("source_uri") == f"models:/{MODEL}@current"
 
 
 def test_the_store_out_of_reach_mid_upload_never_leaves_latest_on_a_partial_checkpoint(
@@ -474,3 +502,171 @@ def test_what_listens_where(rig, ray_cluster, mlflow_server):
     head = {(a, p) for a, p, _, _ in listeners(rig, "node0")}
     assert (node0, DASHBOARD_PORT) in head  # the dashboard: node0's address
     assert (node0, 22) in head and (node0, rigmod.S3_PORT) in head
+
+
+# --- who may write to the tutorial's MLflow, and no secret anywhere (issue 49) -------------
+
+
+def get(server, path: str, auth) -> dict:
+    status, text = call(server.address, "GET", f"api/2.0/mlflow/{path}", auth=auth)
+    assert status == 200, (path, status, text[:300])
+    return json.loads(text)
+
+
+def some_artifact(server, run_id: str, auth) -> str:
+    """The path of a file among the run's artifacts (the bundle's, the model's)."""
+    folders = [""]
+    while folders:
+        listing = get(server, f"artifacts/list?run_id={run_id}&path={folders.pop(0)}", auth)
+        for entry in listing.get("files", []):
+            if not entry["is_dir"]:
+                return entry["path"]
+            folders.append(entry["path"])
+    raise AssertionError(f"run {run_id} has no artifact")
+
+
+def test_the_tutorials_server_refuses_anonymous_and_viewer_writes(rig, mlflow_server,
+                                                                  hostfile_run):  # fmt: skip
+    """Anonymous: 401 on creating a run, logging a metric, uploading an artifact, deleting
+    a run and moving an alias (on the hostfile run and its model) and on reading; the
+    viewer: 403 on each, and it reads the run, its metrics, an artifact and the alias."""
+    viewer = (VIEWER, mlflow_server.password(VIEWER))
+    version = get(mlflow_server, f"registered-models/alias?name={MODEL}&alias=current",
+                  viewer)["model_version"]  # fmt: skip
+    run_id = version["run_id"]
+    run = get(mlflow_server, f"runs/get?run_id={run_id}", viewer)["run"]
+    w = {"exp": run["info"]["experiment_id"], "run": run_id, "version": version["version"]}
+    assert_refused_everywhere(mlflow_server.address, w, MODEL, None, 401)
+    assert call(mlflow_server.address, "GET", f"api/2.0/mlflow/runs/get?run_id={run_id}")[0] == 401
+    assert_refused_everywhere(mlflow_server.address, w, MODEL, viewer, 403)
+    run = get(mlflow_server, f"runs/get?run_id={run_id}", viewer)["run"]
+    assert run["info"]["lifecycle_stage"] == "active" and run["info"]["status"] == "FINISHED"
+    history = get(mlflow_server, f"metrics/get-history?run_id={run_id}&metric_key=step_loss",
+                  viewer)["metrics"]  # fmt: skip
+    # (steps 4-6 twice: the per-node form resumed this run from a copy of its checkpoint)
+    assert sorted({m["step"] for m in history}) == [1, 2, 3, 4, 5, 6]
+    logged = get(mlflow_server, f"metrics/get-history?run_id={run_id}&metric_key=loss",
+                 viewer)["metrics"]  # fmt: skip
+    assert not [m for m in logged if int(m["timestamp"]) == 0], logged  # the refused one
+    path = some_artifact(mlflow_server, run_id, viewer)
+    status, body = call(mlflow_server.address, "GET", f"api/2.0/mlflow-artifacts/artifacts/"
+                        f"{w['exp']}/{run_id}/artifacts/{path}", auth=viewer)  # fmt: skip
+    assert status == 200 and body, (path, status)
+    again = get(mlflow_server, f"registered-models/alias?name={MODEL}&alias=current", viewer)
+    assert again["model_version"]["version"] == version["version"]
+
+
+def test_a_wrong_password_stops_plm_train_on_a_host_before_its_first_step(rig, prepared,
+                                                                          mlflow_server):  # fmt: skip
+    """On node1, against the tutorial's server: the job's user with a wrong password (from
+    its password file): one `plm:` line, exit 2, no step, nothing on the store."""
+    wrong = f"not-the-job-password-{secrets.token_hex(4)}"
+    rig.put("node1", wrong + "\n", "/mnt/local/wrong.password", mode=0o600)
+    env = {**RANK_ENV, **mlflow_server.as_job(),
+           "MLFLOW_TRACKING_PASSWORD_FILE": "/mnt/local/wrong.password"}  # fmt: skip
+    proc = kept(on(rig, "node1", [sys.executable, "-m", "pipeline.cli", "train", BERT,
+                                  f"data.path={prepared['uri']}",
+                                  f"train.out_dir=s3://{BUCKET}/runs/refused", f"name={MODEL}",
+                                  *STEPS], env=env, check=False))  # fmt: skip
+    refused_before_any_step(proc, f"user '{JOB}'", "HTTP 401", f"EDIT on experiment '{MODEL}'")
+    assert wrong not in proc.stdout + proc.stderr
+    assert not s3_fs(rig).get_file_info(f"{BUCKET}/runs/refused/metrics.jsonl").is_file
+
+
+def test_a_store_uri_with_keys_is_refused_and_shown_redacted(rig):
+    """The rig's real keys in a URI's user part: refused before anything reads it, the
+    line shows `***@` (the search below finds neither key in what it printed)."""
+    uri = f"s3://{rig.aws_key}:{rig.aws_secret}@{BUCKET}/data"
+    proc = kept(on(rig, "node1", [sys.executable, "-m", "pipeline.cli", "train", BERT,
+                                  f"data.path={uri}", "--dry-run"], check=False))  # fmt: skip
+    refused_before_any_step(proc, f"data.path=s3://***@{BUCKET}/data", "user part")
+    assert rig.aws_secret not in proc.stdout + proc.stderr
+
+
+def test_node1_exports_the_final_bundle_for_transformers(rig, hostfile_run):
+    """The tutorial's last step: the run's final bundle from the store onto node1's disk,
+    `plm export --to hf` there."""
+    prefix, _, _ = hostfile_run
+    kept(on(rig, "node1", [sys.executable, "-c", "import os, pyarrow.fs as f; "
+                           "os.makedirs('/mnt/local/bundle'); f.copy_files("
+                           f"'s3://{BUCKET}/{prefix}/bundles/final', '/mnt/local/bundle')"]))  # fmt: skip
+    kept(on(rig, "node1", [sys.executable, "-m", "pipeline.cli", "export", "--to", "hf",
+                           "/mnt/local/bundle", "/mnt/local/hf"]))  # fmt: skip
+    names = on(rig, "node1", ["ls", "/mnt/local/hf"]).stdout.split()
+    assert "config.json" in names and any(n.endswith(".safetensors") for n in names), names
+
+
+def on_disk(rig, host: str, path: str) -> Path:
+    """Where the laptop sees ``path`` of ``host``'s own disk (/mnt/local/...)."""
+    return Path(rig.root, "hosts", host, "local", Path(path).relative_to("/mnt/local"))
+
+
+def bucket_copy(rig, folder: Path) -> int:
+    """Every object of the bucket, read through the S3 API into ``folder``; how many."""
+    s3, n = s3_fs(rig), 0
+    for info in s3.get_file_info(pafs.FileSelector(BUCKET, recursive=True)):
+        if info.is_file:
+            dest = folder / info.path
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with s3.open_input_stream(info.path) as f:
+                dest.write_bytes(f.read())
+            n += 1
+    return n
+
+
+def test_no_secret_in_any_file_the_run_wrote(rig, ray_cluster, prepared, mlflow_server,
+                                             hostfile_run, tmp_path_factory):  # fmt: skip
+    """Issue 49.3, last in the module: after the tutorial's whole path (data job on Ray,
+    training across hosts with data and out_dir on S3, MLflow with auth, a fine-tune, an
+    export), none of its secrets (the S3 keys, the Ray token, the MLflow admin's, job's
+    and viewer's passwords and the Flask key), raw, URL-encoded or inside base64, is in
+    any file it wrote: every host's private dirs under the rig root (disk, /tmp with the
+    Ray session logs of the head and the workers, ~/.cache, MLflow's sqlite store and its
+    auth database, which holds salted hashes only, the servers' logs), every object of the
+    bucket (data, manifest, tokenizer, checkpoints, bundles, metrics.jsonl, MLflow's
+    artifacts), this session's temporary files (the laptop's data dir, the reference run)
+    and every command's output. Only the files that hold a secret by design are left out,
+    each said below."""
+    root, node0 = Path(rig.root), rig.hosts[0].name
+    auth = on_disk(rig, node0, mlflow_server.auth_dir)
+    values = {"AWS access key": rig.aws_key, "AWS secret key": rig.aws_secret,
+              "Ray token": ray_cluster["token"].read_text().strip(),
+              "MLflow Flask key": (auth / "flask_secret_key").read_text().strip(),
+              **{f"MLflow {u} password": mlflow_server.password(u)
+                 for u in ("admin", JOB, VIEWER)}}  # fmt: skip
+    skip = {root / "rig.json": "the rig's own state: the S3 keys it provisions hosts with",
+            ray_cluster["token"]: "the laptop's Ray token, copied onto the hosts"}  # fmt: skip
+    for h in rig.hosts:
+        own = root / "hosts" / h.name
+        skip[own / ".aws/credentials"] = "the host's S3 keys (~/.aws/credentials)"
+        skip[own / ".ray/auth_token"] = "the host's Ray token (~/.ray/auth_token)"
+        skip[on_disk(rig, h.name, mlflow_server.password_file(JOB))] = (
+            "the job's password file, on every host (MLFLOW_TRACKING_PASSWORD_FILE)")  # fmt: skip
+    for name in ("admin.password", "flask_secret_key", f"{VIEWER}.password"):
+        skip[auth / name] = "the server's secrets and its users' passwords, on node0 (0600)"
+    for user in (JOB, VIEWER):
+        skip[mlflow_server.laptop_dir / f"{user}.password"] = "the laptop's copy (plm rig cp)"
+    bucket = tmp_path_factory.mktemp("bucket-copy")
+    assert bucket_copy(rig, bucket) > 50
+    # What the search must have covered, so an empty answer means something.
+    assert list(root.glob(f"hosts/{node0}/tmp/ray/session_*/logs/job-driver-*.log"))
+    assert list(root.glob("hosts/node1/tmp/ray/session_*/logs/*"))
+    assert list(bucket.glob(f"{BUCKET}/runs/bert/checkpoints/step00000006/*.pt"))
+    assert list(bucket.glob(f"{BUCKET}/mlflow/**/MLmodel"))
+    assert (bucket / BUCKET / "data/manifest.json").is_file()
+    assert (root / "hosts/node0/local/mlflow.db").is_file() and (auth / "basic_auth.db").is_file()
+    assert list(root.glob("hosts/node1/local/hf/*.safetensors")) and len(OUTPUTS) >= 10
+    # The S3 server's own request log (the store's, as S3's server access logs are) names
+    # the access key ID of presigned requests (X-Amz-Credential=KEY/date/...; MLflow's
+    # proxied multipart uploads): an identifier, not the secret key, which is searched
+    # there too. Every line that has it must be such a request.
+    s3_log = root / "hosts" / node0 / "local" / "s3.log"
+    for line in s3_log.read_text(errors="replace").splitlines():
+        if rig.aws_key in line:
+            assert f"X-Amz-Credential={rig.aws_key}" in line, line.replace(rig.aws_key, "KEY")
+    hits = find_secrets([root, tmp_path_factory.getbasetemp()], values, skip,
+                        {f"output {i}": text for i, text in enumerate(OUTPUTS)},
+                        allow={s3_log: {"AWS access key"}})  # fmt: skip
+    assert not hits, "\n".join(hits[:40])
+    for path in skip:  # the exclusions are real files that do hold their secret
+        assert path.is_file(), path
