@@ -32,8 +32,9 @@ import time
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import MLFLOW_PORT, REPO, on, pids_of, s3_fs, small_rig, start_mlflow
+from cluster_util import MLFLOW_PORT, REPO, VIEWER, on, pids_of, s3_fs, small_rig, start_mlflow
 from conftest import build_data_dir
+from mlflow_auth_util import signed_in
 
 from pipeline import rig as rigmod
 
@@ -80,11 +81,13 @@ def training_pids(rig, host: str) -> list[int]:
     return pids_of(rig, host, b"torch.distributed.run", b"pipeline.cli")
 
 
-def mlflow_on_node0(rig) -> None:
-    """Its database on node0's disk (/mnt/local/mlflow), kept through the whole-cluster
-    loss; artifacts on S3."""
-    start_mlflow(rig, "/mnt/local/mlflow/mlflow.db", f"s3://{BUCKET}/elastic/mlflow",
-                 f"{rig.root}/hosts/node0/local/mlflow/server.log")  # fmt: skip
+def mlflow_on_node0(rig):
+    """Its database and its users' (and the job's password file on every host) under
+    /mnt/local/mlflow, kept through the whole-cluster loss; artifacts on S3. The agents
+    sign in as the job's user."""
+    return start_mlflow(rig, "/mnt/local/mlflow/mlflow.db", f"s3://{BUCKET}/elastic/mlflow",
+                        f"{rig.root}/hosts/node0/local/mlflow/server.log",
+                        experiments=("bert-elastic",), auth_dir="/mnt/local/mlflow/auth")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +105,7 @@ def scenario(rig, base) -> dict:
     data = build_data_dir(base)  # on the laptop, then on the bucket
     pafs.copy_files(str(data), f"{BUCKET}/elastic/data", destination_filesystem=s3_fs(rig))
     on(rig, "node0", ["mkdir", "/mnt/local/mlflow"])
-    mlflow_on_node0(rig)
+    server = mlflow_on_node0(rig)
     seed = int.from_bytes(os.urandom(2), "big")
     kill_at = random.Random(seed).randint(8, 24)
     print(f"elastic scenario: seed {seed}, node2 killed at step {kill_at}")
@@ -119,7 +122,7 @@ def scenario(rig, base) -> dict:
     def start(host: str, attempt: int = 0):
         log = str(base / f"{host}-{attempt}.log")
         out = open(log, "wb")  # noqa: SIM115
-        proc = rig.popen(host, cmd, env={**os.environ, **ENV}, cwd="/", stdout=out,
+        proc = rig.popen(host, cmd, env={**os.environ, **ENV, **server.as_job()}, cwd="/", stdout=out,
                          stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         agents[host] = (proc, log)
 
@@ -197,6 +200,7 @@ def scenario(rig, base) -> dict:
     logs.update({f"{h}-end": open(log).read() for h, (_, log) in agents.items()})
     mlflow = f"http://{rig.hosts[0].address}:{MLFLOW_PORT}"
     return {"rig": rig, "data": data, "events": events, "logs": logs, "mlflow": mlflow,
+            "viewer": server.password(VIEWER),
             "rows": rows(rig), "kill_at": kill_at}  # fmt: skip
 
 
@@ -248,20 +252,21 @@ def test_new_hosts_with_empty_disks_resume_from_the_store_alone(elastic_run):
 def test_one_mlflow_run_records_each_change(elastic_run):
     from mlflow import MlflowClient
 
-    client = MlflowClient(tracking_uri=elastic_run["mlflow"])
-    (exp,) = [e for e in client.search_experiments() if e.name == "bert-elastic"]
-    (run,) = client.search_runs([exp.experiment_id])
-    assert run.info.status == "FINISHED"
-    tags, n = run.data.tags, elastic_run["events"]["before"]
-    assert "3 -> 2 ranks (grad_accum 2 -> 3)" in tags[f"elastic/change_{n + 1}"], tags
-    assert "2 -> 3 ranks (grad_accum 3 -> 2)" in tags[f"elastic/change_{n + 2}"], tags
-    assert "0 steps recomputed" in tags[f"elastic/change_{n + 2}"], tags
-    assert "3 -> 2 ranks" in tags[f"elastic/change_{n + 3}"], tags
-    history = client.get_metric_history(run.info.run_id, "elastic/world_size")
-    sizes = [m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))]
-    assert any(sizes[i : i + 3] == [2, 3, 2] for i in range(len(sizes))), sizes
-    lost = client.get_metric_history(run.info.run_id, "elastic/seconds_lost")
-    assert len(lost) >= n + 3 and all(m.value > 0 for m in lost)
+    with signed_in(VIEWER, elastic_run["viewer"]):  # the laptop reads as the viewer
+        client = MlflowClient(tracking_uri=elastic_run["mlflow"])
+        (exp,) = [e for e in client.search_experiments() if e.name == "bert-elastic"]
+        (run,) = client.search_runs([exp.experiment_id])
+        assert run.info.status == "FINISHED"
+        tags, n = run.data.tags, elastic_run["events"]["before"]
+        assert "3 -> 2 ranks (grad_accum 2 -> 3)" in tags[f"elastic/change_{n + 1}"], tags
+        assert "2 -> 3 ranks (grad_accum 3 -> 2)" in tags[f"elastic/change_{n + 2}"], tags
+        assert "0 steps recomputed" in tags[f"elastic/change_{n + 2}"], tags
+        assert "3 -> 2 ranks" in tags[f"elastic/change_{n + 3}"], tags
+        history = client.get_metric_history(run.info.run_id, "elastic/world_size")
+        sizes = [m.value for m in sorted(history, key=lambda m: (m.step, m.timestamp))]
+        assert any(sizes[i : i + 3] == [2, 3, 2] for i in range(len(sizes))), sizes
+        lost = client.get_metric_history(run.info.run_id, "elastic/seconds_lost")
+        assert len(lost) >= n + 3 and all(m.value > 0 for m in lost)
 
 
 def test_steps_after_the_kill_equal_a_two_rank_run_from_that_checkpoint(elastic_run, tmp_path):

@@ -52,11 +52,20 @@ RANK_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
-def mlflow_url(rig):
-    urls = start_mlflow(rig, "/mnt/local/evalc-mlflow.db", f"s3://{BUCKET}/evalc/mlflow",
-                        f"{rig.root}/hosts/node0/local/evalc-mlflow.log", port=MLFLOW)  # fmt: skip
-    yield urls[1]  # by address: the laptop reaches it too
+def mlflow(rig):
+    """The server with auth; every stage signs in as its job's user (the job's password
+    file on every host and the laptop)."""
+    server = start_mlflow(rig, "/mnt/local/evalc-mlflow.db", f"s3://{BUCKET}/evalc/mlflow",
+                          f"{rig.root}/hosts/node0/local/evalc-mlflow.log", port=MLFLOW,
+                          experiments=("evalc", "evalc-watched"),
+                          auth_dir="/mnt/local/evalc-mlflow-auth")  # fmt: skip
+    yield server
     stop_mlflow(rig, MLFLOW)
+
+
+@pytest.fixture(scope="module")
+def mlflow_url(mlflow):
+    return mlflow.address  # by address: the laptop reaches it too
 
 
 @pytest.fixture(scope="module")
@@ -83,13 +92,14 @@ def verb_rows(n: int, seed: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def suite(rig, tiny_data, mlflow_url, tmp_path_factory) -> Path:
+def suite(rig, tiny_data, mlflow, mlflow_url, tmp_path_factory) -> Path:
     """The run on the bucket; the suite and its task files on the laptop and on node0,
     at the same paths."""
     base = tmp_path_factory.mktemp("evalc")
     # The data dir on the bucket too: the driver makes bundles with its tokenizer.
     pafs.copy_files(str(tiny_data), f"{BUCKET}/evalc/data", destination_filesystem=s3_fs(rig))
-    env = {**os.environ, **rig.env(), **RANK_ENV, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **rig.env(), **RANK_ENV, "PYTHONUNBUFFERED": "1",
+           **mlflow.as_job(on_laptop=True)}  # fmt: skip
     run_ok([sys.executable, "-m", "pipeline.cli", "train",
                     str(REPO / "configs/test/bert-tiny.yaml"), f"data.path=s3://{BUCKET}/evalc/data",
                     f"train.out_dir={RUN}", "train.max_steps=15", "train.save_every=5",
@@ -130,20 +140,23 @@ def hosts_of(text: str) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def alone(suite, rig, tmp_path_factory) -> str:
+def alone(suite, rig, mlflow, tmp_path_factory) -> str:
     """The suite in one process on the laptop: cells.csv."""
     work = tmp_path_factory.mktemp("evalc-alone")
-    env = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **rig.env(), "PYTHONUNBUFFERED": "1", **mlflow.as_job(on_laptop=True)}
     run_ok([sys.executable, "-m", "pipeline.cli", "eval", str(suite), f"work_dir={work}",
                     "--models", "random", RUN, "--no-ray"],
                    env=env, cwd=work, timeout=900)  # fmt: skip
     return (work / "report" / "cells.csv").read_text()
 
 
-def submit(cluster, suite: Path, work: str, home: Path) -> subprocess.Popen:
+def submit(cluster, suite: Path, work: str, home: Path, mlflow) -> subprocess.Popen:
+    """The driver and the cells sign in as the job's user: its name and the path of its
+    password file (on every host) in the job's runtime_env, never the password."""
+    sign_in = [f"--env={k}={v}" for k, v in mlflow.as_job().items() if k != "MLFLOW_TRACKING_URI"]
     argv = [sys.executable, str(REPO / "launch" / "ray_submit.py"), "--address",
             cluster.address, "--stage", "eval", "--job-id", f"plm-evalc-{secrets.token_hex(3)}",
-            "--", str(suite), f"work_dir={work}", "--models", "random", RUN]  # fmt: skip
+            *sign_in, "--", str(suite), f"work_dir={work}", "--models", "random", RUN]  # fmt: skip
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "AWS_"))}
     env = {**clean, "HOME": str(home), "RAY_AUTH_TOKEN_PATH": str(cluster.token),
            "PYTHONUNBUFFERED": "1"}  # fmt: skip
@@ -164,9 +177,9 @@ def finish(proc: subprocess.Popen, lines: list[str], timeout: float = 900) -> st
 
 
 def test_the_suite_on_two_hosts_gives_the_table_of_one_process(rig, ray_cluster, suite, alone,
-                                                               tmp_path):  # fmt: skip
+                                                               mlflow, tmp_path):  # fmt: skip
     work = "/tmp/evalc-two"
-    out = finish(submit(ray_cluster, suite, work, tmp_path), [])
+    out = finish(submit(ray_cluster, suite, work, tmp_path, mlflow), [])
     there = rig.get("node0", f"{work}/report/cells.csv").decode()
     ours = cells_of(alone)
     assert len({k[:4] for k in ours}) == CELLS and all(v[1] == "" for v in ours.values())
@@ -183,13 +196,14 @@ def test_the_suite_on_two_hosts_gives_the_table_of_one_process(rig, ray_cluster,
         assert any("step000000" in n for n in names), (host, names)
 
 
-def test_a_worker_host_killed_mid_suite_loses_nothing(rig, ray_cluster, suite, alone, tmp_path):
+def test_a_worker_host_killed_mid_suite_loses_nothing(rig, ray_cluster, suite, alone, mlflow,
+                                                      tmp_path):  # fmt: skip
     """node2 is killed once it has scored a cell and runs another: the cells it had, and
     those not yet started, run on node1; the table is that of one process."""
     if not ray_pids(rig, "node2"):
         ray_cluster.start_worker("node2")
     work = "/tmp/evalc-killed"
-    proc = submit(ray_cluster, suite, work, tmp_path)
+    proc = submit(ray_cluster, suite, work, tmp_path, mlflow)
     lines: list[str] = []
     deadline = time.monotonic() + 600
     while not any("(node2): " in x for x in lines):
@@ -226,7 +240,7 @@ def cell_running(rig, host: str) -> bool:
     return False
 
 
-def test_watch_on_a_host_of_its_own_scores_every_checkpoint(rig, suite, mlflow_url):
+def test_watch_on_a_host_of_its_own_scores_every_checkpoint(rig, suite, mlflow, mlflow_url):
     """Training on node1 onto the bucket, `plm eval --watch` of its run on node2 with a
     local Ray of its own (no cluster): each checkpoint is scored once complete on the
     store, and the watcher ends once training's final bundle is there and every
@@ -240,7 +254,7 @@ def test_watch_on_a_host_of_its_own_scores_every_checkpoint(rig, suite, mlflow_u
     work = "/tmp/evalc-watch"
     watcher = rig.popen("node2", [sys.executable, "-m", "pipeline.cli", "eval", str(suite),
                                   "seeds=[0]", f"work_dir={work}", "--watch", run, "--poll-s", "1"],
-                        env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd="/",
+                        env={**os.environ, "PYTHONUNBUFFERED": "1", **mlflow.as_job()}, cwd="/",
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
         on(rig, "node1", [sys.executable, "-m", "pipeline.cli", "train",
@@ -249,7 +263,7 @@ def test_watch_on_a_host_of_its_own_scores_every_checkpoint(rig, suite, mlflow_u
                           "train.max_steps=15", "train.save_every=5", "train.keep_last=3",
                           "train.eval_every=5", "train.log_every=5",
                           f"mlflow.tracking_uri={mlflow_url}", "name=evalc-watched"],
-           env=RANK_ENV)  # fmt: skip
+           env={**RANK_ENV, **mlflow.as_job()})  # fmt: skip
         out, _ = watcher.communicate(timeout=900)
     finally:
         if watcher.poll() is None:
