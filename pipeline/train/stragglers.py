@@ -101,22 +101,31 @@ class StragglerWatch:
         self._first_step = 0
         self._names: list[tuple[str, str]] | None = None
         self._comm = None  # DeepSpeed's comm timers (on a CPU), once the engine is up
+        self._warm = True  # the round's first step is not counted
+        self._steps = 0
+        self._step_wait = 0.0  # this step's wait at the trainer's all-reduce (on a CPU)
 
     @property
     def on(self) -> bool:
         return self.every > 0 and self.world > 1
 
     def begin_step(self, step: int) -> None:
-        if not self._first_step:
+        if not self._first_step and not self._warm:
             self._first_step = step
         if self.on and self._comm is None:
             self._comm = _comm_timers()
         self._began = time.perf_counter()
 
     def end_step(self) -> None:
+        waited = self._step_wait + (_read_comm_s(self._comm) if self._comm else 0.0)
+        self._step_wait = 0.0
+        if self._warm:  # a round's first step: imports, warm-up, uneven by nature
+            self._warm, self._first_step = False, 0
+            self._events.clear()
+            return
         self.step_s += time.perf_counter() - self._began
-        if self._comm:
-            self.wait_s += _read_comm_s(self._comm)
+        self.wait_s += waited
+        self._steps += 1
 
     @contextmanager
     def sync(self, tensor: torch.Tensor):
@@ -130,7 +139,7 @@ class StragglerWatch:
             return
         t0 = time.perf_counter()
         yield
-        self.wait_s += time.perf_counter() - t0
+        self._step_wait += time.perf_counter() - t0
 
     def check(self, step: int) -> Straggler | None:
         """At the window's end: every rank's sums to rank 0, which names the straggler."""
@@ -144,10 +153,12 @@ class StragglerWatch:
             self._names = [None] * self.world  # type: ignore[list-item]
             dist.all_gather_object(self._names, (socket.gethostname(), self.address))
         mine = torch.tensor([self.wait_s, self.step_s], dtype=torch.float64)
+        first, steps, self._first_step, self._steps = self._first_step, self._steps, 0, 0
+        self.step_s = self.wait_s = 0.0
+        if steps < max(2, self.every // 2):  # a round that began mid-window: too few
+            return None  # (every rank the same: they resumed at the same step)
         rows = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(rows, mine)
-        first, self._first_step = self._first_step, 0
-        self.step_s = self.wait_s = 0.0
         if self.rank != 0:
             return None
         found = find_straggler([float(r[0]) for r in rows], [float(r[1]) for r in rows])
