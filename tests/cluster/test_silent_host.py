@@ -320,12 +320,14 @@ def test_steps_after_each_loss_equal_a_two_rank_run_from_that_checkpoint(silent_
                      f"mlflow.tracking_uri=sqlite:///{tmp_path / (event + '.db')}", *TRAIN]  # fmt: skip
         plan.append({"config": BERT, "overrides": overrides, "stop_after": end})
         refs[event] = (ref_dir, start, end)
+        print(f"{event}: resumed from step {start}, compared to step {end}")
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     env = {**os.environ, **ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                     "--nproc-per-node", "2", DRIVER, str(tmp_path / "plan.json")],
                    env=env, check=True, capture_output=True, cwd=tmp_path)  # fmt: skip
     for event, (ref_dir, start, end) in refs.items():
+        assert (ref_dir / "metrics.jsonl").is_file(), (event, start, end, silent_run[event])
         ref = {r["step"]: r["step_loss"] for r in parse((ref_dir / "metrics.jsonl").read_text())
                if "step_loss" in r}  # fmt: skip
         assert sorted(ref) == list(range(start + 1, end + 1)), (event, sorted(ref))
