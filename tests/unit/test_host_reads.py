@@ -31,6 +31,7 @@ from pipeline.train import trainer as trainer_module
 from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop
+from pipeline.train.stragglers import StragglerWatch
 from pipeline.train.trainer import Trainer, forward_keys
 
 pytestmark = pytest.mark.slow
@@ -123,6 +124,7 @@ def make_trainer(arch: str, kind: str, objective_extra: dict | None = None) -> T
     trainer.stopper, trainer.stop_agreed = GracefulStop(10.0), False
     # no checkpoint pending: the step's all-reduce still carries its "writing" flag
     trainer.ckpt = CheckpointManager("unused", 1, 0, 1, asynchronous=True)  # writes nothing
+    trainer.stragglers = StragglerWatch(0, 0, 1)  # one rank: not watched
     trainer.sources = [MixSource("unused")]
     # dropout on, as in training; RoBERTa pads with the tokenizer's id (0 here)
     model = tiny_model(arch, **({"pad_token_id": 0} if arch == "roberta" else {}))

@@ -9,6 +9,7 @@ from pipeline.train import engine as ds_engine
 from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop
+from pipeline.train.stragglers import StragglerWatch
 from pipeline.train.trainer import Trainer, forward_keys
 
 pytestmark = pytest.mark.slow
@@ -59,6 +60,7 @@ def make_trainer(grad_accum: int, stage: int = 2):
     trainer.reset_metrics()
     trainer.stopper, trainer.stop_agreed = GracefulStop(10.0), False  # no signal
     trainer.ckpt = CheckpointManager("unused", 1, 0, 1, asynchronous=True)  # nothing pending
+    trainer.stragglers = StragglerWatch(0, 0, 1)  # one rank: not watched
     trainer.sources = [MixSource("unused")]  # one source: no per-source token counts
     trainer.objective = PoisonableObjective()
     model = TinyLM()
