@@ -355,3 +355,25 @@ def _down_stale_test_rigs(rigmod) -> None:
         m = re.fullmatch(r"[tdmzue](\d+)", state.parent.name)
         if m and not Path(f"/proc/{m.group(1)}").exists():
             rigmod.down(state.parent.name)
+
+
+def rank_env(rank: int, world: int, port: str) -> dict[str, str]:
+    """The environment of one CPU rank of a test's own `plm train` on this machine, as
+    torchrun gives it (rank 0 serves the store on ``port``)."""
+    return {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+            "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # fmt: skip
+
+
+def child_pids(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (a rank's data-loader workers)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry))
+    return found

@@ -524,17 +524,3 @@ def cpu_share(pids: list[int], share: float, name: str):
             except OSError:
                 pass
         group.rmdir()
-
-
-def children(pid: int) -> list[int]:
-    """The processes whose parent is ``pid`` (a rank's data-loader workers)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found

@@ -35,8 +35,8 @@ from urllib.parse import urlparse
 
 import pyarrow.fs as pafs
 import pytest
-from cluster_util import REPO, HeldRelay, children, cpu_share, pids_of, s3_fs, small_rig
-from conftest import build_data_dir
+from cluster_util import REPO, HeldRelay, cpu_share, pids_of, s3_fs, small_rig
+from conftest import build_data_dir, child_pids
 
 from pipeline import rig as rigmod
 
@@ -213,7 +213,7 @@ def scenario(rig, base: Path) -> dict:
         print("starved:", [x for x in out["starved"]["lines"] if "straggler" in x][:2])
         # 4. node2's rank stuck: its loader workers frozen, the rank itself goes on
         since, before = sc.mark(), sc.changes()
-        workers = children(rank_pid(rig, "node2"))
+        workers = child_pids(rank_pid(rig, "node2"))
         assert workers, "node2's rank has no data-loader worker"
         for pid in workers:
             os.kill(pid, signal.SIGSTOP)

@@ -123,6 +123,27 @@ def ended(p: subprocess.Popen, timeout: float = 120) -> tuple[int, str]:
     return p.returncode, err
 
 
+def assert_rank_1_stuck_and_named(ranks: Ranks, says: str) -> None:
+    """Rank 1 (stopped after step 5) ends stuck with its stacks, its line saying ``says``
+    too (exit 6); ranks 0 and 2 name it (exit 4)."""
+    from pipeline.train.heartbeat import EXIT_STUCK
+
+    try:
+        code, err = ended(ranks.procs[1])
+        lines = [x for x in err.splitlines() if x.startswith("plm:")]
+        assert code == EXIT_STUCK and len(lines) == 1, err
+        assert "this rank made no progress" in lines[0] and "after step 5" in lines[0], lines
+        assert "stuck" in lines[0] and says in lines[0], lines
+        assert "in <module>" in err and "Thread 0x" in err, err  # faulthandler's stacks
+        for p in (ranks.procs[0], ranks.procs[2]):
+            code, err = ended(p)
+            named = [x for x in err.splitlines() if x.startswith("plm:")]
+            assert code == EXIT_PEER_LOST and len(named) == 1, err
+            assert "rank 1 on " in named[0] and "stuck" in named[0], named
+    finally:
+        ranks.close()
+
+
 def test_a_frozen_rank_ends_the_others_at_once_naming_it():
     ranks = Ranks(["wait", "wait", "wait"])
     try:
@@ -162,23 +183,8 @@ def test_a_rank_that_beats_but_stays_behind_is_stuck_with_its_stack_and_named():
     """Rank 1 stops after step 5 (its heartbeat goes on) while ranks 0 and 2 wait inside
     step 6: rank 1 writes its threads' stacks and ends with exit 6; the others, ahead of
     it, are not stuck themselves: they name rank 1 and end with exit 4."""
-    from pipeline.train.heartbeat import EXIT_STUCK
-
-    ranks = Ranks(["steps", "stuck", "steps"])
-    try:
-        code, err = ended(ranks.procs[1])
-        lines = [x for x in err.splitlines() if x.startswith("plm:")]
-        assert code == EXIT_STUCK and len(lines) == 1, err
-        assert "this rank made no progress" in lines[0] and "after step 5" in lines[0], lines
-        assert "stuck" in lines[0] and "stacks of its threads are above" in lines[0]
-        assert "in <module>" in err and "Thread 0x" in err, err  # faulthandler's stacks
-        for p in (ranks.procs[0], ranks.procs[2]):
-            code, err = ended(p)
-            named = [x for x in err.splitlines() if x.startswith("plm:")]
-            assert code == EXIT_PEER_LOST and len(named) == 1, err
-            assert "rank 1 on " in named[0] and "stuck" in named[0], named
-    finally:
-        ranks.close()
+    assert_rank_1_stuck_and_named(Ranks(["steps", "stuck", "steps"]),
+                                  "stacks of its threads are above")  # fmt: skip
 
 
 def test_a_rank_stuck_inside_a_step_that_the_others_wait_for_in_a_collective():
@@ -186,23 +192,8 @@ def test_a_rank_stuck_inside_a_step_that_the_others_wait_for_in_a_collective():
     all-reduce (inside step 6 too: nobody is ahead). The one outside the collective is the
     cause: rank 1 ends stuck with its stacks (exit 6), the others name it (exit 4), long
     before the collective's own timeout (an hour here)."""
-    from pipeline.train.heartbeat import EXIT_STUCK
-
-    ranks = Ranks(["collective", "held", "collective"])
-    try:
-        code, err = ended(ranks.procs[1])
-        lines = [x for x in err.splitlines() if x.startswith("plm:")]
-        assert code == EXIT_STUCK and len(lines) == 1, err
-        assert "this rank made no progress" in lines[0] and "after step 5" in lines[0], lines
-        assert "outside any collective" in lines[0]
-        assert "in <module>" in err and "Thread 0x" in err, err
-        for p in (ranks.procs[0], ranks.procs[2]):
-            code, err = ended(p)
-            named = [x for x in err.splitlines() if x.startswith("plm:")]
-            assert code == EXIT_PEER_LOST and len(named) == 1, err
-            assert "rank 1 on " in named[0] and "stuck" in named[0], named
-    finally:
-        ranks.close()
+    assert_rank_1_stuck_and_named(Ranks(["collective", "held", "collective"]),
+                                  "outside any collective")  # fmt: skip
 
 
 def test_a_rank_that_is_done_or_busy_is_never_silent():
@@ -226,14 +217,12 @@ def test_plm_train_leaves_a_frozen_peer_in_seconds_not_the_collective_timeout(ti
     timeout, a 10 s heartbeat timeout); rank 1 frozen mid-run (SIGSTOP, as a frozen host):
     rank 0 leaves its collective, says who went silent in one line and exits 4 (what an
     elastic agent restarts on), long before the collective timeout."""
-    from conftest import REPO
+    from conftest import REPO, rank_env
 
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # fmt: skip
+        env = rank_env(rank, 2, port)
         cmd = [sys.executable, "-m", "pipeline.cli", "train",
                str(REPO / "configs/test/bert-tiny.yaml"), f"data.path={tiny_data}",
                f"train.out_dir={tmp_path / 'run'}", "train.max_steps=100000",
@@ -265,19 +254,6 @@ def test_plm_train_leaves_a_frozen_peer_in_seconds_not_the_collective_timeout(ti
             p.wait()
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = open(f"/proc/{entry}/stat").read()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
 def test_plm_train_names_a_rank_whose_loader_stalls_as_stuck_with_its_stack(tiny_data,
                                                                             tmp_path):  # fmt: skip
     """2 ranks of `plm train`; rank 1's data-loader workers frozen (SIGSTOP: a stalled
@@ -285,16 +261,14 @@ def test_plm_train_names_a_rank_whose_loader_stalls_as_stuck_with_its_stack(tiny
     heartbeat goes on, rank 0 waits for it in the step's collective: rank 1 writes its
     stacks (the loader's wait in them) and exits 6, rank 0 names it as stuck and exits 4,
     long before the collective timeout (300 s)."""
-    from conftest import REPO
+    from conftest import REPO, child_pids, rank_env
 
     from pipeline.train.heartbeat import EXIT_STUCK
 
     port = str(free_port())
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # fmt: skip
+        env = rank_env(rank, 2, port)
         cmd = [sys.executable, "-m", "pipeline.cli", "train",
                str(REPO / "configs/test/bert-tiny.yaml"), f"data.path={tiny_data}",
                f"train.out_dir={tmp_path / 'run'}", "train.max_steps=100000",
@@ -312,7 +286,7 @@ def test_plm_train_names_a_rank_whose_loader_stalls_as_stuck_with_its_stack(tiny
             line = procs[0].stdout.readline()
             assert line, "".join(seen[-50:])
             seen.append(line)
-        frozen = children(procs[1].pid)
+        frozen = child_pids(procs[1].pid)
         assert frozen, "rank 1 has no loader worker"
         for pid in frozen:
             os.kill(pid, signal.SIGSTOP)

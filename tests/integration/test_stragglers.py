@@ -36,15 +36,13 @@ def throttle(pid: int, stop: threading.Event, off_s: float = 0.06, on_s: float =
 
 
 def test_a_rank_slowed_from_outside_is_named_as_a_straggler(tiny_data, tmp_path):
-    from conftest import REPO
+    from conftest import REPO, rank_env
     from mlflow import MlflowClient
 
     port, db = str(free_port()), tmp_path / "mlflow.db"
     procs = []
     for rank in (0, 1):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "PYTHONUNBUFFERED": "1",
-               "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}  # fmt: skip
+        env = rank_env(rank, 2, port)
         cmd = [sys.executable, "-m", "pipeline.cli", "train",
                str(REPO / "configs/test/bert-tiny.yaml"), f"data.path={tiny_data}",
                f"train.out_dir={tmp_path / 'run'}", "train.max_steps=60",
