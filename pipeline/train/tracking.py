@@ -60,6 +60,11 @@ def for_mlflow(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
+def _millis(t: float) -> int:
+    """A metrics.jsonl row's time as MLflow's timestamp, alike for every send of it."""
+    return int(t * 1000)
+
+
 def _count(n: Any) -> str:
     try:
         return f"{int(n):,}"
@@ -468,7 +473,12 @@ class Tracker:
         self._save_synced()
 
     def _save_synced(self) -> None:
-        (self.run_dir / SYNCED_FILE).write_text(str(self._sent))
+        # After every row MLflow took, not only after an outage: the file travels with each
+        # checkpoint, and a stale count made the next job send rows MLflow had (twice in
+        # its history). Replaced whole, so a process killed mid-write leaves the old count.
+        tmp = self.run_dir / f".{SYNCED_FILE}.{os.getpid()}"
+        tmp.write_text(str(self._sent))
+        os.replace(tmp, self.run_dir / SYNCED_FILE)
 
     def reconnect(self, wait_s: float = 0.0) -> bool:
         """True when MLflow takes calls (again). Asks the server at most every
@@ -521,7 +531,7 @@ class Tracker:
         rows = [json.loads(x) for x in lines[self._sent :]]
         metrics = []
         for row in rows:
-            t = int(float(row.get("time", time.time())) * 1000)
+            t = _millis(float(row.get("time", time.time())))
             values = {k: v for k, v in row.items()
                       if k not in ("step", "time") and isinstance(v, (int, float))}  # fmt: skip
             metrics += [
@@ -617,8 +627,9 @@ class Tracker:
         metrics = {**metrics, **{k: v for k, v in self.every_row.items() if k not in metrics}}
         if "tokens_seen" in metrics:  # for the run's final description
             self._tokens_seen, self._step = int(metrics["tokens_seen"]), step
+        now = round(time.time(), 3)
         with open(self._jsonl, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")
+            f.write(json.dumps({"step": step, **metrics, "time": now}) + "\n")
         self._rows += 1
         if self._deferred is not None:  # the run starts now; its start sends this row
             self._catch_up()
@@ -629,8 +640,11 @@ class Tracker:
         import mlflow
 
         try:
-            mlflow.log_metrics(for_mlflow(metrics), step=step)
+            # The row's own time, as a backfill sends it: a row sent twice (a call that
+            # timed out after the server stored it) is then one point, not two.
+            mlflow.log_metrics(for_mlflow(metrics), step=step, timestamp=_millis(now))
             self._sent = self._rows
+            self._save_synced()
         except Exception as err:
             self._fail("log_metrics", err)
 

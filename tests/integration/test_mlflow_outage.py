@@ -129,12 +129,26 @@ def test_the_tracker_picks_up_again_in_the_middle_of_a_run(tmp_path, monkeypatch
         for step in range(8, 11):
             tracker.log_metrics({"loss": 1.0 / step}, step)
         assert tracker.mlflow_ok and tracker.backfilled >= 4
+        # The process lost here (its run left open), the next job resumes the run from the
+        # same folder: it sends nothing twice (a count left at the outage's end sent steps
+        # 9 and 10 again, twice in the history).
+        assert (tmp_path / "run" / "mlflow_synced").read_text() == "10"
+        # Even rows the server stored but the tracker never heard it (a call that timed
+        # out) are one point each when sent again: say steps 9 and 10 were.
+        (tmp_path / "run" / "mlflow_synced").write_text("8")
+        import mlflow
+
+        mlflow.end_run()
+        tracker = Tracker(tmp_path / "run", enabled=True, retry_every_s=0.5, final_wait_s=0)
+        tracker.start(tracking_uri=server.url, experiment="outage", run_name="r", params={},
+                      tags={}, resume=True)  # fmt: skip
+        tracker.log_metrics({"loss": 1.0 / 11}, 11)
         tracker.end("FINISHED")
         client = MlflowClient(server.url)
         history = client.get_metric_history(tracker.run_id, "loss")
-        assert sorted(m.step for m in history) == list(range(1, 11))
+        assert sorted(m.step for m in history) == list(range(1, 12))
         assert client.get_run(tracker.run_id).info.status == "FINISHED"
-        assert (tmp_path / "run" / "mlflow_synced").read_text() == "10"
+        assert (tmp_path / "run" / "mlflow_synced").read_text() == "11"
     finally:
         import mlflow
 
