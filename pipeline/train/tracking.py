@@ -476,9 +476,14 @@ class Tracker:
         # After every row MLflow took, not only after an outage: the file travels with each
         # checkpoint, and a stale count made the next job send rows MLflow had (twice in
         # its history). Replaced whole, so a process killed mid-write leaves the old count.
+        # A failed write (a full disk) is left to the checkpoint's write to report, with its path:
+        # the old count stays, and a row sent again is one point (its own time).
         tmp = self.run_dir / f".{SYNCED_FILE}.{os.getpid()}"
-        tmp.write_text(str(self._sent))
-        os.replace(tmp, self.run_dir / SYNCED_FILE)
+        try:
+            tmp.write_text(str(self._sent))
+            os.replace(tmp, self.run_dir / SYNCED_FILE)
+        except OSError:
+            tmp.unlink(missing_ok=True)
 
     def reconnect(self, wait_s: float = 0.0) -> bool:
         """True when MLflow takes calls (again). Asks the server at most every

@@ -22,6 +22,14 @@ pytestmark = pytest.mark.slow
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 
 
+def as_a_terminal_job() -> None:
+    """A terminal's job starts with SIGINT and SIGTERM at their defaults; a test process
+    started in the background (`cmd &` in a script) has SIGINT ignored, and `tee` would
+    inherit that, outlive Ctrl-C and exit 0 at EOF."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def train_into_tee(tiny_data: Path, tmp_path: Path, stderr_too: bool):
     """`plm train` with its stdout (and with ``stderr_too`` its stderr) piped into `tee`,
     both in one new process group (a terminal's job). Returns (train, tee, out, err)."""
@@ -34,10 +42,11 @@ def train_into_tee(tiny_data: Path, tmp_path: Path, stderr_too: bool):
             cwd=tmp_path, env={**os.environ, "PYTHONUNBUFFERED": "1"},
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT if stderr_too else err_file,
             process_group=0,  # a group of its own (a terminal's job), in this session
+            preexec_fn=as_a_terminal_job,
         )  # fmt: skip
     tee = subprocess.Popen(
         ["tee", str(out)], stdin=train.stdout, stdout=subprocess.DEVNULL,
-        process_group=train.pid,
+        process_group=train.pid, preexec_fn=as_a_terminal_job,
     )  # fmt: skip
     train.stdout.close()  # tee holds the only read end: once it dies, a write is EPIPE
     return train, tee, out, err
