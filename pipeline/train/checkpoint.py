@@ -442,9 +442,11 @@ class CheckpointManager:
         try:
             with weights_only_loads():
                 if stage == 3:
-                    universal.convert_zero3(self.store, rel, self.rank, self.world_size)
+                    universal.convert_zero3(
+                        self.store, rel, self.rank, self.world_size, int(meta["world_size"])
+                    )
                 else:  # rank 0 converts; every rank learns whether it failed
-                    universal.together("conversion", self._ds_to_universal, tag)
+                    universal.together("conversion", self._ds_to_universal, tag, meta)
         except UnsafeCheckpointFile as err:
             raise CheckpointError(str(err)) from None
         except Exception as err:
@@ -457,7 +459,7 @@ class CheckpointManager:
         dist.barrier()
         return time.perf_counter() - t0
 
-    def _ds_to_universal(self, tag: str) -> None:
+    def _ds_to_universal(self, tag: str, meta: dict[str, Any]) -> None:
         """DeepSpeed's whole conversion on rank 0 (ZeRO 1-2), uploaded when done."""
         if self.rank != 0:
             return
@@ -465,8 +467,17 @@ class CheckpointManager:
 
         rel = f"{CHECKPOINTS}/{tag}"
         out = self.root / tag / UNIVERSAL
-        # The whole checkpoint (every rank's partitions) into this node's folder.
-        self.store.fetch(p for p, _ in self.store.list_files(rel) if f"/{UNIVERSAL}/" not in p)
+        # The whole checkpoint (every rank's partitions) into this node's folder: only the
+        # ranks COMPLETE counts. A lost host's upload of an older save of this step may
+        # land after a new round rewrote it (a link that comes back), and DeepSpeed
+        # converts every rank file it finds in the folder.
+        saved_world = int(meta["world_size"])
+        ours = lambda name: (owner(name) or 0) < saved_world  # noqa: E731
+        self.store.fetch(p for p, _ in self.store.list_files(rel)
+                         if f"/{UNIVERSAL}/" not in p and ours(p.rsplit("/", 1)[-1]))  # fmt: skip
+        for stray in (self.root / tag).iterdir():
+            if stray.is_file() and not ours(stray.name):
+                stray.unlink()
         universal.check_checkpoint_names(self.root / tag)  # DeepSpeed makes folders of them
         tmp = self.root / tag / f".{UNIVERSAL}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)

@@ -113,10 +113,12 @@ def together(step: str, call, *args) -> None:
     )
 
 
-def convert_zero3(store: OutStore, rel: str, rank: int, world: int) -> None:
-    """Collective: ZeRO-3 checkpoint folder ``rel`` (relative to the store's root) into
-    ``rel/universal`` (without its COMPLETE: the caller's). DeepSpeed's torch.load calls run
-    as the caller set them up (``weights_only_loads``)."""
+def convert_zero3(store: OutStore, rel: str, rank: int, world: int, old_world: int) -> None:
+    """Collective: ZeRO-3 checkpoint folder ``rel`` (relative to the store's root), saved
+    by ``old_world`` ranks (its COMPLETE says), into ``rel/universal`` (without its
+    COMPLETE: the caller's). A rank file past ``old_world`` is a lost host's late upload
+    of an older save of this step, not part of it. DeepSpeed's torch.load calls run as the
+    caller set them up (``weights_only_loads``)."""
     from deepspeed.checkpoint.ds_to_universal import (
         extract_zero_shards_stage3,
         merge_zero3_slices,
@@ -131,10 +133,12 @@ def convert_zero3(store: OutStore, rel: str, rank: int, world: int) -> None:
         if m and not is_dir:
             if int(m[2]) != 0:
                 raise ValueError(f"{store.where(rel)}: {name} is of a tensor-parallel run")
-            old[int(m[1])] = name
-    if sorted(old) != list(range(len(old))) or not old:
-        raise ValueError(f"{store.where(rel)}: ZeRO-3 partitions of ranks {sorted(old)}")
-    old_world = len(old)
+            if int(m[1]) < old_world:
+                old[int(m[1])] = name
+    if sorted(old) != list(range(old_world)):
+        raise ValueError(
+            f"{store.where(rel)}: ZeRO-3 partitions of ranks {sorted(old)}, saved by {old_world}"
+        )
     mine = [d for d in range(old_world) if d % world == rank]
 
     # A leftover of a conversion killed before its COMPLETE: gone before anyone writes.
