@@ -48,9 +48,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 RANK_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-# glibc's heap keeps what a rank frees (the whole-size tensors of the partitioned build and
-# of DeepSpeed's flattening): 27 bytes a parameter instead of 20 (docs/training.md)
-MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 def experiment(model: str, data: Path) -> list[str]:
@@ -161,11 +158,6 @@ def main() -> int:
     ap.add_argument("--subnet", default="198.18.0.0/24")
     ap.add_argument("--work", default="/var/tmp/plm-bench-big")
     ap.add_argument("--skip-one-host", action="store_true")
-    ap.add_argument(
-        "--glibc-default",
-        action="store_true",
-        help="leave glibc's malloc thresholds alone (no MALLOC_MMAP_THRESHOLD_)",
-    )
     args = ap.parse_args()
 
     from pipeline import rig as rigmod
@@ -201,7 +193,7 @@ def main() -> int:
                 f"mlflow.tracking_uri=sqlite:///{run_dir}.db", *extra,
             ]  # fmt: skip
 
-        env = {**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)}
+        env = {**os.environ, **RANK_ENV}
         if not args.skip_one_host:
             for stage, ds in (("zero3", "configs/deepspeed/zero3.json"), ("zero0", "auto")):
                 run_dir = shared / f"one-{stage}"
@@ -239,7 +231,7 @@ def main() -> int:
     ref = subprocess.run([sys.executable, "-m", "pipeline.cli", "train", *experiment(args.model, data),
                           f"train.out_dir={ref_dir}", "train.grad_accum=2", "train.save_every=0",
                           f"mlflow.tracking_uri=sqlite:///{ref_dir}.db"],
-                         env={**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)},
+                         env={**os.environ, **RANK_ENV},
                          capture_output=True, text=True)  # fmt: skip
     results["reference"] = {"exit": ref.returncode, "wall_s": time.monotonic() - t0,
                             "losses": losses(ref_dir)}  # fmt: skip
@@ -269,7 +261,7 @@ def lost_host(args, rigmod, work: Path, data: Path, total: int) -> dict:
                "--skip-dry-run", *experiment(args.model, data), f"train.out_dir={run_dir}",
                "train.max_steps=5", "train.save_every=2", "train.global_batch=6", "train.keep_last=5",
                "train.collective_timeout_s=60", f"mlflow.tracking_uri=sqlite:///{run_dir}.db"]  # fmt: skip
-        env = {**os.environ, **RANK_ENV, **({} if args.glibc_default else MALLOC_ENV)}
+        env = {**os.environ, **RANK_ENV}
         for h in rig.hosts:
             rig.reset_peak(h.name)
         t0 = time.time()

@@ -704,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
 
         guard_streams()
     quiet_mlflow_telemetry()  # before anything imports mlflow
+    from pipeline.train.ds_ops import configure_allocator
+
+    configure_allocator()  # before the large allocations: freed tensors go back to the system
     from pipeline.config import ConfigError
     from pipeline.data.shards import ShardError
     from pipeline.output import EXIT_DISK_FULL, DiskFull, disk_full, no_space

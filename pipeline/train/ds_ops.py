@@ -38,13 +38,25 @@ with the fix, exit 2), and ``--dry-run`` says the same, or that the run would bu
 
 An op already in the cache loads without the build tools: torch's load then only warns that
 the compiler is missing, and that warning is kept out.
+
+**The allocator.** glibc's malloc serves a block above its mmap threshold (128 KiB at
+first) by mmap, and returns it to the system when it is freed; but each such free raises
+the threshold to the block's size (up to 32 MiB), so the many-MiB tensors a rank frees
+after that (the whole-size tensors of ZeRO-3's partitioned build, the copies DeepSpeed
+flattens) stay in the heap as free space the rank never gives back. plm fixes the
+threshold at 64 KiB (``mallopt(M_MMAP_THRESHOLD)``, which also turns the raising off)
+where glibc is the allocator, unless the user set ``MALLOC_MMAP_THRESHOLD_``
+(docs/training.md has the measurements).
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import importlib.util
 import logging
 import os
+import platform
 import shutil
 import sys
 import sysconfig
@@ -112,13 +124,28 @@ def _cpu_only() -> bool:
 
 def configure_environment() -> None:
     """Before DeepSpeed is imported: DS_ACCELERATOR=cpu on a CPU-only machine, and the
-    per-venv TORCH_EXTENSIONS_DIR. A variable the user set is left as it is; so are both
-    when the venv's folder cannot be written (a read-only system Python: torch's per-user
-    default stays). Idempotent; the ranks a launcher starts inherit the values."""
+    per-venv TORCH_EXTENSIONS_DIR. A variable the user set is left as it is; so is
+    TORCH_EXTENSIONS_DIR when the venv's folder cannot be written (a read-only system
+    Python: torch's per-user default stays). Idempotent; the ranks a launcher starts
+    inherit the values."""
     if "DS_ACCELERATOR" not in os.environ and _cpu_only():
         os.environ["DS_ACCELERATOR"] = "cpu"
     if "TORCH_EXTENSIONS_DIR" not in os.environ and _writable(default_extensions_dir()):
         os.environ["TORCH_EXTENSIONS_DIR"] = str(default_extensions_dir())
+
+
+M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+MMAP_THRESHOLD_BYTES = 64 * 1024
+
+
+def configure_allocator() -> bool:
+    """Fix glibc's mmap threshold at 64 KiB in this process (the allocator paragraph
+    above); every `plm` command does, first. True when set; False where the allocator is not glibc's, or the user set
+    MALLOC_MMAP_THRESHOLD_ (glibc read it at start-up and it stays as they chose)."""
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
 
 
 def import_deepspeed():

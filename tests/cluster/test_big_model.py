@@ -33,9 +33,7 @@ RANK_ENV = {
     "DS_ACCELERATOR": "cpu",
     "OMP_NUM_THREADS": "1",
     "PYTHONUNBUFFERED": "1",
-    # glibc keeps freed heap memory otherwise: 27 B a parameter instead of 20 (the docs)
-    "MALLOC_MMAP_THRESHOLD_": "65536",
-}
+}  # glibc's mmap threshold: plm sets its own (pipeline/train/ds_ops.configure_allocator)
 BIG = str(REPO / "configs/test/bert-base-fp32.yaml")
 EXPERIMENT = ["name=big-test", "train.save_every=2", "train.bundle_shard_mb=100"]
 
