@@ -65,16 +65,17 @@ def local_world_size() -> int:
 
 
 def set_cpu_threads() -> int | None:
-    """Share the machine's cores among its ranks: torch threads = cores // local ranks
-    (one per rank when there are as many ranks as cores), unless the user set
-    OMP_NUM_THREADS. Without it every rank starts one thread per core, and N ranks on N
-    cores oversubscribe them (0.2-2.0 s per step for the same step, measured with 2
-    ranks on 2 cores). A single rank keeps what its process chose (the demo: one).
-    Returns the thread count set, None when left as it was."""
-    ranks = local_world_size()
-    if os.environ.get("OMP_NUM_THREADS") or ranks == 1:
+    """Half the machine's CPUs, shared among its ranks: torch threads = CPUs // (2 x local
+    ranks), at least one, unless the user set OMP_NUM_THREADS. A rank's OpenMP threads
+    meet at a barrier in every op, so when other work takes the cores one descheduled
+    thread stalls the others: one rank at torch's default (a thread per CPU) ran 39x
+    slower with 8 busy processes beside it on 2 CPUs, one thread 4x; idle, one thread
+    gave up a quarter (BENCHMARKS.md, "CPU threads"). On a machine with two hardware
+    threads per core, half its CPUs is its cores, torch's own default there.
+    Returns the thread count set, None when left as the user chose."""
+    if os.environ.get("OMP_NUM_THREADS"):
         return None
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = max(1, (cores or 1) // ranks)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = max(1, (cpus or 1) // (2 * local_world_size()))
     torch.set_num_threads(threads)
     return threads

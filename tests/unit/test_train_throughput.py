@@ -1,6 +1,8 @@
 """Honest throughput: FLOPs of what the model computes on the real tokens (attention at
 each sequence's real length, the decoder on the positions it scores)."""
 
+import os
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -44,9 +46,10 @@ def test_cpu_threads_shared_by_the_ranks_of_a_machine(monkeypatch):
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice wins
         assert set_cpu_threads() is None
         monkeypatch.delenv("OMP_NUM_THREADS")
-        monkeypatch.setenv("LOCAL_SIZE", "1")  # one rank keeps its process's choice
-        torch.set_num_threads(1)
-        assert set_cpu_threads() is None and torch.get_num_threads() == 1
+        monkeypatch.setenv("LOCAL_SIZE", "1")  # one rank: half the CPUs, not one per CPU
+        cpus = len(os.sched_getaffinity(0))
+        torch.set_num_threads(cpus)
+        assert set_cpu_threads() == max(1, cpus // 2) == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
 
