@@ -446,7 +446,9 @@ class CheckpointManager:
                         self.store, rel, self.rank, self.world_size, int(meta["world_size"])
                     )
                 else:  # rank 0 converts; every rank learns whether it failed
-                    universal.together("conversion", self._ds_to_universal, tag, meta)
+                    universal.together(
+                        "conversion", self._ds_to_universal, tag, int(meta["world_size"])
+                    )
         except UnsafeCheckpointFile as err:
             raise CheckpointError(str(err)) from None
         except Exception as err:
@@ -459,8 +461,9 @@ class CheckpointManager:
         dist.barrier()
         return time.perf_counter() - t0
 
-    def _ds_to_universal(self, tag: str, meta: dict[str, Any]) -> None:
-        """DeepSpeed's whole conversion on rank 0 (ZeRO 1-2), uploaded when done."""
+    def _ds_to_universal(self, tag: str, saved_world: int) -> None:
+        """DeepSpeed's whole conversion on rank 0 (ZeRO 1-2) of ``tag``, saved by
+        ``saved_world`` ranks, uploaded when done."""
         if self.rank != 0:
             return
         from deepspeed.checkpoint.ds_to_universal import main as ds_to_universal
@@ -471,7 +474,6 @@ class CheckpointManager:
         # ranks COMPLETE counts. A lost host's upload of an older save of this step may
         # land after a new round rewrote it (a link that comes back), and DeepSpeed
         # converts every rank file it finds in the folder.
-        saved_world = int(meta["world_size"])
         ours = lambda name: (owner(name) or 0) < saved_world  # noqa: E731
         self.store.fetch(p for p, _ in self.store.list_files(rel)
                          if f"/{UNIVERSAL}/" not in p and ours(p.rsplit("/", 1)[-1]))  # fmt: skip

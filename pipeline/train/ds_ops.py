@@ -140,8 +140,8 @@ MMAP_THRESHOLD_BYTES = 64 * 1024
 
 def configure_allocator() -> bool:
     """Fix glibc's mmap threshold at 64 KiB in this process (the allocator paragraph
-    above); every `plm` command does, first. True when set; False where the allocator is not glibc's, or the user set
-    MALLOC_MMAP_THRESHOLD_ (glibc read it at start-up and it stays as they chose)."""
+    above); every `plm` command does, first. True when set; False where the allocator is
+    not glibc's, or the user set MALLOC_MMAP_THRESHOLD_ (glibc read it at start-up)."""
     if "MALLOC_MMAP_THRESHOLD_" in os.environ or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
