@@ -12,7 +12,8 @@ on a data dir made here with an 8k WordPiece tokenizer of the bundled corpus:
    OOM killer inside the host's cgroup; read back from the cgroup's counters);
 2. two hosts, one rank each, ZeRO-3 (one `plm train` per host with the torchrun-style
    environment, as a Kubernetes pod runs it: nothing else on the host): trains ``--steps`` steps, an asynchronous checkpoint at step 2, the final
-   checkpoint and the streamed, sharded bundle;
+   checkpoint and the streamed, sharded bundle; then the same with
+   ``train.activation_checkpointing=true``;
 3. the same two hosts resume from that run's step-2 checkpoint and train one more step;
 4. the reference: one uncapped process in the root namespace, ZeRO-3, grad_accum 2 (the
    same global batch): its losses against 2.'s.
@@ -207,6 +208,13 @@ def main() -> int:
                                    "two")  # fmt: skip
         results["two_hosts"] = {"hosts": hosts, "wall_s": wall, "losses": losses(run_dir),
                                 "step_s": step_seconds(run_dir)}  # fmt: skip
+        ac_dir = shared / "two-ac"  # the same with activation checkpointing, one save (disk)
+        hosts, wall = run_on_hosts(rig, ["node0", "node1"],
+                                   per_node(ac_dir, ["train.activation_checkpointing=true",
+                                                    "train.save_every=0"]),
+                                   env, logs, "two-ac")  # fmt: skip
+        results["two_hosts_ac"] = {"hosts": hosts, "wall_s": wall, "losses": losses(ac_dir),
+                                   "step_s": step_seconds(ac_dir)}  # fmt: skip
         bundle = run_dir / "bundles" / "final"
         results["bundle_files"] = sorted(p.name for p in bundle.glob("*.safetensors"))
         resumed = shared / "resumed"
@@ -361,7 +369,7 @@ def report(r: dict) -> None:
     )
     print(f"estimate per rank (2 ranks): DeepSpeed {r['estimate_bytes']['deepspeed'] / gib:.2f} "
           f"GiB, 20 B x params / 2 = {r['estimate_bytes']['arithmetic'] / gib:.2f} GiB")  # fmt: skip
-    for key in ("one_host_zero3", "one_host_zero0", "two_hosts", "resumed"):
+    for key in ("one_host_zero3", "one_host_zero0", "two_hosts", "two_hosts_ac", "resumed"):
         if key not in r:
             continue
         for h in r[key]["hosts"]:
@@ -373,12 +381,14 @@ def report(r: dict) -> None:
         if r[key].get("step_s"):
             steps = ", ".join(f"step {k}: {v:.1f} s" for k, v in r[key]["step_s"].items())
             print(f"  {'':15s} step wall times {steps}")
-    two, ref = r.get("two_hosts", {}).get("losses", {}), r["reference"]["losses"]
-    for step in sorted(ref):
-        if str(step) in two or step in two:
-            got = two.get(step, two.get(str(step)))
-            print(f"  step {step}: 2 hosts {got:.6f}, 1 host uncapped {ref[step]:.6f}, "
-                  f"rel {abs(got - ref[step]) / abs(ref[step]):.2e}")  # fmt: skip
+    ref = r["reference"]["losses"]
+    for key in ("two_hosts", "two_hosts_ac"):
+        two = r.get(key, {}).get("losses", {})
+        for step in sorted(ref):
+            if str(step) in two or step in two:
+                got = two.get(step, two.get(str(step)))
+                print(f"  step {step}: {key} {got:.6f}, 1 host uncapped {ref[step]:.6f}, "
+                      f"rel {abs(got - ref[step]) / abs(ref[step]):.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":
