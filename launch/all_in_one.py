@@ -454,7 +454,7 @@ def check_tracking(server: MlflowServer, name: str, run_dir: Path) -> dict:
     run_id = (run_dir / "mlflow_run_id").read_text().strip()
     run = server.get("runs/get", run_id=run_id)["run"]
     metrics = {m["key"]: m["value"] for m in run["data"].get("metrics", [])}
-    history = server.get("metrics/get-history", run_id=run_id, metric_key="step_loss")
+    history = server.get("metrics/get-history", run_id=run_id, metric_key="loss")
     model = server.get("registered-models/get", name=name)["registered_model"]
     version = server.get("registered-models/alias", name=name, alias="current")
     return {
@@ -462,7 +462,7 @@ def check_tracking(server: MlflowServer, name: str, run_dir: Path) -> dict:
         "experiment_id": run["info"]["experiment_id"],
         "status": run["info"]["status"],
         "metrics": metrics,
-        "step_loss": [m["value"] for m in sorted(history["metrics"], key=lambda m: m["step"])],
+        "loss": [m["value"] for m in sorted(history["metrics"], key=lambda m: m["step"])],
         "model": model["name"],
         "version": version["model_version"]["version"],
         "model_source": version["model_version"]["source"],
@@ -525,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                       ray_gcs_port=head.gcs_port)  # fmt: skip
         (work / "result.json").write_text(json.dumps(result, indent=2))
         say(
-            f"run {result['run_id']} {result['status']}: step_loss {result['step_loss']}; "
+            f"run {result['run_id']} {result['status']}: loss {result['loss']}; "
             f"registered models:/{result['model']}@current = version {result['version']}"
         )
         from pipeline.train.tracking import ui_link

@@ -49,12 +49,35 @@ NOTE_TAG = "mlflow.note.content"
 # Metrics MLflow gets in a unit its charts' axes read: (name there, factor). metrics.jsonl
 # keeps the name and the value the code computes (what the tests and the evaluation read).
 MLFLOW_UNITS = {"flops_per_s_per_device": ("tflop_per_s_per_device", 1e-12)}
+# metrics.jsonl only: the last step's loss of a logging window, for comparing runs step by
+# step; in MLflow it would chart beside the window's mean `loss`, nearly the same line.
+JSONL_ONLY = frozenset({"step_loss"})
+
+
+def _same_as_loss(metrics: dict[str, float]) -> set[str]:
+    """Keys that chart ``loss`` again: an objective's only loss term (MLM's ``mlm_loss``,
+    CLM's ``lm_loss``) when it equals the total, and the perplexity of that term; the same
+    for ``eval_`` keys. An objective of several terms (NSP, ELECTRA) keeps them all."""
+    out: set[str] = set()
+    for prefix in ("", "eval_"):
+        terms = [
+            k for k in metrics
+            if k.endswith("_loss") and k.startswith(prefix) and k not in JSONL_ONLY
+            and (prefix or not k.startswith("eval_")) and k != f"{prefix}loss"
+        ]  # fmt: skip
+        if len(terms) == 1 and metrics.get(f"{prefix}loss") == metrics[terms[0]]:
+            out |= {terms[0], terms[0][: -len("loss")] + "ppl"}
+    return out
 
 
 def for_mlflow(metrics: dict[str, float]) -> dict[str, float]:
-    """The metrics as MLflow gets them: ``MLFLOW_UNITS`` applied (FLOP/s as TFLOP/s)."""
+    """The metrics as MLflow gets them: ``MLFLOW_UNITS`` applied (FLOP/s as TFLOP/s), and
+    without the charts that repeat ``loss`` (``JSONL_ONLY``, ``_same_as_loss``)."""
     out = {}
+    dropped = JSONL_ONLY | _same_as_loss(metrics)
     for key, value in metrics.items():
+        if key in dropped:
+            continue
         name, factor = MLFLOW_UNITS.get(key, (key, 1.0))
         out[name] = value * factor if factor != 1.0 else value
     return out

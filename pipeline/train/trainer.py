@@ -1073,13 +1073,13 @@ class Trainer:
     def log_host_memory(self) -> None:
         """Collective: each rank's peak resident memory (the process's high-water mark: what
         the host had to hold for it, the page cache not counted), in the log and as MLflow
-        metrics ``host_peak_gib/rank<r>``."""
+        metrics ``system/rank<r>_peak_resident_gib`` (MLflow's system metrics tab)."""
         mine = torch.tensor([peak_resident_gib()], dtype=torch.float64, device=self.dev)
         peaks = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(peaks, mine)
         gib = [float(x) for x in peaks]
         self.tracker.log_metrics(
-            {f"host_peak_gib/rank{r}": g for r, g in enumerate(gib)}, self.step
+            {f"system/rank{r}_peak_resident_gib": g for r, g in enumerate(gib)}, self.step
         )
         self.log("peak resident memory per rank: " + ", ".join(f"{g:.2f} GiB" for g in gib))
 

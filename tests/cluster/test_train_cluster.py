@@ -541,7 +541,7 @@ def test_the_tutorials_server_refuses_anonymous_and_viewer_writes(rig, mlflow_se
     assert_refused_everywhere(mlflow_server.address, w, MODEL, viewer, 403)
     run = get(mlflow_server, f"runs/get?run_id={run_id}", viewer)["run"]
     assert run["info"]["lifecycle_stage"] == "active" and run["info"]["status"] == "FINISHED"
-    history = get(mlflow_server, f"metrics/get-history?run_id={run_id}&metric_key=step_loss",
+    history = get(mlflow_server, f"metrics/get-history?run_id={run_id}&metric_key=loss",
                   viewer)["metrics"]  # fmt: skip
     # (steps 4-6 twice: the per-node form resumed this run from a copy of its checkpoint)
     assert sorted({m["step"] for m in history}) == [1, 2, 3, 4, 5, 6]

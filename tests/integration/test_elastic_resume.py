@@ -155,7 +155,7 @@ def test_one_mlflow_run_with_one_curve(runs):
             run_dir = runs["root"] / stage / name
             run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
             assert run.info.status == "FINISHED"
-            history = client.get_metric_history(run.info.run_id, "step_loss")
+            history = client.get_metric_history(run.info.run_id, "loss")
             assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
             assert "ranks" in run.data.tags["elastic_resume"]
 

@@ -97,7 +97,7 @@ def test_all_in_one_data_training_tracking(tmp_path):
         tags = {t["key"]: t["value"] for t in run["data"]["tags"]}
         assert tags["world_size"] == "2" and tags["arch"] == "bert"
         hist = mlflow_get(
-            mlflow, "metrics/get-history", run_id=result["run_id"], metric_key="step_loss"
+            mlflow, "metrics/get-history", run_id=result["run_id"], metric_key="loss"
         )["metrics"]
         losses = [m["value"] for m in sorted(hist, key=lambda m: m["step"])]
         assert len(losses) == 6 and all(v == v for v in losses)

@@ -225,7 +225,7 @@ def test_plm_train_as_the_job_user_logs_and_registers(server, tiny_data, tmp_pat
         client = MlflowClient(server.url)
         run = client.get_run(run_id)
         assert run.info.status == "FINISHED" and run.info.experiment_id == written["exp"]
-        steps = sorted(m.step for m in client.get_metric_history(run_id, "step_loss"))
+        steps = sorted(m.step for m in client.get_metric_history(run_id, "loss"))
         assert steps == [1, 2, 3]
         version = client.get_model_version_by_alias(EXP, "current")
         assert version.run_id == run_id

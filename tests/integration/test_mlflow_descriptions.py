@@ -135,3 +135,18 @@ def test_a_finetuning_run_and_its_version_say_the_task_the_source_and_the_best_s
     )
     experiment = client.get_experiment_by_name("topic").tags[NOTE_TAG]
     assert experiment.startswith("plm runs, the first by `plm finetune` (config topic)")
+
+
+def test_mlflow_has_no_chart_of_the_loss_twice_and_memory_is_a_system_metric(trained):
+    """bert-tiny's objective has two terms (MLM + NSP): both chart; the window's last
+    step_loss stays in metrics.jsonl; each rank's peak memory is in the system tab."""
+    from mlflow import MlflowClient
+
+    uri, run_dir, rows = trained
+    metrics = (
+        MlflowClient(uri).get_run((run_dir / "mlflow_run_id").read_text().strip()).data.metrics
+    )
+    assert {"loss", "mlm_loss", "nsp_loss"} <= set(metrics)
+    assert "step_loss" not in metrics and any("step_loss" in r for r in rows)
+    assert "system/rank0_peak_resident_gib" in metrics
+    assert not any(k.startswith("host_peak") for k in metrics)

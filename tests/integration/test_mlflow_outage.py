@@ -90,10 +90,10 @@ def test_a_run_that_lost_its_server_is_complete_once_the_server_is_back(tiny_dat
         run_id = (run_dir / "mlflow_run_id").read_text().strip()
         run = client.get_run(run_id)
         assert run.info.status == "FINISHED"
-        history = client.get_metric_history(run_id, "step_loss")
+        history = client.get_metric_history(run_id, "loss")
         assert sorted(m.step for m in history) == list(range(1, STEPS + 1))
         by_step = {m.step: m.value for m in history}
-        assert by_step == {r["step"]: r["step_loss"] for r in metrics_rows(run_dir)
+        assert by_step == {r["step"]: r["loss"] for r in metrics_rows(run_dir)
                            if "step_loss" in r}  # fmt: skip
         version = client.get_model_version_by_alias("bert-tiny", "current")
         assert version.run_id == run_id

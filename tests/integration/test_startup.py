@@ -58,8 +58,8 @@ def test_the_first_step_comes_before_mlflow_and_the_run_has_every_row(tiny_data,
     assert run.info.status == "FINISHED"
     assert run.data.params["train.max_steps"] == "4" and run.data.tags["arch"] == "bert"
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    want = [(r["step"], r["step_loss"]) for r in rows if "step_loss" in r]
-    got = [(m.step, m.value) for m in client.get_metric_history(run_id, "step_loss")]
+    want = [(r["step"], r["loss"]) for r in rows if "step_loss" in r]
+    got = [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")]
     assert sorted(got) == want and len(want) == 4
     assert (run_dir / "mlflow_synced").read_text() == str(len(rows))
     names = {a.path for a in client.list_artifacts(run_id)}

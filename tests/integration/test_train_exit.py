@@ -48,7 +48,7 @@ def test_one_step_run_leaves_everything_in_a_new_store_and_exits_0(tiny_data, tm
     row = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     history = client.get_metric_history(run_id, "loss")
     assert [(m.step, m.value) for m in history] == [(1, pytest.approx(row["loss"]))]
-    assert "host_peak_gib/rank0" in run.data.metrics  # logged after the checkpoint
+    assert "system/rank0_peak_resident_gib" in run.data.metrics  # logged after the checkpoint
     names = {a.path for a in client.list_artifacts(run_id, "model")}
     assert {"model/model.safetensors", "model/config.yaml", "model/tokenizer.json"} <= names
     mv = client.get_model_version_by_alias("bert-tiny", "current")
