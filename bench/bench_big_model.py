@@ -203,18 +203,14 @@ def main() -> int:
                 hosts, wall = run_on_hosts(rig, ["node0"], lambda r, a=argv: a, env, logs,
                                            f"one-{stage}")  # fmt: skip
                 results[f"one_host_{stage}"] = {"hosts": hosts, "wall_s": wall}
+        # the same with activation checkpointing: its final checkpoint only (disk space)
+        ac = ["train.activation_checkpointing=true", "train.save_every=0"]
+        for key, name, extra in (("two_hosts", "two", []), ("two_hosts_ac", "two-ac", ac)):
+            hosts, wall = run_on_hosts(rig, ["node0", "node1"], per_node(shared / name, extra),
+                                       env, logs, name)  # fmt: skip
+            results[key] = {"hosts": hosts, "wall_s": wall, "losses": losses(shared / name),
+                            "step_s": step_seconds(shared / name)}  # fmt: skip
         run_dir = shared / "two"
-        hosts, wall = run_on_hosts(rig, ["node0", "node1"], per_node(run_dir, []), env, logs,
-                                   "two")  # fmt: skip
-        results["two_hosts"] = {"hosts": hosts, "wall_s": wall, "losses": losses(run_dir),
-                                "step_s": step_seconds(run_dir)}  # fmt: skip
-        ac_dir = shared / "two-ac"  # the same with activation checkpointing, one save (disk)
-        hosts, wall = run_on_hosts(rig, ["node0", "node1"],
-                                   per_node(ac_dir, ["train.activation_checkpointing=true",
-                                                    "train.save_every=0"]),
-                                   env, logs, "two-ac")  # fmt: skip
-        results["two_hosts_ac"] = {"hosts": hosts, "wall_s": wall, "losses": losses(ac_dir),
-                                   "step_s": step_seconds(ac_dir)}  # fmt: skip
         bundle = run_dir / "bundles" / "final"
         results["bundle_files"] = sorted(p.name for p in bundle.glob("*.safetensors"))
         resumed = shared / "resumed"

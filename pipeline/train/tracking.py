@@ -60,13 +60,11 @@ def _same_as_loss(metrics: dict[str, float]) -> set[str]:
     for ``eval_`` keys. An objective of several terms (NSP, ELECTRA) keeps them all."""
     out: set[str] = set()
     for prefix in ("", "eval_"):
-        terms = [
-            k for k in metrics
-            if k.endswith("_loss") and k.startswith(prefix) and k not in JSONL_ONLY
-            and (prefix or not k.startswith("eval_")) and k != f"{prefix}loss"
-        ]  # fmt: skip
-        if len(terms) == 1 and metrics.get(f"{prefix}loss") == metrics[terms[0]]:
-            out |= {terms[0], terms[0][: -len("loss")] + "ppl"}
+        total = f"{prefix}loss"
+        terms = [k for k in metrics if k.startswith("eval_") == bool(prefix)
+                 and k.endswith("_loss") and k not in JSONL_ONLY and k != total]  # fmt: skip
+        if len(terms) == 1 and metrics.get(total) == metrics[terms[0]]:
+            out |= {terms[0], terms[0].removesuffix("loss") + "ppl"}
     return out
 
 
