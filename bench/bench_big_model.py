@@ -205,11 +205,11 @@ def main() -> int:
                 results[f"one_host_{stage}"] = {"hosts": hosts, "wall_s": wall}
         # the same with activation checkpointing: its final checkpoint only (disk space)
         ac = ["train.activation_checkpointing=true", "train.save_every=0"]
-        for key, name, extra in (("two_hosts", "two", []), ("two_hosts_ac", "two-ac", ac)):
-            hosts, wall = run_on_hosts(rig, ["node0", "node1"], per_node(shared / name, extra),
-                                       env, logs, name)  # fmt: skip
-            results[key] = {"hosts": hosts, "wall_s": wall, "losses": losses(shared / name),
-                            "step_s": step_seconds(shared / name)}  # fmt: skip
+        for key, run, extra in (("two_hosts", "two", []), ("two_hosts_ac", "two-ac", ac)):
+            hosts, wall = run_on_hosts(rig, ["node0", "node1"], per_node(shared / run, extra),
+                                       env, logs, run)  # fmt: skip
+            results[key] = {"hosts": hosts, "wall_s": wall, "losses": losses(shared / run),
+                            "step_s": step_seconds(shared / run)}  # fmt: skip
         run_dir = shared / "two"
         bundle = run_dir / "bundles" / "final"
         results["bundle_files"] = sorted(p.name for p in bundle.glob("*.safetensors"))
