@@ -155,9 +155,7 @@ def instrument(trainer, parts: Parts) -> None:
     engine.save_checkpoint = parts.timed(
         lambda *a, **kw: "DeepSpeed save_checkpoint", engine.save_checkpoint
     )
-    ckpt_mod.atomic_write_bytes = parts.timed(
-        lambda path, data: _file_part(path), ckpt_mod.atomic_write_bytes
-    )
+    ckpt_mod.atomic_write = parts.timed(lambda path, data: _file_part(path), ckpt_mod.atomic_write)
     ckpt_mod._torch_bytes = parts.timed(
         lambda obj: "our trainer state (loader, RNG; fsync'd)", ckpt_mod._torch_bytes
     )
@@ -219,13 +217,13 @@ def rank_main(args) -> None:
         for _ in range(args.steps_between):
             step(timed=True)
         parts = Parts()
-        saved = (ckpt_mod.atomic_write_bytes, ckpt_mod._torch_bytes, ckpt_mod.dist)
+        saved = (ckpt_mod.atomic_write, ckpt_mod._torch_bytes, ckpt_mod.dist)
         instrument(trainer, parts)
         _sync()
         t0 = time.perf_counter()
         tag = trainer.save()
         blocked = time.perf_counter() - t0
-        ckpt_mod.atomic_write_bytes, ckpt_mod._torch_bytes, ckpt_mod.dist = saved
+        ckpt_mod.atomic_write, ckpt_mod._torch_bytes, ckpt_mod.dist = saved
         del trainer.engine.save_checkpoint, trainer.ckpt._prune  # back to the class's
         del trainer.engine.checkpoint_engine.save
         # what Trainer.run does next with train.bundle_every: 1 (the default): a bundle

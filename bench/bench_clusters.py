@@ -24,7 +24,7 @@ import tracemalloc
 
 import numpy as np
 
-from pipeline.data import near_dedup as nd
+from pipeline.prepare import near_dedup as nd
 
 
 def edges(n_edges: int, n_units: int, seed: int = 0) -> np.ndarray:

@@ -49,7 +49,7 @@ HELD_OUT = ("asyncio", "email", "logging", "unittest")  # pipeline/finetune/demo
 
 def pretraining_corpus(out: Path) -> Path:
     """python-docs as jsonl (a document a docstring), without the held-out packages'."""
-    from pipeline.data.readers import _docs_of_source, _module_files, python_docs
+    from pipeline.prepare.readers import _docs_of_source, _module_files, python_docs
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     held = set()
@@ -150,9 +150,9 @@ RECIPES = {  # the demo's for bert-tiny; the same schedule for gpt2-tiny (CLM, b
 
 def pretrain(workdir: Path, steps: int, arch: str) -> Path:
     from pipeline.config import CONFIGS_DIR, load_config
-    from pipeline.data.prepare import PrepareConfig, run_prepare
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
     from pipeline.demo import BETAS, LR, MASK_PROBABILITY, VOCAB_SIZE
+    from pipeline.prepare.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
     from pipeline.train.trainer import train
 
     run = workdir / "run"

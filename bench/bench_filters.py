@@ -30,11 +30,11 @@ def _cpu() -> float:
 
 
 def stages(repeat: int) -> None:
-    from pipeline.data.clean import CleanConfig, clean_many
-    from pipeline.data.langid import identify
-    from pipeline.data.prepare import PrepareConfig
-    from pipeline.data.quality import run_filters
-    from pipeline.data.readers import python_docs
+    from pipeline.prepare.clean import CleanConfig, clean_many
+    from pipeline.prepare.langid import identify
+    from pipeline.prepare.prepare import PrepareConfig
+    from pipeline.prepare.quality import run_filters
+    from pipeline.prepare.readers import python_docs
 
     docs = list(python_docs())
     mb = sum(len(d.encode()) for d in docs) / 1e6

@@ -101,11 +101,11 @@ def set_up(args, work: Path) -> dict[str, Any]:
     """The task jsonl files, a tokenizer, a random-weights bundle and its HF export."""
     import torch
 
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
     from pipeline.export.hf import export_to_hf
     from pipeline.finetune.demo_task import build_topic_task
     from pipeline.models import build_model, resolve_model_config
     from pipeline.models.bundle import save_bundle
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     paths = build_topic_task(work / "task", args.train_per_class, args.test_per_class)
     del paths["valid"]  # no evaluation during training on either side

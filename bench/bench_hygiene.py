@@ -111,8 +111,8 @@ def our_removals(corpus: Path) -> tuple[set[int], set[int]]:
     length filters, exact dedup, near-dedup) replayed in this process."""
     import numpy as np
 
-    from pipeline.data import near_dedup as nd
-    from pipeline.data.clean import CleanConfig, clean_many, dedup_key, reject_reason
+    from pipeline.prepare import near_dedup as nd
+    from pipeline.prepare.clean import CleanConfig, clean_many, dedup_key, reject_reason
 
     texts = []
     for path in sorted(corpus.glob("corpus-*.jsonl")):

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def labelled_set() -> list[tuple[str, str]]:
-    from pipeline.data.readers import python_docs
+    from pipeline.prepare.readers import python_docs
 
     items = []
     for line in (HERE / "langid_samples.tsv").read_text(encoding="utf-8").splitlines():
@@ -50,7 +50,7 @@ def labelled_set() -> list[tuple[str, str]]:
         if len(english) == 200:
             break
     items += [("en", text) for text in english]
-    zh = (Path(__file__).resolve().parents[1] / "pipeline/data/corpora/zh_sample.txt").read_text(
+    zh = (Path(__file__).resolve().parents[1] / "pipeline/prepare/corpora/zh_sample.txt").read_text(
         encoding="utf-8"
     )
     items += [("zh", p.strip()[:100]) for p in zh.split("\n\n") if p.strip()]
@@ -100,7 +100,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     args = parser.parse_args()
-    from pipeline.data.readers import python_docs
+    from pipeline.prepare.readers import python_docs
 
     items = labelled_set()
     long_docs = list(python_docs()[:300])

@@ -45,7 +45,7 @@ from pipeline.data.shards import (
     shard_name,
     write_manifest,
 )
-from pipeline.data.stream import PretrainStream
+from pipeline.loader.stream import PretrainStream
 from pipeline.objectives import build_objective
 
 VOCAB = 30522

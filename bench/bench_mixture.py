@@ -32,7 +32,7 @@ from bench_loader import ROLES, VOCAB, build_data
 
 from pipeline.config import ObjectiveSection
 from pipeline.data.shards import DataDir
-from pipeline.data.stream import MixSource, PretrainStream
+from pipeline.loader.stream import MixSource, PretrainStream
 from pipeline.objectives import build_objective
 
 

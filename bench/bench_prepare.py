@@ -45,7 +45,7 @@ import psutil
 RAW = r"""
 import json, os, sys, time
 os.environ["RAYON_NUM_THREADS"] = "1"
-from pipeline.data.tokenizer import load_tokenizer
+from pipeline.prepare.tokenizer import load_tokenizer
 tok, _ = load_tokenizer(sys.argv[1])
 texts = [json.loads(line)["text"] for line in open(sys.argv[2], encoding="utf-8")]
 c = time.process_time()
@@ -74,7 +74,7 @@ import sys, time
 t = time.perf_counter()
 import json
 from pipeline.config import ObjectiveSection
-from pipeline.data.stream import PretrainStream
+from pipeline.loader.stream import PretrainStream
 from pipeline.objectives import build_objective
 meta = json.load(open(sys.argv[2]))
 obj = build_objective(ObjectiveSection(kind="mlm+nsp"), meta["roles"], meta["vocab_size"], 128)

@@ -166,7 +166,7 @@ def loader_epoch(trainer, uri: str, cache: Path, args) -> dict:
     (the prefetch of the next group is read before the epoch ends)."""
     from pipeline.data.remote import CacheConfig
     from pipeline.data.shards import DataDir
-    from pipeline.data.stream import PretrainStream
+    from pipeline.loader.stream import PretrainStream
 
     data = DataDir(uri, CacheConfig(str(cache), trainer.cfg.data.cache_bytes, 4))
     stream = PretrainStream(data, "train", trainer.objective, args.batch_size, seed=1)

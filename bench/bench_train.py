@@ -275,7 +275,7 @@ def window_padding(data: Path, seq: int, batch: int, n_batches: int = 64) -> flo
     import itertools
 
     from pipeline.config import ObjectiveSection
-    from pipeline.data.stream import PretrainStream
+    from pipeline.loader.stream import PretrainStream
     from pipeline.objectives import build_objective
 
     meta = json.loads((data / "tokenizer" / "tokenizer_meta.json").read_text())

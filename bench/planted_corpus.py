@@ -7,7 +7,7 @@ the standard library's docstrings), cut into sentences. A base document is a see
 of 6-30 of those sentences (so base documents rarely share a 5-gram run); a planted copy
 is a base document after word-level edits (a word replaced by another word of the text,
 deleted, or a word inserted, at random places) until the exact Jaccard similarity of
-the two documents' shingles (``pipeline.data.near_dedup.shingles``: the pipeline's own
+the two documents' shingles (``pipeline.prepare.near_dedup.shingles``: the pipeline's own
 words and n-grams) is the drawn target. Each copy lands at a random place after its
 original, so copies fall into the same unit as their original and into later ones.
 
@@ -53,7 +53,7 @@ class Pair:
 @functools.cache
 def sentences() -> list[str]:
     """The sentences of builtin:python-docs with 6 words or more, in a fixed order."""
-    from pipeline.data.readers import python_docs
+    from pipeline.prepare.readers import python_docs
 
     found = []
     for doc in python_docs():
@@ -66,7 +66,7 @@ def sentences() -> list[str]:
 
 def jaccard(a: str, b: str, ngram: int) -> float:
     """Exact Jaccard similarity of the two texts' shingle sets (the pipeline's shingles)."""
-    from pipeline.data.near_dedup import shingles
+    from pipeline.prepare.near_dedup import shingles
 
     values, first = shingles([a, b], ngram)
     x, y = set(values[first[0] : first[1]].tolist()), set(values[first[1] : first[2]].tolist())

@@ -170,7 +170,8 @@ def main(argv: list[str] | None = None) -> int:
             raise LaunchError("--nproc-per-node must be at least 1")
         if ":" not in args.rdzv_endpoint:
             raise LaunchError(f"--rdzv-endpoint {args.rdzv_endpoint}: expected HOST:PORT")
-        from pipeline.config import ConfigError, load_config
+        from pipeline.config import load_config
+        from pipeline.errors import ConfigError
 
         try:
             cfg = load_config(args.config, args.overrides)

@@ -15,7 +15,7 @@ from typing import NoReturn
 
 
 def _data_tokenizer(args: argparse.Namespace) -> int:
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     spec = TokenizerSpec(
         kind=args.kind,
@@ -26,7 +26,7 @@ def _data_tokenizer(args: argparse.Namespace) -> int:
         text_field=args.text_field,
     )
     if args.dry_run:
-        from pipeline.data.plan import print_tokenizer_plan
+        from pipeline.prepare.plan import print_tokenizer_plan
 
         return print_tokenizer_plan(args.input, spec, args.output)
     out = train_tokenizer(args.input, spec, args.output)
@@ -60,7 +60,7 @@ def _store(parser, *flags, **kwargs) -> argparse.Action:
 def check_paths(args: argparse.Namespace) -> None:
     """A ConfigError (exit 2, one line) for a URI given where a local path is taken, or a
     store URI with credentials in it; before the command does anything."""
-    from pipeline.config import local_path, store_path
+    from pipeline.storage import local_path, store_path
 
     for dest, (shown, kind, alternative) in (getattr(args, "paths_", None) or {}).items():
         values = getattr(args, dest, None)
@@ -93,7 +93,7 @@ _PREPARE_FLAGS = {
 
 
 def prepare_config_from_args(args: argparse.Namespace):
-    from pipeline.data.prepare import load_prepare_config
+    from pipeline.prepare.prepare import load_prepare_config
 
     overrides = {
         key: getattr(args, flag)
@@ -110,17 +110,17 @@ def prepare_config_from_args(args: argparse.Namespace):
 def _data_prepare(args: argparse.Namespace) -> int:
     cfg = prepare_config_from_args(args)
     if args.dry_run:
-        from pipeline.data.plan import print_prepare_plan
+        from pipeline.prepare.plan import print_prepare_plan
 
         return print_prepare_plan(cfg)
-    from pipeline.data.prepare import run_prepare
+    from pipeline.prepare.prepare import run_prepare
 
     run_prepare(cfg)
     return 0
 
 
 def _data_inspect(args: argparse.Namespace) -> int:
-    from pipeline.data.inspect import inspect_data
+    from pipeline.prepare.inspect import inspect_data
 
     return inspect_data(args.dir, verify=args.verify)
 
@@ -201,7 +201,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _no_credentials_flag(args: argparse.Namespace) -> None:
     """--tracking-uri with a user part: refused (argv is in every process list)."""
-    from pipeline.config import ConfigError, redact_uri, uri_secret_part
+    from pipeline.errors import ConfigError
+    from pipeline.storage import redact_uri, uri_secret_part
 
     value = getattr(args, "tracking_uri", None)
     if value and (uri_secret_part(value) or "").startswith("user part"):
@@ -637,7 +638,7 @@ def _prints(err: Exception) -> bool:
     once: a ConfigError every rank meets alike (the config's) on rank 0 only, a
     machine-wide one (this machine's toolchain or files) on each machine's local rank 0.
     A ShardError is about the shards this rank read: every rank that meets it prints."""
-    from pipeline.config import ConfigError
+    from pipeline.errors import ConfigError
 
     if not isinstance(err, ConfigError):
         return True
@@ -707,8 +708,8 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.train.ds_ops import configure_allocator
 
     configure_allocator()  # before the large allocations: freed tensors go back to the system
-    from pipeline.config import ConfigError
     from pipeline.data.shards import ShardError
+    from pipeline.errors import ConfigError
     from pipeline.output import EXIT_DISK_FULL, DiskFull, disk_full, no_space
 
     args = build_parser().parse_args(argv)

@@ -22,6 +22,16 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
+from pipeline.errors import ConfigError
+from pipeline.storage import (
+    is_uri,
+    local_path_refusal,
+    redact_uri,
+    store_uri_refusal,
+    tracking_uri_refusal,
+    uri_secret_part,
+)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]  # the checkout, when there is one
 # The presets, DeepSpeed JSONs and example configs, shipped in the wheel as package data
 # (pipeline/configs; in a checkout a link to the top-level configs/).
@@ -43,102 +53,8 @@ def config_file(path: str | Path) -> Path:
 T = TypeVar("T", bound=BaseModel)
 
 
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the key or file and the fix.
-
-    Under a launcher every rank meets a config's error alike: only rank 0 prints it (one
-    `plm:` line, not one per rank). ``machine_wide``: it depends on the machine (its
-    toolchain, a file missing there), so each machine's local rank 0 prints it."""
-
-    def __init__(self, message: str, machine_wide: bool = False):
-        super().__init__(message)
-        self.machine_wide = machine_wide
-
-
-# --- local paths and store URIs ------------------------------------------------------------
-# A URI given where a local path is taken would be read as one (``s3://b/x`` -> a folder
-# ``s3:`` in the working directory): every path option and key refuses it, through
-# ``local_path`` (flags) or ``LocalPath`` (config keys). Where a URI is taken, it carries
-# no credentials and no query (``StorePath``): configs, manifests, logs and MLflow params
-# name URIs, so secrets come from the AWS_* variables or the node's role only.
-
-_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-_URI_PARTS = re.compile(r"^(?P<head>[A-Za-z][A-Za-z0-9+.-]*://)(?:(?P<user>[^/?#@]*)@)?"
-                        r"(?P<rest>[^?#]*)(?:\?(?P<query>[^#]*))?")  # fmt: skip
 BUNDLE_OR_MLFLOW = "a bundle folder, models:/NAME@ALIAS or runs:/RUN_ID/model"
 DEEPSPEED_HINT = "give auto, a DeepSpeed JSON file on this machine, or its keys inline"
-STORE_SECRETS_HINT = (
-    "give credentials and options in the environment (AWS_ACCESS_KEY_ID, "
-    "AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL, AWS_DEFAULT_REGION) or "
-    "the node's role"
-)
-
-
-def is_uri(value: Any) -> bool:
-    """``s3://...``, ``file://...``: a filesystem URI; a plain path (or models:/...) is not."""
-    return isinstance(value, str) and _URI.match(value) is not None
-
-
-def redact_uri(uri: str) -> str:
-    """``uri`` as it may be shown: a user part (``KEY:SECRET@``) and every query value
-    masked (``s3://***@b/x?region=***``)."""
-    m = _URI_PARTS.match(uri) if is_uri(uri) else None
-    if m is None or (m["user"] is None and m["query"] is None):
-        return uri
-    out = m["head"] + ("***@" if m["user"] is not None else "") + m["rest"]
-    if m["query"] is not None:
-        out += "?" + "&".join(p.split("=", 1)[0] + "=***" for p in m["query"].split("&"))
-    return out
-
-
-def uri_secret_part(uri: str) -> str | None:
-    """What of a URI could hold a secret (``"user part"``, ``"query"``), or None."""
-    m = _URI_PARTS.match(uri) if is_uri(uri) else None
-    if m is None:
-        return None
-    if m["user"] is not None:
-        return "user part (KEY:SECRET@)"
-    return "query (?...)" if m["query"] is not None else None
-
-
-def tracking_uri_refusal(what: str, value: str) -> str:
-    """The one line that refuses an MLflow tracking URI with a user part in a config: the
-    config is printed and logged as the run's params. (MLFLOW_TRACKING_URI may carry one:
-    pipeline/tracking_uri.py moves it into MLflow's variables.)"""
-    return (
-        f"{what}={redact_uri(value)}: a tracking URI here may not carry a user part "
-        "(user:pass@): the config is printed and logged as MLflow params; give "
-        "MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD_FILE (a file holding the "
-        "password) in the environment (docs/tracking.md)"
-    )
-
-
-def local_path_refusal(what: str, value: str, alternative: str = "") -> str:
-    """The one line that refuses a URI given to ``what`` (a flag or a config key)."""
-    line = f"{what}={redact_uri(value)}: {what} takes a local path, not a URI"
-    return line + (f"; {alternative}" if alternative else "") + "; nothing was written"
-
-
-def store_uri_refusal(what: str, value: str) -> str:
-    return (
-        f"{what}={redact_uri(value)}: a URI here may not carry a {uri_secret_part(value)}: "
-        f"it would be written to logs, manifests and MLflow; {STORE_SECRETS_HINT}"
-    )
-
-
-def local_path(value: str, what: str, alternative: str = "") -> str:
-    """``value`` when it is a local path; else a ConfigError (one `plm:` line, exit 2)
-    naming ``what``; ``alternative``: where a URI is taken instead, said in the line."""
-    if is_uri(value):
-        raise ConfigError(local_path_refusal(what, value, alternative))
-    return value
-
-
-def store_path(value: str, what: str) -> str:
-    """``value`` when it is a local path or a URI without a user part or query."""
-    if uri_secret_part(value):
-        raise ConfigError(store_uri_refusal(what, value))
-    return value
 
 
 def refuse_uri(alternative: str = ""):
@@ -162,8 +78,7 @@ def _refuse_secrets(value: Any) -> Any:
 
 
 def _refuse_tracking_secrets(value: Any) -> Any:
-    m = _URI_PARTS.match(value) if is_uri(value) else None
-    if m is not None and m["user"] is not None:  # a query is MLflow's own business
+    if (uri_secret_part(value) or "").startswith("user part"):  # a query is MLflow's own
         raise PydanticCustomError("tracking_uri", "{value} carries a user part",
                                   {"value": redact_uri(value)})  # fmt: skip
     return value

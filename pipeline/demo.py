@@ -27,7 +27,7 @@ VOCAB_SIZE = 2000
 
 
 def _tokenizer(workdir: Path) -> Path:
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     out = workdir / "tokenizer"
     meta = out / "tokenizer_meta.json"
@@ -40,7 +40,7 @@ def _tokenizer(workdir: Path) -> Path:
 
 
 def _shards(workdir: Path, tokenizer: Path) -> Path:
-    from pipeline.data.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.prepare import PrepareConfig, run_prepare
 
     print("[demo] shards: `plm data prepare` as a local Ray job (skipped when up to date)")
     cfg = PrepareConfig(

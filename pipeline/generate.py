@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 
 GENERATIVE = ("gpt", "gpt2", "transformer-xl")  # the archs decoding works for
 

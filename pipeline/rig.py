@@ -78,6 +78,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from pipeline.storage import atomic_write
+
 DEFAULT_ROOT = Path("/var/tmp/plm-rig")
 ALLOWED = ipaddress.ip_network("198.18.0.0/24")  # the only addresses the rig ever uses
 S3_PORT = 9000
@@ -490,9 +492,7 @@ def load(name: str = "rig", root: Path = DEFAULT_ROOT) -> Rig:
 
 def _save(rig: Rig) -> None:
     path = state_file(Path(rig.root).parent, rig.name)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(rig), indent=2) + "\n")
-    tmp.replace(path)
+    atomic_write(path, (json.dumps(asdict(rig), indent=2) + "\n").encode())
 
 
 # The programs the rig runs and their Debian packages (`ssh` ones only with sshd per host).

@@ -33,7 +33,8 @@ import sys
 import urllib.parse
 from pathlib import Path
 
-from pipeline.config import ConfigError, redact_uri
+from pipeline.errors import ConfigError
+from pipeline.storage import redact_uri
 from pipeline.tracking_auth import WRITE_LEVELS, request, words
 
 MIN_PASSWORD = 12  # MLflow 3.17's password policy (mlflow/server/auth: _validate_password)

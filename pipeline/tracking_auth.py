@@ -26,7 +26,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from pipeline.config import ConfigError, redact_uri
+from pipeline.errors import ConfigError
+from pipeline.storage import redact_uri
 
 USER_VAR = "MLFLOW_TRACKING_USERNAME"
 PASSWORD_VAR = "MLFLOW_TRACKING_PASSWORD"

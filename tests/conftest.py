@@ -63,8 +63,8 @@ def synthetic_corpus(n_docs: int = 240, seed: int = 7) -> str:
 
 def build_data_dir(root: Path, shard_docs: int = 40, kind: str = "wordpiece") -> Path:
     """Tokenizer (tiny vocab) + shards, through the real components."""
-    from pipeline.data.prepare import PrepareConfig, run_prepare
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     corpus = root / "corpus.txt"
     corpus.write_text(synthetic_corpus(), encoding="utf-8")
@@ -105,7 +105,7 @@ def ray_local():
     Started as plm starts its own: on 127.0.0.1 only."""
     import ray
 
-    from pipeline.data.job import init_ray
+    from pipeline.prepare.job import init_ray
 
     init_ray(None, 2)
     yield

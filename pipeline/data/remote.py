@@ -55,9 +55,16 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ConfigError, redact_uri
-from pipeline.config import is_uri as is_uri  # a URI: read through a RemoteStore
-from pipeline.data.shard_index import CRC, DOCS_AT, N_DOCS, OFFSET, SIZE, ShardError, is_plain_name
+from pipeline.data.shard_index import CRC, DOCS_AT, N_DOCS, OFFSET, SIZE, ShardError
+from pipeline.errors import ConfigError
+from pipeline.storage import (
+    Counters,
+    atomic_write,
+    endpoint_named,
+    is_plain_name,
+    redact_uri,
+    store_fault,
+)
 
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 GiB = 1 << 30
@@ -65,133 +72,6 @@ DEFAULT_CACHE_BYTES = 2 * GiB
 DEFAULT_PREFETCH_BLOCKS = 4
 _STALE_PART_S = 60.0  # a .part file not written to for this long: its fetcher died
 _WAIT_S = 0.005  # poll interval while another process fetches a block
-
-
-class Counters:
-    """Named integer counters that threads add to (``add(name=delta)``) and a caller reads
-    (``snapshot()``). A pickled or forked copy starts again at zero: the counts are the
-    process's own."""
-
-    def __init__(self, *names: str) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(names, 0)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, delta in deltas.items():
-                self._values[name] += delta
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
-
-    def zeroed(self) -> Counters:
-        return Counters(*self._values)
-
-    def __getstate__(self) -> tuple[str, ...]:
-        return tuple(self._values)
-
-    def __setstate__(self, names: tuple[str, ...]) -> None:
-        self.__init__(*names)
-
-
-# --- a store's faults, told before any work ---------------------------------------------------
-
-
-class StoreError(ConfigError):
-    """A URI's store cannot be used: bucket not found, access denied, cannot connect."""
-
-
-_DENIED = ("ACCESS_DENIED", "INVALID_ACCESS_KEY_ID", "SIGNATURE_DOES_NOT_MATCH", "FORBIDDEN",
-           "EXPIRED_TOKEN", "INVALID_TOKEN", "INVALIDACCESSKEYID", "ACCESSDENIED")  # fmt: skip
-_OFFLINE = ("NETWORK_CONNECTION", "COULD NOT CONNECT", "COULD NOT RESOLVE", "CURLCODE",
-            "TIMED OUT", "CONNECTION REFUSED")  # fmt: skip
-_NO_BUCKET = ("NO_SUCH_BUCKET", "NOSUCHBUCKET")
-
-
-def _endpoint() -> str:
-    url = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    return f"the endpoint {redact_uri(url)} (AWS_ENDPOINT_URL)" if url else "the store's endpoint"
-
-
-def store_fault(uri: str, what: str, err: Exception | str) -> str | None:
-    """The one line for a store error that is about the store, not the file: access
-    denied, cannot connect, bucket not found; None for anything else."""
-    text = " ".join(str(err).split())
-    upper = text.upper()
-    shown = f"{what}={redact_uri(uri)}" if what else redact_uri(uri)
-    if any(k in upper for k in _DENIED):
-        return (
-            f"{shown}: access denied by the store ({text[:200]}); check the credentials "
-            "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_SESSION_TOKEN or the node's "
-            "role) and the bucket's permissions"
-        )
-    if any(k in upper for k in _OFFLINE):
-        return (
-            f"{shown}: cannot connect to {_endpoint()} ({text[:200]}); check "
-            "AWS_ENDPOINT_URL and the network"
-        )
-    if any(k in upper for k in _NO_BUCKET):
-        return (
-            f"{shown}: bucket {_bucket(uri)} not found at {_endpoint()}; create it or fix the URI"
-        )
-    return None
-
-
-def _bucket(uri: str) -> str:
-    return _URI.sub("", uri).split("/", 1)[0].rsplit("@", 1)[-1].split("?", 1)[0]
-
-
-def store_fs(uri: str, what: str = ""):
-    """(pyarrow filesystem, path in it) of a filesystem URI; a StoreError (one line)
-    when the URI is not one or its store cannot be reached."""
-    import pyarrow.fs as pafs
-
-    try:
-        return pafs.FileSystem.from_uri(uri)
-    except (OSError, ValueError) as err:  # pyarrow.ArrowInvalid is a ValueError
-        shown = f"{what}={redact_uri(uri)}" if what else redact_uri(uri)
-        raise StoreError(
-            store_fault(uri, what, err)
-            or f"{shown}: not a usable filesystem URI ({' '.join(str(err).split())[:200]})"
-        ) from None
-
-
-def check_store(uri: str, what: str = ""):
-    """Open a URI's store and make sure it answers, before any work: its bucket exists
-    (object stores) and the path can be looked up with these credentials. (filesystem,
-    path); a StoreError naming the URI and what is wrong otherwise."""
-    import pyarrow.fs as pafs
-
-    fs, path = store_fs(uri, what)
-    shown = f"{what}={redact_uri(uri)}" if what else redact_uri(uri)
-    try:
-        if fs.type_name in ("s3", "gcs"):
-            bucket = path.split("/", 1)[0]
-            if fs.get_file_info(bucket).type == pafs.FileType.NotFound:
-                raise StoreError(
-                    f"{shown}: bucket {bucket} not found at {_endpoint()}; create it or fix the URI"
-                )
-        fs.get_file_info(path)
-    except OSError as err:
-        raise StoreError(
-            store_fault(uri, what, err)
-            or f"{shown}: cannot read it ({' '.join(str(err).split())[:200]})"
-        ) from None
-    return fs, path
-
-
-def write_atomic(fs, path: str, data: bytes) -> None:
-    """A file on a pyarrow filesystem: temp file, then a move (no half-written file)."""
-    with fs.open_output_stream(path + ".tmp") as f:
-        f.write(data)
-    fs.move(path + ".tmp", path)
-
-
-def uri_name(uri: str) -> str:
-    """The last part of a URI's path (``s3://b/corpora/wiki`` -> ``wiki``), else its bucket."""
-    rest = _URI.sub("", uri).rstrip("/")
-    return rest.rsplit("/", 1)[-1] or "data"
 
 
 def default_cache_dir() -> Path:
@@ -232,10 +112,7 @@ def _touch(path: Path) -> None:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    atomic_write(path, data, durable=False)  # a cache: a file lost to a crash is fetched again
 
 
 class BlockCache:
@@ -435,7 +312,7 @@ class RemoteStore:
             except OSError as err:
                 return self._unreachable(err)
             if gone:
-                what = f"bucket {bucket} not found at {_endpoint()}; create it or fix the URI"
+                what = f"bucket {bucket} not found at {endpoint_named()}; create it or fix the URI"
         return ShardError(f"{redact_uri(self.where(name))} does not exist: {what}")
 
     # --- whole small files ----------------------------------------------------------------

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pipeline.data.shard_index import (  # the index columns, one row per block
+from pipeline.data.shard_index import (
     CRC,
     DOCS_AT,
     INDEX_COLUMNS,
@@ -68,8 +68,8 @@ from pipeline.data.shard_index import (  # the index columns, one row per block
     TOKENS_AT,
     WORDS_AT,
     ShardError,
-    is_plain_name,
 )
+from pipeline.storage import atomic_write, is_plain_name, is_uri
 
 if TYPE_CHECKING:
     from pipeline.data.remote import CacheConfig
@@ -150,17 +150,6 @@ def _npy_bytes(array: np.ndarray) -> bytes:
     buf = io.BytesIO()
     np.save(buf, array, allow_pickle=False)
     return buf.getvalue()
-
-
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temp file, fsync, rename: a reader never sees a half-written file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------------------
@@ -537,7 +526,7 @@ def local_fs():
 
 
 def write_manifest(root: str | Path, manifest: dict[str, Any]) -> None:
-    atomic_write_bytes(Path(root) / MANIFEST, manifest_bytes(manifest))
+    atomic_write(Path(root) / MANIFEST, manifest_bytes(manifest))
 
 
 def manifest_bytes(manifest: dict[str, Any]) -> bytes:
@@ -821,7 +810,7 @@ class DataDir:
 
         self._store: remote.RemoteStore | None = None
         self.root: Path | None
-        if remote.is_uri(root):
+        if is_uri(root):
             self.root, self.uri = None, str(root).rstrip("/")
             self._store = remote.RemoteStore(self.uri, cache)
             data = self._store.manifest_bytes()
@@ -870,7 +859,7 @@ class DataDir:
     @property
     def name(self) -> str:
         """A short name (the folder's, or the URI's last part): a mixture source's default."""
-        from pipeline.data.remote import uri_name
+        from pipeline.storage import uri_name
 
         return self.root.name if self.root is not None else uri_name(self.uri)
 

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import is_uri
 from pipeline.eval.plan import build_cells, check_fits, plan_tasks
 from pipeline.eval.results import format_table, plot, select_best, summarize, write_csvs
 from pipeline.eval.runner import CellResult, run_in_process, run_on_ray
@@ -30,6 +29,7 @@ from pipeline.eval.sources import (
 )
 from pipeline.eval.store_run import StoreMirror
 from pipeline.eval.suite import EvalError, SuiteConfig
+from pipeline.storage import is_uri
 
 
 @dataclass
@@ -203,7 +203,7 @@ def watch(
 def _start_ray(session: Session) -> bool:
     if not session.use_ray:
         return False
-    from pipeline.data.job import init_ray
+    from pipeline.prepare.job import init_ray
 
     return init_ray(session.address, None)  # one Ray for every round
 

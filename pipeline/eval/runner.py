@@ -96,7 +96,7 @@ def run_on_ray(
 ) -> list[CellResult]:
     import ray
 
-    from pipeline.data.job import init_ray
+    from pipeline.prepare.job import init_ray
 
     started = init_ray(address, None)
     try:

@@ -22,10 +22,10 @@ from typing import Any
 
 import yaml
 
-from pipeline.config import is_uri
 from pipeline.eval.checkpoint_bundle import bundle_from_checkpoint, checkpoint_meta
 from pipeline.eval.suite import EvalError
 from pipeline.models.bundle import own_file
+from pipeline.storage import is_uri
 
 RANDOM = "random"
 

@@ -23,9 +23,8 @@ import hashlib
 import os
 from pathlib import Path
 
-from pipeline.config import redact_uri
-from pipeline.data.shard_index import is_plain_name
 from pipeline.eval.suite import EvalError
+from pipeline.storage import is_plain_name, redact_uri
 
 _CHUNK = 8 << 20
 _FINAL = "bundles/final/config.yaml"
@@ -33,7 +32,7 @@ _FINAL = "bundles/final/config.yaml"
 
 class StoreMirror:
     def __init__(self, uri: str, work_dir: Path):
-        from pipeline.data.remote import store_fs
+        from pipeline.storage import store_fs
 
         uri = uri.rstrip("/")
         parts = uri.rsplit("/", 2)
@@ -68,7 +67,7 @@ class StoreMirror:
 
     # --- the store ---------------------------------------------------------------------
     def _fault(self, err: OSError) -> EvalError:
-        from pipeline.data.remote import store_fault
+        from pipeline.storage import store_fault
 
         text = " ".join(str(err).split())[:200]
         return EvalError(store_fault(self.uri, "--models", err)

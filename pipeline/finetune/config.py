@@ -23,7 +23,6 @@ from pydantic import Field, model_validator
 from pipeline.config import (
     DEEPSPEED_HINT,
     BundleRef,
-    ConfigError,
     LocalPath,
     MlflowSection,
     Strict,
@@ -31,6 +30,7 @@ from pipeline.config import (
     refuse_uri,
     validate_as,
 )
+from pipeline.errors import ConfigError
 
 TaskType = Literal["classification", "regression", "tagging", "span_qa", "multiple_choice"]
 

@@ -26,7 +26,7 @@ TOPICS = ("asyncio", "email", "logging", "unittest")
 
 
 def topic_paragraphs(topic: str) -> list[str]:
-    from pipeline.data.readers import _docs_of_source, _module_files
+    from pipeline.prepare.readers import _docs_of_source, _module_files
 
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     out, seen = [], set()

@@ -123,7 +123,7 @@ def prepare(
     """Resolve the model, check the task fits it, read and encode the data: every input
     error is raised here, before DeepSpeed or MLflow start. Under a ZeRO-3 ``ds_config``
     the backbone is built partitioned and loaded one parameter at a time (collective)."""
-    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.prepare.tokenizer import load_tokenizer
 
     source = resolve_source(cfg.model.source, cfg.mlflow.tracking_uri, download_to)
     backbone, bundle_cfg = load_backbone(source, ds_config)

@@ -28,7 +28,7 @@ class Predictor:
     and the pyfunc model a fine-tuning run logs: pipeline/models/pyfunc.py)."""
 
     def __init__(self, model_dir: Path):
-        from pipeline.data.tokenizer import load_tokenizer
+        from pipeline.prepare.tokenizer import load_tokenizer
 
         self.model, self.meta, backbone_dir = load_finetuned(model_dir)
         self.task = TaskSection.model_validate(self.meta["task"])

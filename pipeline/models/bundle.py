@@ -34,9 +34,9 @@ import yaml
 from pydantic import BaseModel
 from torch import Tensor, nn
 
-from pipeline.config import ConfigError
-from pipeline.data.shard_index import is_plain_name
+from pipeline.errors import ConfigError
 from pipeline.models.registry import ARCHITECTURES, build_model
+from pipeline.storage import is_plain_name
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.yaml"

@@ -16,7 +16,8 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 from torch import nn
 
-from pipeline.config import CONFIGS_DIR, ConfigError, read_yaml
+from pipeline.config import CONFIGS_DIR, read_yaml
+from pipeline.errors import ConfigError
 from pipeline.models.albert import Albert, AlbertConfig
 from pipeline.models.bert import Bert, BertConfig
 from pipeline.models.distilbert import DistilBert, DistilBertConfig

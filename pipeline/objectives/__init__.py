@@ -1,7 +1,7 @@
 """Pretraining objectives: pure, seeded example builders and their losses (no I/O).
 
 ``build_objective(cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len)``
-returns the ``Objective`` the loader (``pipeline.data.stream.PretrainStream``) drives
+returns the ``Objective`` the loader (``pipeline.loader.stream.PretrainStream``) drives
 and the trainer calls ``loss(outputs, batch)`` on. New kinds (wwm, sop, rtd, plm, bilm)
 plug in by adding a class to ``OBJECTIVES``.
 """
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
+from pipeline.errors import ConfigError
 from pipeline.objectives.base import (
     IGNORE_INDEX,
     MODEL_INPUT_KEYS,

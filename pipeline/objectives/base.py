@@ -1,7 +1,7 @@
 """What every pretraining objective shares: batch keys, units, layouts, the base class.
 
 An objective turns documents into training examples without doing any I/O itself.
-The loader (``pipeline.data.stream``) owns the I/O and asks the objective three
+The loader (``pipeline.loader.stream``) owns the I/O and asks the objective three
 things, always with the example's own seeded ``numpy.random.Generator``:
 
 1. ``layout(order, n)``: how an epoch's documents (in the epoch's order, with their
@@ -60,7 +60,7 @@ class Layout(ABC):
     extents end to end, and a unit is a range of that axis. A layout can be built over any
     contiguous slice of the epoch order: ``offset`` is the extent before the slice and
     ``total`` the whole epoch's, so the loader lays out only the shuffle groups a batch
-    needs (``pipeline.data.stream``), and a slice gives the same units as the whole.
+    needs (``pipeline.loader.stream``), and a slice gives the same units as the whole.
     """
 
     def __init__(self, order: np.ndarray, n: np.ndarray, offset: int = 0, total: int | None = None):
@@ -177,7 +177,7 @@ class Objective(ABC):
     static: bool = False  # True: an example's randomness does not depend on the epoch
     # True: batch row j gets consecutive units of the epoch's stream (in layout order,
     # no unit shuffle), so a model with memory (Transformer-XL, XLNet) sees the segment
-    # before the current one in its memory. See pipeline.data.stream._Core.units.
+    # before the current one in its memory. See pipeline.loader.stream._Core.units.
     recurrent_rows: bool = False
     # True: make_batch also takes ``position`` (this rank's micro-batch number in the run,
     # None for evaluation passes) and ``total_batches`` is set by the trainer

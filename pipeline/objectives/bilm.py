@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.config import ConfigError
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.objectives.base import IGNORE_INDEX, Layout, Objective, Unit, WindowLayout
 from pipeline.objectives.chunked_ce import chunked_cross_entropy
 

@@ -24,8 +24,8 @@ import inspect
 import numpy as np
 import torch
 
-from pipeline.config import ConfigError
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.objectives.base import IGNORE_INDEX, JoinedLayout, Layout, Objective, Piece, Unit
 from pipeline.objectives.chunked_ce import chunked_cross_entropy
 

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.objectives.mlm import MlmObjective, masked_lm_loss
 
 

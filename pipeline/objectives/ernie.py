@@ -31,8 +31,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.config import ConfigError
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.objectives.mlm import MlmObjective, Rows, word_starts_in
 from pipeline.objectives.nsp import MlmNspObjective
 

@@ -28,8 +28,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import ConfigError, MlmConfig
+from pipeline.config import MlmConfig
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.objectives.base import (
     IGNORE_INDEX,
     Layout,

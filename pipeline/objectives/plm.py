@@ -31,8 +31,8 @@ import inspect
 
 import numpy as np
 
-from pipeline.config import ConfigError
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.objectives.base import JoinedLayout, Layout, Objective, Unit
 from pipeline.objectives.clm import pack_block
 from pipeline.objectives.mlm import masked_lm_loss

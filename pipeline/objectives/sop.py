@@ -26,8 +26,8 @@ from __future__ import annotations
 import numpy as np
 import torch.nn.functional as F
 
-from pipeline.config import ConfigError
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.objectives.base import Layout, Objective, Unit, WindowLayout
 from pipeline.objectives.mlm import MaskingMixin, Rows, masked_lm_loss
 from pipeline.objectives.nsp import Span, sentence_bounds, split_chunk, target_length, truncate_pair

@@ -65,8 +65,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from pipeline.config import ConfigError
-from pipeline.data.shards import atomic_write_bytes
+from pipeline.errors import ConfigError
+from pipeline.storage import atomic_write
 from pipeline.train import universal
 from pipeline.train.out_store import OutStore, UploadError, owner
 from pipeline.train.snapshot_writer import SnapshotWriter
@@ -525,11 +525,11 @@ class CheckpointManager:
         )
         folder.mkdir(parents=True, exist_ok=True)
         state = plain({**trainer_state, "rng": rng_state(), "step": step})
-        atomic_write_bytes(folder / f"trainer_rank{self.rank}.pt", _torch_bytes(state))
+        atomic_write(folder / f"trainer_rank{self.rank}.pt", _torch_bytes(state))
         if self.rank == 0:
             text = yaml.safe_dump(config, sort_keys=False)
-            atomic_write_bytes(folder / "config.yaml", text.encode("utf-8"))
-            atomic_write_bytes(folder / "ds_config.json", json.dumps(ds_config, indent=2).encode())
+            atomic_write(folder / "config.yaml", text.encode("utf-8"))
+            atomic_write(folder / "ds_config.json", json.dumps(ds_config, indent=2).encode())
         meta = {"step": step, "world_size": self.world_size, **(batch_meta or {})}
         # On a store: this rank's files go up once written (nothing for a local out_dir).
         self.store.upload_own(

@@ -65,7 +65,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 
 # Torch plugins of other accelerators DeepSpeed probes for (real_accelerator.py): with one
 # installed, DeepSpeed's own detection decides.

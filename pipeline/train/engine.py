@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from pipeline.config import ConfigError, ExperimentConfig, config_file
+from pipeline.config import ExperimentConfig, config_file
+from pipeline.errors import ConfigError
 from pipeline.train import ds_ops, rendezvous
 
 # Before anything imports DeepSpeed: DS_ACCELERATOR=cpu on a CPU-only machine (no

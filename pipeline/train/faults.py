@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 
 EXIT_PEER_LOST = 4
 # Messages of the errors gloo, NCCL and the c10d store raise when a peer stops answering.

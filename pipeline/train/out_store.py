@@ -43,10 +43,17 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pipeline.config import ConfigError, is_uri, redact_uri
-from pipeline.data.remote import Counters, store_fault
-from pipeline.data.shard_index import is_plain_name
+from pipeline.errors import ConfigError
 from pipeline.output import rank_line
+from pipeline.storage import (
+    Counters,
+    atomic_write,
+    is_plain_name,
+    is_uri,
+    redact_uri,
+    store_fault,
+    temp_name,
+)
 
 UPLOAD_RETRY_S = 900.0  # train.upload_retry_s's default
 _FIRST_PAUSE_S, _MAX_PAUSE_S = 0.5, 30.0
@@ -219,9 +226,7 @@ class LocalOut(OutStore):
         return (self.local / rel).is_file()
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        from pipeline.data.shards import atomic_write_bytes
-
-        atomic_write_bytes(self.local / rel, data)
+        atomic_write(self.local / rel, data)
 
     def list_dir(self, rel: str) -> list[tuple[str, bool]]:
         d = self.local / rel
@@ -415,10 +420,8 @@ class RemoteOut(OutStore):
 
     def _put_bytes(self, rel: str, data: bytes) -> None:
         def put() -> None:
-            if self.fs.type_name == "local":  # a file:// store: a temp file, then a move
-                with self.fs.open_output_stream(self._path(rel) + ".tmp") as f:
-                    f.write(data)
-                self.fs.move(self._path(rel) + ".tmp", self._path(rel))
+            if self.fs.type_name == "local":  # a file:// store
+                atomic_write(self._path(rel), data, self.fs)
             else:  # an object store's PUT is atomic
                 with self.fs.open_output_stream(self._path(rel)) as f:
                     f.write(data)
@@ -597,7 +600,7 @@ class RemoteOut(OutStore):
 
             def get() -> None:
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                tmp = dst.with_name(f"{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+                tmp = dst.with_name(temp_name(dst.name))
                 try:
                     with self.fs.open_input_stream(self._path(rel)) as src, open(tmp, "wb") as f:
                         while chunk := src.read(_CHUNK):
@@ -647,6 +650,4 @@ class RemoteOut(OutStore):
 
 def _write_local(path: Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    atomic_write(path, data)

@@ -9,7 +9,8 @@ import os
 
 import torch
 
-from pipeline.config import ConfigError, TrainSection
+from pipeline.config import TrainSection
+from pipeline.errors import ConfigError
 from pipeline.models.base import PretrainModel
 
 

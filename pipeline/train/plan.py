@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from pipeline.config import ConfigError, ExperimentConfig, with_global_batch
+from pipeline.config import ExperimentConfig, with_global_batch
 from pipeline.data.shards import DataDir
+from pipeline.errors import ConfigError
 from pipeline.train import ds_ops, parallelize
 from pipeline.train import engine as ds_engine
 
@@ -256,7 +257,7 @@ def check_objective(cfg: ExperimentConfig, objective, model, data: DataDir, meta
 def check_eval_split(cfg: ExperimentConfig, sources, objective, world: int) -> None:
     """What the run's start checks of evaluation (``open_eval_streams``), for rank 0 of
     ``world`` ranks: each source's valid split against world * train.micro_batch_size."""
-    from pipeline.data.stream import PretrainStream
+    from pipeline.loader.stream import PretrainStream
 
     def make(k: int):
         return PretrainStream(
@@ -270,7 +271,7 @@ def check_eval_split(cfg: ExperimentConfig, sources, objective, world: int) -> N
 
 
 def print_plan(cfg: ExperimentConfig) -> int:
-    from pipeline.data.mixture import describe, open_sources, shares
+    from pipeline.loader.mixture import describe, open_sources, shares
     from pipeline.models.registry import build_model
 
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.train.faults import RendezvousUnreachable, summary
 
 

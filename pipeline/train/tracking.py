@@ -32,7 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import REPO_ROOT, ConfigError
+from pipeline.config import REPO_ROOT
+from pipeline.errors import ConfigError
 from pipeline.tracking_uri import resolve_tracking_uri
 from pipeline.train.mlflow_store import create_new_store, sqlite_path
 

@@ -25,10 +25,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ConfigError, ExperimentConfig, with_global_batch
-from pipeline.data.mixture import open_sources
+from pipeline.config import ExperimentConfig, with_global_batch
 from pipeline.data.shards import DataDir
-from pipeline.data.stream import MixSource
+from pipeline.errors import ConfigError
+from pipeline.loader.mixture import open_sources
+from pipeline.loader.stream import MixSource
 from pipeline.models.blocks import numel
 from pipeline.output import DiskFull, disk_full, no_space, rank_line, size_text
 from pipeline.tracking_uri import check_access
@@ -139,7 +140,7 @@ def build_parts(
     """Model (on the config's seed), objective and the train stream: no DeepSpeed engine
     yet, but under ZeRO-3 the model is built partitioned (``engine.partitioned_build``).
     ``sources``: the opened data dirs (``open_sources``; one for data.path)."""
-    from pipeline.data.stream import PretrainStream
+    from pipeline.loader.stream import PretrainStream
     from pipeline.models.registry import build_model
     from pipeline.objectives import build_objective
 

@@ -77,7 +77,7 @@ def job(rig, tmp_path_factory):
         (work / "corpus" / name).write_text(text)
         with s3.open_output_stream(f"{bucket}/faults/corpus/{name}") as f:
             f.write(text.encode())
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     tok = train_tokenizer([str(work / "corpus")], TokenizerSpec(kind="wordpiece", vocab_size=300),
                           work / "tok")  # fmt: skip
@@ -203,7 +203,7 @@ def test_b_the_head_dies_and_a_rerun_finishes_the_job(rig, ray_cluster, job, tmp
     left = {h: len(ray_pids(rig, h)) for h in ("node1", "node2")}
     print(f"Ray processes left on the workers after the head died: {left}")
     ray_cluster.stop()  # what is left of the old cluster: node1's and node2's Ray
-    from pipeline.data import records
+    from pipeline.prepare import records
 
     done = records_in(s3, root)
     for unit in done:  # a record is saved after its unit's parts: they are all there

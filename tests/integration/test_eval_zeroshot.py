@@ -25,9 +25,9 @@ def gpt2(tmp_path_factory) -> dict:
     next-token training (so it is not the random baseline), and the task files."""
     import torch
 
-    from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
     from pipeline.models.bundle import save_bundle
     from pipeline.models.registry import build_model, resolve_model_config
+    from pipeline.prepare.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
 
     root = tmp_path_factory.mktemp("zeroshot")
     (root / "c.txt").write_text(synthetic_corpus())

@@ -134,7 +134,8 @@ def test_past_the_grace_time_it_exits_without_waiting_for_a_step(tmp_path):
 
 
 def test_stop_grace_s_is_a_config_key(tmp_path):
-    from pipeline.config import ConfigError, load_config
+    from pipeline.config import load_config
+    from pipeline.errors import ConfigError
 
     cfg = load_config(BERT, ["train.stop_grace_s=7.5"])
     assert cfg.train.stop_grace_s == 7.5

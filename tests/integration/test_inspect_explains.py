@@ -8,10 +8,10 @@ import re
 import numpy as np
 import pytest
 
-from pipeline.data.inspect import inspect_data
-from pipeline.data.prepare import PrepareConfig, run_prepare
 from pipeline.data.shards import DataDir
-from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+from pipeline.prepare.inspect import inspect_data
+from pipeline.prepare.prepare import PrepareConfig, run_prepare
+from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = pytest.mark.slow
 

@@ -1,5 +1,5 @@
 """A local Ray that `plm` starts itself (`plm data prepare` or `plm eval` given no address:
-pipeline/data/job.py `init_ray`) listens on 127.0.0.1 only: its GCS, raylet, agents and
+pipeline/prepare/job.py `init_ray`) listens on 127.0.0.1 only: its GCS, raylet, agents and
 workers, none on a wildcard or the machine's address. A real Ray, in a process of its own
 (as `plm data prepare` is), its sockets read from /proc (tests/listeners.py)."""
 
@@ -21,7 +21,7 @@ sys.path[:0] = [sys.argv[1], sys.argv[1] + "/tests"]  # this checkout's pipeline
 import ray
 from listeners import descendants, listeners_of
 from ray._private import ray_constants
-from pipeline.data.job import init_ray
+from pipeline.prepare.job import init_ray
 
 assert init_ray(None, 1)
 node = ray._private.worker.global_worker.node

@@ -250,7 +250,7 @@ def test_a_uris_user_part_moves_into_mlflows_variables(monkeypatch):
 
 
 def test_the_password_file_is_read_for_a_server_only(tmp_path, monkeypatch):
-    from pipeline.config import ConfigError
+    from pipeline.errors import ConfigError
     from pipeline.tracking_uri import resolve_tracking_uri
 
     for k in CLIENT_VARS:

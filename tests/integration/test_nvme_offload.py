@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, plm
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 NVME = "deepspeed=configs/deepspeed/zero3-nvme.json"

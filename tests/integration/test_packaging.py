@@ -66,7 +66,7 @@ def test_the_readmes_output_folders_are_ignored():
     proc = subprocess.run(["git", "check-ignore", *outputs], cwd=REPO, capture_output=True,
                           text=True)  # fmt: skip
     assert proc.stdout.split() == outputs
-    tracked = subprocess.run(["git", "check-ignore", "pipeline/data/readers.py",
+    tracked = subprocess.run(["git", "check-ignore", "pipeline/prepare/readers.py",
                               "configs/data/default.yaml"], cwd=REPO, capture_output=True,
                              text=True)  # fmt: skip
     assert tracked.stdout == ""

@@ -13,14 +13,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from pipeline.cli import main
-from pipeline.config import ConfigError
-from pipeline.data import job
-from pipeline.data import prepare as prep
-from pipeline.data.inspect import inspect_data
-from pipeline.data.prepare import PrepareConfig, PrepareError, foreign_files, run_prepare
-from pipeline.data.readers import InputError
 from pipeline.data.shards import DataDir, ShardError, block_sample
-from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
+from pipeline.errors import ConfigError
+from pipeline.prepare import job
+from pipeline.prepare import prepare as prep
+from pipeline.prepare.inspect import inspect_data
+from pipeline.prepare.prepare import PrepareConfig, PrepareError, foreign_files, run_prepare
+from pipeline.prepare.readers import InputError
+from pipeline.prepare.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_the_up_to_date_check_lists_the_inputs_and_never_reads_them(tmp_path):
     """The driver's fingerprint costs a listing, not a pass over a TB of input: bytes
     rewritten under the same size and modification time give the same fingerprint (the
     documented blind spot, `--force` rebuilds); a new modification time another one."""
-    from pipeline.data.readers import resolve_inputs
+    from pipeline.prepare.readers import resolve_inputs
 
     path = tmp_path / "a.txt"
     path.write_text("one document\n\nanother one\n")
@@ -462,8 +462,8 @@ def tokens_of(data: DataDir) -> dict[str, list[list[int]]]:
 
 
 def test_one_large_file_is_read_by_several_tasks(ray_local, tokenizer_dir, tmp_path):
-    from pipeline.data.job import plan_units
-    from pipeline.data.readers import resolve_inputs
+    from pipeline.prepare.job import plan_units
+    from pipeline.prepare.readers import resolve_inputs
 
     big = tmp_path / "big.txt"
     big.write_text("\n\n\n".join(paragraph(i) for i in range(120)) + "\n", "utf-8")
@@ -491,7 +491,7 @@ def test_dedup_is_the_same_across_units_and_partitions(
 ):
     """Duplicates in other units (and other files), found the same with 1 or 3 reducers:
     the first occurrence in source order wins."""
-    from pipeline.data import dedup
+    from pipeline.prepare import dedup
 
     dup_a, dup_b = paragraph(7), paragraph(8)
     a = tmp_path / "in/a.txt"

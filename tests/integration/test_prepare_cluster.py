@@ -4,9 +4,9 @@ write from them), and the bytes equal a one-CPU run's."""
 
 import pytest
 
-from pipeline.data.prepare import PrepareConfig, run_prepare
 from pipeline.data.shards import DataDir
-from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+from pipeline.prepare.prepare import PrepareConfig, run_prepare
+from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -10,7 +10,7 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.data.shards import load_manifest
-from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import planted_corpus  # noqa: E402
@@ -32,7 +32,7 @@ def test_near_dedup_gives_the_same_bytes_on_1_and_2_cpus(tmp_path, monkeypatch):
     common = ["data", "prepare", "--input", str(tmp_path / "in"), "--tokenizer", str(tok),
               "--shard-docs", "50", "--split-bytes", "60000"]  # fmt: skip
     runs = {}
-    from pipeline.data import near_dedup
+    from pipeline.prepare import near_dedup
 
     for name, extra in {"one": ["--near-dedup", "on", "--num-cpus", "1"],
                         "two": ["--near-dedup", "on", "--num-cpus", "2"],

@@ -8,9 +8,9 @@ import pytest
 from conftest import GOOD_DOC as GOOD
 
 from pipeline.cli import main
-from pipeline.data.prepare import load_prepare_config, run_prepare
 from pipeline.data.shards import DataDir
-from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+from pipeline.prepare.prepare import load_prepare_config, run_prepare
+from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = pytest.mark.slow
 

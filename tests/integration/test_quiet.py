@@ -33,7 +33,7 @@ def test_training_is_quiet_by_default_and_chatty_with_v(tiny_data, tmp_path):
 def test_prepare_is_quiet_about_token_authentication(tmp_path):
     from conftest import synthetic_corpus
 
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     corpus = tmp_path / "c.txt"
     corpus.write_text(synthetic_corpus(60))

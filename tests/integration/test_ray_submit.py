@@ -11,7 +11,7 @@ import pytest
 from conftest import REPO, load_launch_script, plm
 
 from pipeline.data.shards import DataDir
-from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
 from pipeline.data.shards import Document
-from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+from pipeline.errors import ConfigError
 from pipeline.models import build_model, resolve_model_config
 from pipeline.objectives import IGNORE_INDEX, build_objective
+from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 ROLES = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "bos": 2, "eos": 3, "eod": 5}
 

@@ -5,15 +5,15 @@ import jieba
 import numpy as np
 import pytest
 
-from pipeline.data.clean import CleanConfig, clean, dedup_key, language_of, reject_reason
-from pipeline.data.readers import CORPORA_DIR
-from pipeline.data.segment import (
+from pipeline.prepare.clean import CleanConfig, clean, dedup_key, language_of, reject_reason
+from pipeline.prepare.readers import CORPORA_DIR
+from pipeline.prepare.segment import (
     jieba_word_starts,
     process_document,
     process_documents,
     sentence_ends,
 )
-from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
+from pipeline.prepare.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
 
 ZH = (CORPORA_DIR / "zh_sample.txt").read_text(encoding="utf-8").split("\n\n")
 EN = [clean(topics[k]) for k in sorted(topics)[:25]]
@@ -266,7 +266,7 @@ def test_a_unigram_model_lacking_the_characters_cannot_emit_special_ids(tmp_path
 
 @pytest.mark.parametrize("kind", ["wordpiece", "bpe", "unigram"])
 def test_entity_spans_cover_exactly_the_mentions(tokenizers, kind):
-    from pipeline.data.segment import entity_pattern, segment_encoding
+    from pipeline.prepare.segment import entity_pattern, segment_encoding
 
     tok = tokenizers[kind]
     pattern = entity_pattern(["Python", "Python Software Foundation", "北京", "北京大学"])
@@ -286,7 +286,7 @@ def test_entity_spans_cover_exactly_the_mentions(tokenizers, kind):
 
 
 def test_entity_spans_follow_pieces_and_none_without_a_list(tokenizers):
-    from pipeline.data.segment import entity_pattern, segment_encoding
+    from pipeline.prepare.segment import entity_pattern, segment_encoding
 
     tok = tokenizers["wordpiece"]
     text = " ".join(f"Sentence {i} talks about Python here." for i in range(40))

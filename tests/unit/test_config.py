@@ -1,6 +1,7 @@
 import pytest
 
-from pipeline.config import CONFIGS_DIR, ConfigError, apply_overrides, load_config, validate_dict
+from pipeline.config import CONFIGS_DIR, apply_overrides, load_config, validate_dict
+from pipeline.errors import ConfigError
 
 BASE = {"name": "x", "model": {"arch": "bert", "preset": "bert-tiny"}, "data": {"path": "d"}}
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
+from pipeline.errors import ConfigError
 from pipeline.models import build_model
 from pipeline.models.bert import BertConfig
 from pipeline.models.bundle import save_bundle

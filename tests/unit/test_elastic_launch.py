@@ -14,7 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import REPO
 
-from pipeline.config import ConfigError, load_config, with_global_batch
+from pipeline.config import load_config, with_global_batch
+from pipeline.errors import ConfigError
 from pipeline.train import faults
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")

@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
+from pipeline.errors import ConfigError
 from pipeline.models import build_model, resolve_model_config
 from pipeline.models.electra import Electra, ElectraConfig
 from pipeline.objectives import build_objective

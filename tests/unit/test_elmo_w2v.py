@@ -13,8 +13,9 @@ import torch
 from conftest import plm, synthetic_corpus
 from tokenizers import Tokenizer
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.models import build_model, resolve_model_config
 from pipeline.models.blocks import PAD_LOGIT
 from pipeline.models.bundle import load_bundle, save_bundle
@@ -36,7 +37,7 @@ VOCAB = 100
 @pytest.fixture(scope="module")
 def tokenizers_dir(tmp_path_factory) -> Path:
     """Real tokenizers of the three kinds (the project's trainer), on a tiny corpus."""
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     root = tmp_path_factory.mktemp("toks")
     corpus = root / "corpus.txt"

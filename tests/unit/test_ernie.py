@@ -4,8 +4,9 @@ the stages of training, and about the same share of tokens is masked in every st
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.objectives import Piece, Unit, build_objective
 from pipeline.objectives.ernie import phrase_starts, unit_starts
 

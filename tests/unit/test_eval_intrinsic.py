@@ -23,7 +23,7 @@ WORDS = ["king", "queen", "man", "woman", "cat", "dog", "tree", "river", "book",
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     root = tmp_path_factory.mktemp("intrinsic")
     (root / "c.txt").write_text(("the " + " and the ".join(WORDS) + ".\n") * 50)

@@ -163,9 +163,9 @@ def test_random_alone_is_one_line(tmp_path, capsys):
 def bert_bundle(tmp_path_factory) -> Path:
     import torch
 
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
     from pipeline.models.bundle import save_bundle
     from pipeline.models.registry import build_model, resolve_model_config
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     root = tmp_path_factory.mktemp("eval_bundle")
     (root / "c.txt").write_text("\n".join(TEXTS * 20))

@@ -171,7 +171,7 @@ def test_special_token_text_in_the_export_is_hfs_by_default_ours_on_request(tmp_
     HF tokenizer (fill-mask needs it), and plain text, as in our load_tokenizer (training
     data cannot inject control tokens), with split_special_tokens=True: on the call, or
     saved by export_to_hf(..., split_special_tokens=True)."""
-    from pipeline.data.tokenizer import load_tokenizer
+    from pipeline.prepare.tokenizer import load_tokenizer
 
     _, bundle, tok_dir = make_bundle(tmp_path, arch)
     ours, meta = load_tokenizer(tok_dir)

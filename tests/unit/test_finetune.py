@@ -24,8 +24,8 @@ WORDS = "the cat dog reads a good bad book very new york red blue color is what"
 @pytest.fixture(scope="module")
 def bundles(tmp_path_factory) -> dict[str, Path]:
     """A random-weight tiny bundle per architecture that has a `<arch>-tiny` preset."""
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
     from pipeline.models.bundle import save_bundle
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     root = tmp_path_factory.mktemp("ft_bundles")
     rng = random.Random(0)
@@ -49,8 +49,8 @@ def bundles(tmp_path_factory) -> dict[str, Path]:
 
 
 def encoder_for(bundle: Path, task: TaskSection) -> tuple[Encoder, torch.nn.Module, dict]:
-    from pipeline.data.tokenizer import load_tokenizer
     from pipeline.models.bundle import load_bundle
+    from pipeline.prepare.tokenizer import load_tokenizer
 
     model, cfg = load_bundle(bundle)
     tok, _ = load_tokenizer(bundle)

@@ -38,11 +38,11 @@ def rows(n: int, seed: int) -> list[dict[str, str]]:
 def test_the_finetune_lines_show_rounded_numbers_and_whole_epochs(tmp_path, capsys):
     import torch
 
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
     from pipeline.finetune.config import validate_finetune
     from pipeline.finetune.loop import finetune
     from pipeline.models.bundle import save_bundle
     from pipeline.models.registry import build_model, resolve_model_config
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     rng = random.Random(0)
     corpus = tmp_path / "corpus.txt"

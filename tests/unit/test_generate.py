@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import plm
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.generate import (
     KVCache,
     filter_logits,
@@ -120,7 +120,7 @@ def test_bad_settings_are_clear_errors():
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory):
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     root = tmp_path_factory.mktemp("gen_tok")
     corpus = root / "corpus.txt"

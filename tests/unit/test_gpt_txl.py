@@ -13,7 +13,8 @@ import torch
 from conftest import random_ids as ids
 from conftest import tiny_model as tiny
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
+from pipeline.errors import ConfigError
 from pipeline.models import resolve_model_config
 from pipeline.models.blocks import PAD_LOGIT
 from pipeline.objectives import build_objective
@@ -145,7 +146,7 @@ def test_clm_refuses_a_model_with_memory_and_clm_recurrent_refuses_document_knob
 def test_clm_recurrent_rows_continue_each_other(tiny_data):
     """Row j of batch g+1 starts where row j of batch g ended: its first input is that
     row's last label (the blocks overlap by one token), on every rank."""
-    from pipeline.data.stream import PretrainStream
+    from pipeline.loader.stream import PretrainStream
 
     meta = json.loads((tiny_data / "tokenizer" / "tokenizer_meta.json").read_text())
     kind = ObjectiveSection(kind="clm-recurrent")

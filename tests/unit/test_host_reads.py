@@ -24,7 +24,7 @@ from conftest import tiny_model
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pipeline.config import ObjectiveSection, validate_dict
-from pipeline.data.stream import MixSource
+from pipeline.loader.stream import MixSource
 from pipeline.objectives import build_objective
 from pipeline.train import engine as ds_engine
 from pipeline.train import trainer as trainer_module

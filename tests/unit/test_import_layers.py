@@ -143,3 +143,56 @@ def test_models_import_no_layer_above_them():
         if dep.startswith(above)
     )
     assert not wrong, wrong
+
+
+# The floors of the house, from the ground up: a module imports its own floor's rooms and
+# the floors below, never one above. A new room must be placed here (docs/design.md).
+FLOORS = [
+    ["pipeline", "pipeline.errors"],
+    ["pipeline.storage", "pipeline.output"],
+    ["pipeline.config", "pipeline.tracking_auth", "pipeline.tracking_uri"],
+    ["pipeline.data"],  # the shard format: the contract between prepare and training
+    ["pipeline.prepare"],  # the data job
+    ["pipeline.models"],
+    ["pipeline.objectives"],
+    ["pipeline.loader"],  # the training stream: documents of data/ laid out by objectives/
+    ["pipeline.export", "pipeline.neighbors", "pipeline.generate"],
+    ["pipeline.train"],
+    ["pipeline.finetune"],
+    ["pipeline.eval"],
+    ["pipeline.tracking_admin", "pipeline.demo", "pipeline.rig", "pipeline.cli"],
+]
+
+
+def _room(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def upward_imports(graph: dict[str, set[str]], floors: list[list[str]]) -> list[str]:
+    floor = {room: n for n, rooms in enumerate(floors) for room in rooms}
+    found = []
+    for mod, deps in sorted(graph.items()):
+        for dep in sorted(deps):
+            if floor[_room(dep)] > floor[_room(mod)]:
+                found.append(f"{mod} (floor {floor[_room(mod)]}) imports {dep} (floor "
+                             f"{floor[_room(dep)]})")  # fmt: skip
+    return found
+
+
+def test_every_room_has_a_floor():
+    rooms = {_room(m) for m in import_graph()}
+    placed = {room for rooms_ in FLOORS for room in rooms_}
+    assert rooms <= placed, f"place these in FLOORS: {sorted(rooms - placed)}"
+
+
+def test_no_import_runs_up_a_floor():
+    found = upward_imports(import_graph(), FLOORS)
+    assert not found, "imports from a lower floor to a higher one:\n" + "\n".join(found)
+
+
+def test_floor_check_sees_an_arrow_up():
+    graph = {"pipeline.loader.stream": {"pipeline.objectives.base"},
+             "pipeline.objectives.base": {"pipeline.loader.stream"}}  # fmt: skip
+    assert upward_imports(graph, FLOORS) == [
+        "pipeline.objectives.base (floor 6) imports pipeline.loader.stream (floor 7)"
+    ]

@@ -83,7 +83,7 @@ def test_inspect_of_an_unfinished_or_missing_dir_is_one_line_and_exit_2(tmp_path
 
 
 def test_the_removed_table_has_stages_counts_shares_examples_and_rules():
-    from pipeline.data.inspect import removed_table
+    from pipeline.prepare.inspect import removed_table
 
     manifest = {
         "totals": {"n_docs": 60, "documents_read": 100},
@@ -124,6 +124,6 @@ def test_languages_are_listed_with_their_shares(tmp_path, capsys):
     make_data_dir(tmp_path)
     data = DataDir(tmp_path)
     data.manifest["totals"]["languages"] = {"en": 6, "zh": 2}
-    from pipeline.data.inspect import summarize
+    from pipeline.prepare.inspect import summarize
 
     assert "languages    en 6 (75.0%)  zh 2 (25.0%)" in summarize(data)

@@ -1,11 +1,11 @@
-"""Language ID (pipeline/data/langid.py) and the config keys that use it."""
+"""Language ID (pipeline/prepare/langid.py) and the config keys that use it."""
 
 import pytest
 
 from pipeline.cli import main
-from pipeline.config import ConfigError
-from pipeline.data.langid import identify, known_languages, parse_languages
-from pipeline.data.prepare import PrepareConfig, load_prepare_config
+from pipeline.errors import ConfigError
+from pipeline.prepare.langid import identify, known_languages, parse_languages
+from pipeline.prepare.prepare import PrepareConfig, load_prepare_config
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,11 @@ import pytest
 import torch
 from test_stream import ROLES, VOCAB, make_data_dir, objective, same, take
 
-from pipeline.config import ConfigError, DataSection
-from pipeline.data.mixture import open_sources, shares
+from pipeline.config import DataSection
 from pipeline.data.shards import DataDir
-from pipeline.data.stream import MixSource, PretrainStream, _Interleave
+from pipeline.errors import ConfigError
+from pipeline.loader.mixture import open_sources, shares
+from pipeline.loader.stream import MixSource, PretrainStream, _Interleave
 from pipeline.models import build_model, resolve_model_config
 from pipeline.objectives import OBJECTIVES
 

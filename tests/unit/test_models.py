@@ -6,7 +6,7 @@ import torch
 from conftest import random_ids as ids
 from conftest import tiny_model as tiny
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.models import ARCHITECTURES, build_model, resolve_model_config
 from pipeline.models.blocks import PAD_LOGIT
 

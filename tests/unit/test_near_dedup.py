@@ -1,4 +1,4 @@
-"""MinHash LSH near-dedup (pipeline/data/near_dedup.py): words, shingles, signatures, the
+"""MinHash LSH near-dedup (pipeline/prepare/near_dedup.py): words, shingles, signatures, the
 band reducers and the components, on real text with planted near-duplicates
 (bench/planted_corpus.py), measured against exact Jaccard over the same shingles.
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pipeline.data import near_dedup as nd
+from pipeline.prepare import near_dedup as nd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import planted_corpus  # noqa: E402
@@ -201,8 +201,8 @@ def test_planted_near_duplicates_recall_and_false_removals():
 
 def test_the_near_dedup_config_section_and_flag(tmp_path):
     from pipeline.cli import build_parser, prepare_config_from_args
-    from pipeline.config import ConfigError
-    from pipeline.data.prepare import load_prepare_config
+    from pipeline.errors import ConfigError
+    from pipeline.prepare.prepare import load_prepare_config
 
     yaml = tmp_path / "data.yaml"
     yaml.write_text("inputs: [x]\ntokenizer: t\noutput: o\nnear_dedup:\n  bands: 20\n")

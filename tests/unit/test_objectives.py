@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipeline.config import ConfigError, MlmConfig, ObjectiveSection
+from pipeline.config import MlmConfig, ObjectiveSection
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.objectives import IGNORE_INDEX, Piece, Unit, build_objective
 from pipeline.objectives.clm import BlockLayout, reset_positions
 from pipeline.objectives.mlm import mask_tokens

@@ -12,7 +12,8 @@ import torch
 from s3_outage import outage_s3_fixture  # noqa: F401  (the outage_s3 fixture)
 from test_train_checkpoint import step, tiny_engine, weights
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
 from pipeline.train.checkpoint import COMPLETE, CheckpointManager
 from pipeline.train.out_store import LocalOut, OutStore, RemoteOut, owner
 

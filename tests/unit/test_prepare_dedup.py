@@ -13,14 +13,14 @@ import random
 import pyarrow.fs as pafs
 import pytest
 
-from pipeline.data import dedup
-from pipeline.data.clean import CleanConfig
-from pipeline.data.job import plan_units
-from pipeline.data.quality import C4, run_filters
-from pipeline.data.readers import resolve_inputs
 from pipeline.data.shards import SPLITS
-from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
-from pipeline.data.worker import JobSpec, fix_unit, write_unit
+from pipeline.prepare import dedup
+from pipeline.prepare.clean import CleanConfig
+from pipeline.prepare.job import plan_units
+from pipeline.prepare.quality import C4, run_filters
+from pipeline.prepare.readers import resolve_inputs
+from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
+from pipeline.prepare.worker import JobSpec, fix_unit, write_unit
 
 WORDS = "alpha beta gamma delta model reads text learns word shard block part unit Paris".split()
 
@@ -164,7 +164,7 @@ def test_fix_unit_equals_a_write_that_never_saw_the_duplicates(tmp_path, tokeniz
 
 def test_fix_parts_are_own_files_of_prepare():
     """A run killed while it fixes parts leaves ``fix-`` parts: the next run cleans them."""
-    from pipeline.data.store import _OWN_SHARD
+    from pipeline.prepare.store import _OWN_SHARD
 
     for name in ("fix-000001-002.tar", "fix-000001-002.idx.npy", "fix-000001-002.tar.tmp"):
         assert _OWN_SHARD.fullmatch(name)
@@ -191,8 +191,8 @@ def _near_corpus(seed: int) -> list[str]:
 def test_fix_unit_drops_near_duplicates_as_a_write_that_never_saw_them(tmp_path, tokenizer, case):
     """Duplicates and near-duplicates in one fix: the parts, counts and examples (each
     near-duplicate's with the kept document's place) of a write that never saw them."""
-    from pipeline.data import near_dedup
-    from pipeline.data.worker import trace_example
+    from pipeline.prepare import near_dedup
+    from pipeline.prepare.worker import trace_example
 
     kw = CASES[case]
     docs = _near_corpus(case + 10)

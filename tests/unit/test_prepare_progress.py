@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pipeline.data.job import _Progress
-from pipeline.data.worker import UnitResult
+from pipeline.prepare.job import _Progress
+from pipeline.prepare.worker import UnitResult
 
 
 def test_progress_lines_count_units_documents_and_bytes(capsys):

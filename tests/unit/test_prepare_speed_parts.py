@@ -16,13 +16,13 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from pipeline.data import clean as clean_mod
-from pipeline.data import segment
-from pipeline.data.clean import clean
-from pipeline.data.readers import CORPORA_DIR
-from pipeline.data.segment import _sorted_unique, sentence_ends, wordpiece_continuations
 from pipeline.data.shards import _tar_header
-from pipeline.data.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
+from pipeline.prepare import clean as clean_mod
+from pipeline.prepare import segment
+from pipeline.prepare.clean import clean
+from pipeline.prepare.readers import CORPORA_DIR
+from pipeline.prepare.segment import _sorted_unique, sentence_ends, wordpiece_continuations
+from pipeline.prepare.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
 
 ZH = (CORPORA_DIR / "zh_sample.txt").read_text(encoding="utf-8").split("\n\n")
 
@@ -408,7 +408,7 @@ def test_clean_many_equals_clean_of_each(fold):
 
 def reference_iter_txt(source, max_doc_bytes: int):
     """The txt reader before the chunked one: a Python loop over bounded lines."""
-    from pipeline.data.readers import (
+    from pipeline.prepare.readers import (
         RawDocument,
         _bounded_lines,
         _decode,
@@ -447,7 +447,7 @@ def reference_iter_txt(source, max_doc_bytes: int):
 
 
 def check_chunked_txt_reader(tmp_path, cases: int, seed: int) -> None:
-    from pipeline.data.readers import _iter_txt, resolve_inputs
+    from pipeline.prepare.readers import _iter_txt, resolve_inputs
 
     rng = random.Random(seed)
     pieces = [b"a", b"b ", b" ", b"\t", b"\r", b"\x0b", b"\n", b"\n", b"\n\n", b"\r\n",
@@ -477,7 +477,7 @@ def test_chunked_txt_reader_equals_the_line_loop(tmp_path):
 
 def reference_iter_jsonl(source, max_doc_bytes: int, part=None):
     """The jsonl reader before the pyarrow batches: json.loads line by line."""
-    from pipeline.data.readers import (
+    from pipeline.prepare.readers import (
         RawDocument,
         _bounded_lines,
         _jsonl_line,
@@ -550,7 +550,7 @@ JSONL_LINES = [
 def check_jsonl_reader(tmp_path, cases: int, seed: int) -> None:
     import gzip
 
-    from pipeline.data.readers import Slice, _iter_jsonl, _jsonl_batch_texts, resolve_inputs
+    from pipeline.prepare.readers import Slice, _iter_jsonl, _jsonl_batch_texts, resolve_inputs
 
     rng = random.Random(seed)
     # Batches without an odd line take the pyarrow path (checked once here).

@@ -1,10 +1,10 @@
-"""Quality filters (pipeline/data/quality.py): each rule on hand-made documents that must
+"""Quality filters (pipeline/prepare/quality.py): each rule on hand-made documents that must
 pass and must fail, at the papers' default thresholds."""
 
 import pytest
 
-from pipeline.data.prepare import PrepareConfig
-from pipeline.data.quality import C4, FineWeb, GopherQuality, GopherRepetition, run_filters
+from pipeline.prepare.prepare import PrepareConfig
+from pipeline.prepare.quality import C4, FineWeb, GopherQuality, GopherRepetition, run_filters
 
 GOOD = (
     "The river runs through the old town and past the market square.\n"

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from pipeline.data.readers import (
+from pipeline.prepare.readers import (
     Digest,
     InputError,
     hash_docs,
@@ -163,7 +163,7 @@ def test_reading_with_a_digest_hashes_exactly_the_stored_bytes(tmp_path):
     assert digest_of(resolve_inputs([str(tmp_path / "e.jsonl.gz")])[0]).n_bytes > 0
     [zh] = resolve_inputs(["builtin:zh-sample"])
     assert digest_of(zh).hexdigest() == hashlib.sha256(Path(
-        "pipeline/data/corpora/zh_sample.txt").read_bytes()).hexdigest()  # fmt: skip
+        "pipeline/prepare/corpora/zh_sample.txt").read_bytes()).hexdigest()  # fmt: skip
 
 
 def test_the_slices_of_a_file_tile_it_and_their_digests_hash_their_ranges(tmp_path):
@@ -339,7 +339,7 @@ def test_builtin_corpus_does_not_depend_on_patched_hooks(monkeypatch):
     """Ray replaces sys.excepthook; the corpus (and so the shards) must not change."""
     import sys
 
-    from pipeline.data.readers import python_docs
+    from pipeline.prepare.readers import python_docs
 
     python_docs.cache_clear()
     before = python_docs()
@@ -356,7 +356,7 @@ def test_builtin_corpus_does_not_depend_on_patched_hooks(monkeypatch):
 
 
 def test_unparsable_python_source_gives_no_docstrings():
-    from pipeline.data.readers import _docs_of_source
+    from pipeline.prepare.readers import _docs_of_source
 
     # The standard library ships files like these in its tests (test/bad_coding.py).
     assert _docs_of_source(b"# -*- coding: uft-8 -*-\n'''doc'''\n") == []

@@ -58,8 +58,8 @@ class Absent(importlib.abc.MetaPathFinder):
         if name.split(".")[0] in {blocked!r}:
             raise ModuleNotFoundError(f"No module named {{name!r}} (a [dev] requirement)")
 sys.meta_path.insert(0, Absent())
-import pipeline.cli, pipeline.demo, pipeline.data.tokenizer, pipeline.data.prepare
-import pipeline.data.job, pipeline.train.trainer, pipeline.train.tracking
+import pipeline.cli, pipeline.demo, pipeline.prepare.tokenizer, pipeline.prepare.prepare
+import pipeline.prepare.job, pipeline.train.trainer, pipeline.train.tracking
 import pipeline.finetune.loop, pipeline.finetune.demo_task, pipeline.finetune.pyfunc
 import pipeline.models.pyfunc, mlflow, mlflow.pyfunc, deepspeed, ray, tokenizers
 print("ok")

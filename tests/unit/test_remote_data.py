@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import REPO, free_port, plm
 
-from pipeline.config import ConfigError, ObjectiveSection, load_config
+from pipeline.config import ObjectiveSection, load_config
 from pipeline.data.remote import CacheConfig, default_cache_dir
 from pipeline.data.shards import (
     N_DOCS,
@@ -28,7 +28,8 @@ from pipeline.data.shards import (
     shard_name,
     write_manifest,
 )
-from pipeline.data.stream import PretrainStream
+from pipeline.errors import ConfigError
+from pipeline.loader.stream import PretrainStream
 from pipeline.objectives import build_objective
 
 ROLES = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "bos": 2, "eos": 3, "eod": 5}

@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO, one_plm_line, plm
 from listeners import WILDCARDS, listeners_of
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 from pipeline.train import rendezvous
 
 NOT_HERE = "198.18.0.250"  # the rehearsal rig's range; not assigned on this machine

@@ -7,13 +7,14 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
 from pipeline.data.shards import Document
-from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+from pipeline.errors import ConfigError
 from pipeline.models import build_model, resolve_model_config
 from pipeline.models.roberta import roberta_position_ids
 from pipeline.objectives import IGNORE_INDEX, build_objective
 from pipeline.objectives.packing import StreamLayout
+from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 ROLES = {"pad": 1, "unk": 3, "cls": 0, "sep": 2, "mask": 4, "bos": 0, "eos": 2, "eod": 5}
 SPECIAL = set(ROLES.values())

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
 from pipeline.data.shards import (
     DataDir,
     Document,
@@ -13,7 +13,8 @@ from pipeline.data.shards import (
     shard_name,
     write_manifest,
 )
-from pipeline.data.stream import PretrainStream
+from pipeline.errors import ConfigError
+from pipeline.loader.stream import PretrainStream
 from pipeline.objectives import build_objective
 
 ROLES = {"pad": 0, "unk": 1, "cls": 2, "sep": 3, "mask": 4, "bos": 2, "eos": 3, "eod": 5}

@@ -5,9 +5,9 @@ from pydoc_data.topics import topics
 import pytest
 
 from pipeline.cli import main
-from pipeline.data.clean import CleanConfig
-from pipeline.data.readers import CORPORA_DIR, InputError, resolve_inputs
-from pipeline.data.tokenizer import (
+from pipeline.prepare.clean import CleanConfig
+from pipeline.prepare.readers import CORPORA_DIR, InputError, resolve_inputs
+from pipeline.prepare.tokenizer import (
     ROLES,
     TokenizerSpec,
     load_tokenizer,

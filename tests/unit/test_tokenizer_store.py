@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, free_port, plm, synthetic_corpus
 
 from pipeline import cli
-from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE, load_tokenizer
+from pipeline.prepare.tokenizer import META_FILE, TOKENIZER_FILE, load_tokenizer
 
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
 TOK = ["--kind", "wordpiece", "--vocab-size", "300"]

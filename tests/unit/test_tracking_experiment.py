@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import REPO
 
-from pipeline.config import ConfigError, load_config
+from pipeline.config import load_config
+from pipeline.errors import ConfigError
 from pipeline.train.tracking import EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, Tracker
 
 BERT = REPO / "configs/test/bert-tiny.yaml"

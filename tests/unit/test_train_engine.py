@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from pipeline.config import ConfigError, validate_dict
+from pipeline.config import validate_dict
+from pipeline.errors import ConfigError
 from pipeline.train.engine import build_ds_config, param_groups
 
 BASE = {"name": "t", "model": {"arch": "bert"}, "data": {"path": "x"}}

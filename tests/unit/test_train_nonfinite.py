@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pipeline.config import validate_dict
-from pipeline.data.stream import MixSource
+from pipeline.loader.stream import MixSource
 from pipeline.train import engine as ds_engine
 from pipeline.train.checkpoint import CheckpointManager
 from pipeline.train.schedule import scheduler_factory

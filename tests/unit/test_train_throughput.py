@@ -59,7 +59,8 @@ def test_compile_without_a_cpu_compiler_is_a_config_error(monkeypatch):
     way out, before any model is built (the dry run calls the same check)."""
     import torch._inductor.config as inductor
 
-    from pipeline.config import ConfigError, TrainSection
+    from pipeline.config import TrainSection
+    from pipeline.errors import ConfigError
     from pipeline.train.parallelize import apply, check_compile
 
     monkeypatch.setattr(inductor.cpp, "cxx", ("/nonexistent/g++",))

@@ -20,7 +20,6 @@ from conftest import REPO, one_plm_line, plm
 from test_bundle import tiny_bert, tokenizer_dir, vocab_of  # noqa: F401 (a fixture)
 from test_inspect import make_data_dir
 
-from pipeline.config import ConfigError
 from pipeline.data.shards import (
     CRC,
     DOCS_AT,
@@ -41,6 +40,7 @@ from pipeline.data.shards import (
     shard_name,
     write_manifest,
 )
+from pipeline.errors import ConfigError
 
 SHARD = shard_name("train", 0)
 KEY = "u000000t000-00000"
@@ -221,7 +221,7 @@ def test_a_bad_tar_member_is_refused_by_every_reader(tmp_path, case):
 def test_the_training_stream_refuses_a_linked_member(tmp_path):
     from test_stream import objective
 
-    from pipeline.data.stream import PretrainStream
+    from pipeline.loader.stream import PretrainStream
 
     kwargs, member = BAD_MEMBERS["symlink"]
     root = crafted_dir(tmp_path / "data", lengths=(60, 70, 80), **kwargs)

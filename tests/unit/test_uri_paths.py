@@ -14,16 +14,11 @@ from conftest import REPO
 from pydantic import BaseModel
 
 from pipeline import cli
-from pipeline.config import (
-    ConfigError,
-    ExperimentConfig,
-    local_path,
-    redact_uri,
-    store_path,
-    validate_dict,
-)
-from pipeline.data.prepare import PrepareConfig
+from pipeline.config import ExperimentConfig, validate_dict
+from pipeline.errors import ConfigError
 from pipeline.finetune.config import FinetuneConfig, validate_finetune
+from pipeline.prepare.prepare import PrepareConfig
+from pipeline.storage import local_path, redact_uri, store_path
 
 URI = "s3://b/x"
 BERT = str(REPO / "configs/test/bert-tiny.yaml")
@@ -182,7 +177,7 @@ def _validate(which: str, raw: dict):
         return validate_dict(raw, "c.yaml")
     if which == "finetune":
         return validate_finetune(raw, "c.yaml")
-    from pipeline.data.prepare import load_prepare_config
+    from pipeline.prepare.prepare import load_prepare_config
 
     return load_prepare_config(None, raw)
 

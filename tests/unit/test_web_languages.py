@@ -4,8 +4,8 @@ overrides it (`all` keeps every language); a filter says which languages it skip
 
 import pytest
 
-from pipeline.data.prepare import load_prepare_config
-from pipeline.data.quality import run_filters
+from pipeline.prepare.prepare import load_prepare_config
+from pipeline.prepare.quality import run_filters
 
 LOREM = (
     "Lorem ipsum dolor sit amet, consectetur adipiscing elit, sed do eiusmod tempor "

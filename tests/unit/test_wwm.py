@@ -7,8 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
 from pipeline.data.shards import DataDir
+from pipeline.errors import ConfigError
 from pipeline.objectives import IGNORE_INDEX, Piece, Unit, build_objective
 from pipeline.objectives.mlm import draw_ngrams, ngram_cover, ngram_probabilities, ngram_start_rate
 
@@ -62,8 +63,8 @@ def test_whole_word_masking_on_wordpiece_words(tiny_data):
 def zh_data(tmp_path_factory):
     """builtin:zh-sample through the real tokenizer trainer (WordPiece: one token per
     Chinese character) and the real `plm data prepare` (jieba words into words.npy)."""
-    from pipeline.data.prepare import PrepareConfig, run_prepare
-    from pipeline.data.tokenizer import TokenizerSpec, train_tokenizer
+    from pipeline.prepare.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     root = tmp_path_factory.mktemp("zh")
     tok = train_tokenizer(
@@ -80,7 +81,7 @@ def zh_data(tmp_path_factory):
 def test_chinese_whole_word_masking_masks_whole_jieba_words(zh_data):
     from tokenizers import Tokenizer
 
-    from pipeline.data.segment import jieba_word_starts
+    from pipeline.prepare.segment import jieba_word_starts
 
     tok = Tokenizer.from_file(str(zh_data.tokenizer_path))
     docs = list(zh_data.iter_split("train"))

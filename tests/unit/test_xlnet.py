@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline.config import ConfigError, ObjectiveSection
+from pipeline.config import ObjectiveSection
 from pipeline.data.shards import Document
+from pipeline.errors import ConfigError
 from pipeline.models import build_model, resolve_model_config
 from pipeline.objectives import build_objective
 from pipeline.objectives.plm import factorization_targets, permutation_mask, sample_spans

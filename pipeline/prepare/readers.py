@@ -44,7 +44,7 @@ import pyarrow as pa
 import pyarrow.fs as pafs
 import pyarrow.parquet as pq
 
-from pipeline.config import ConfigError
+from pipeline.errors import ConfigError
 
 DEFAULT_MAX_DOC_BYTES = 16 << 20  # a document larger than this is a "too_long" reject
 _CHUNK = 1 << 20  # bytes per read (txt chunks, the rest of an oversized line) and buffer size

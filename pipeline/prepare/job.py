@@ -33,9 +33,9 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.config import ConfigError
-from pipeline.data.readers import Slice, Source, plan_slices
-from pipeline.data.worker import JobSpec, UnitResult
+from pipeline.errors import ConfigError
+from pipeline.prepare.readers import Slice, Source, plan_slices
+from pipeline.prepare.worker import JobSpec, UnitResult
 
 
 def plan_units(sources: list[Source], split_bytes: int) -> list[list[Slice]]:
@@ -60,8 +60,8 @@ def plan_units(sources: list[Source], split_bytes: int) -> list[list[Slice]]:
 def _write_task(
     spec: JobSpec, index: int, unit: list[Slice], n_partitions: int, n_near_partitions: int
 ):
-    from pipeline.data import records
-    from pipeline.data.worker import write_unit
+    from pipeline.prepare import records
+    from pipeline.prepare.worker import write_unit
 
     saved = records.load(spec.fs, spec.output, index)  # done before: a retry or a rerun
     if saved is not None:
@@ -81,7 +81,7 @@ def _write_task(
 
 
 def _dedup_task(units: list[int], n_groups: int, *parts):
-    from pipeline.data.dedup import by_unit_group, duplicates
+    from pipeline.prepare.dedup import by_unit_group, duplicates
 
     started = time.process_time()
     dups = duplicates(units, list(parts))
@@ -89,7 +89,7 @@ def _dedup_task(units: list[int], n_groups: int, *parts):
 
 
 def _candidates_task(units: list[int], *parts):
-    from pipeline.data.near_dedup import candidates
+    from pipeline.prepare.near_dedup import candidates
 
     started = time.process_time()
     edges = candidates(units, list(parts))
@@ -97,7 +97,7 @@ def _candidates_task(units: list[int], *parts):
 
 
 def _scatter_task(edges, n: int):
-    from pipeline.data.near_dedup import scatter
+    from pipeline.prepare.near_dedup import scatter
 
     started = time.process_time()
     arcs = scatter(edges, n)
@@ -105,7 +105,7 @@ def _scatter_task(edges, n: int):
 
 
 def _large_star_task(n: int, *pieces):
-    from pipeline.data.near_dedup import large_star, units_of
+    from pipeline.prepare.near_dedup import large_star, units_of
 
     started = time.process_time()
     out, digest, removed = large_star(list(pieces), n)
@@ -114,7 +114,7 @@ def _large_star_task(n: int, *pieces):
 
 
 def _small_star_task(n: int, *pieces):
-    from pipeline.data.near_dedup import small_star
+    from pipeline.prepare.near_dedup import small_star
 
     started = time.process_time()
     arcs = small_star(list(pieces), n)
@@ -127,7 +127,7 @@ def _clusters(candidates: list, n_units: int, n: int | None) -> dict[str, Any]:
     driver fetches a digest, units and CPU per partition and round, never an edge."""
     import ray
 
-    from pipeline.data.near_dedup import cluster_partitions
+    from pipeline.prepare.near_dedup import cluster_partitions
 
     n = n or cluster_partitions(sum(_get([count for _, count in candidates])), n_units)
     scatter = ray.remote(num_cpus=1)(_scatter_task)
@@ -183,9 +183,9 @@ def _fix_task(
     this unit's from every exact-dedup reducer."""
     import ray
 
-    from pipeline.data import near_dedup
-    from pipeline.data.dedup import of_unit
-    from pipeline.data.worker import fix_unit, trace_example
+    from pipeline.prepare import near_dedup
+    from pipeline.prepare.dedup import of_unit
+    from pipeline.prepare.worker import fix_unit, trace_example
 
     started = time.process_time()
     near = near_dedup.of_unit(index, near_rows) if near_rows is not None else {}

@@ -14,18 +14,18 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pipeline.data.readers import InputError, Source, resolve_inputs
 from pipeline.data.shards import MANIFEST
-from pipeline.data.tokenizer import (
+from pipeline.output import DiskFull, free_bytes, size_text
+from pipeline.prepare.readers import InputError, Source, resolve_inputs
+from pipeline.prepare.tokenizer import (
     TokenizerSpec,
     check_tokenizer_folder,
     load_tokenizer,
     tokenizer_files,
 )
-from pipeline.output import DiskFull, free_bytes, size_text
 
 if TYPE_CHECKING:
-    from pipeline.data.prepare import PrepareConfig
+    from pipeline.prepare.prepare import PrepareConfig
 
 
 def _sources_line(sources: list[Source]) -> str:
@@ -46,8 +46,7 @@ def _output_state(out: Path) -> str:
 
 
 def print_tokenizer_plan(inputs: list[str], spec: TokenizerSpec, output: str | Path) -> int:
-    from pipeline.config import is_uri
-    from pipeline.data.remote import check_store
+    from pipeline.storage import check_store, is_uri
 
     for item in inputs:
         if is_uri(item):
@@ -73,8 +72,8 @@ def print_tokenizer_plan(inputs: list[str], spec: TokenizerSpec, output: str | P
 
 
 def print_prepare_plan(cfg: PrepareConfig) -> int:
-    from pipeline.data.job import plan_units
-    from pipeline.data.store import PrepareError, foreign_files, output_fs
+    from pipeline.prepare.job import plan_units
+    from pipeline.prepare.store import PrepareError, foreign_files, output_fs
 
     sources = resolve_inputs(cfg.inputs, text_field=cfg.text_field)
     tok_dir = cfg.tokenizer  # a folder or a URI

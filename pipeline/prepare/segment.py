@@ -30,7 +30,7 @@ from functools import lru_cache
 import numpy as np
 from tokenizers import AddedToken, Encoding, Tokenizer, models, normalizers, pre_tokenizers
 
-from pipeline.data.clean import _has_ascii_control
+from pipeline.prepare.clean import _has_ascii_control
 
 # Chinese terminators end a sentence wherever they stand. NFKC (the default cleaning)
 # turns full-width ！？； into ASCII and … into "...", so ASCII terminators also end a

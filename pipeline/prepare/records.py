@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from pipeline.data.shards import SPLITS
-from pipeline.data.store import JOB_FILE, RECORDS_DIR, listing, write_file
-from pipeline.data.worker import UnitResult
+from pipeline.prepare.store import JOB_FILE, RECORDS_DIR, listing, write_file
+from pipeline.prepare.worker import UnitResult
 
 _RECORD = re.compile(r"unit-(\d{6,})\.npz")
 

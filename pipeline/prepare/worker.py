@@ -28,17 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from pipeline.data.clean import (
+from pipeline.data.shards import SPLITS, ShardWriter, split_of
+from pipeline.prepare.clean import (
     CleanConfig,
     clean_many,
     dedup_key,
     language_of,
     reject_reason,
 )
-from pipeline.data.langid import identify
-from pipeline.data.near_dedup import NearDedupSpec
-from pipeline.data.quality import run_filters
-from pipeline.data.readers import (
+from pipeline.prepare.langid import identify
+from pipeline.prepare.near_dedup import NearDedupSpec
+from pipeline.prepare.quality import run_filters
+from pipeline.prepare.readers import (
     Digest,
     RawDocument,
     Slice,
@@ -46,7 +47,6 @@ from pipeline.data.readers import (
     hash_docs,
     iter_raw_documents,
 )
-from pipeline.data.shards import SPLITS, ShardWriter, split_of
 
 MAX_REJECT_EXAMPLES = 5  # per reason and unit; the driver keeps the first 5 overall
 EXAMPLE_CHARS = 120  # of a filtered document's text, in its reject example
@@ -71,7 +71,7 @@ class JobSpec:
     batch_docs: int
     entities: list[str] | None
     builtin_docs: tuple[str, ...] | None = None
-    # Language ID and quality filters (pipeline/data/langid.py, quality.py): with
+    # Language ID and quality filters (pipeline/prepare/langid.py, quality.py): with
     # ``language_id`` each document's ISO code is what the shards hold; ``languages``
     # (codes) keeps only those; ``filters`` are quality.FilterConfig objects, in order.
     language_id: bool = False
@@ -275,10 +275,10 @@ def write_unit(
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     from tokenizers import Tokenizer
 
-    from pipeline.data import near_dedup
-    from pipeline.data.dedup import partition
-    from pipeline.data.segment import Segmenter, entity_pattern
     from pipeline.data.shards import token_dtype
+    from pipeline.prepare import near_dedup
+    from pipeline.prepare.dedup import partition
+    from pipeline.prepare.segment import Segmenter, entity_pattern
 
     tokenizer = Tokenizer.from_str(spec.tokenizer_json)
     segment = Segmenter(
@@ -438,8 +438,8 @@ def fix_unit(
     left for the driver to remove: a retried fix reads them again); the counts and
     reject examples are corrected from the trace. A document that is both is counted a
     duplicate."""
-    from pipeline.data.segment import PieceBatch
     from pipeline.data.shards import read_blocks, token_dtype
+    from pipeline.prepare.segment import PieceBatch
 
     near_duplicates = near_duplicates or {}
     if not duplicates and not near_duplicates:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from pipeline.data.readers import DEFAULT_MAX_DOC_BYTES, ENCODING_HINT, texts_at
 from pipeline.data.shards import DataDir, ShardError
+from pipeline.prepare.readers import DEFAULT_MAX_DOC_BYTES, ENCODING_HINT, texts_at
 
 
 def summarize(data: DataDir) -> list[str]:

@@ -38,23 +38,26 @@ from pydantic import (
     model_validator,
 )
 
-from pipeline.config import (
-    ConfigError,
-    LocalPath,
-    StorePath,
-    config_file,
-    is_uri,
-    uri_error_line,
+from pipeline.config import LocalPath, StorePath, config_file, uri_error_line
+from pipeline.data.shards import (
+    FORMAT_VERSION,
+    MANIFEST,
+    SPLITS,
+    TOKENIZER_DIR,
+    manifest_bytes,
+    token_dtype,
 )
-from pipeline.data.clean import CleanConfig, clean
-from pipeline.data.langid import parse_languages
-from pipeline.data.quality import (
+from pipeline.errors import ConfigError
+from pipeline.output import disk_full, no_space
+from pipeline.prepare.clean import CleanConfig, clean
+from pipeline.prepare.langid import parse_languages
+from pipeline.prepare.quality import (
     ALL_LANGUAGES,
     PRESET_LANGUAGES,
     FilterConfig,
     expand_filters,
 )
-from pipeline.data.readers import (
+from pipeline.prepare.readers import (
     DEFAULT_MAX_DOC_BYTES,
     ENCODING_HINT,
     Digest,
@@ -66,16 +69,7 @@ from pipeline.data.readers import (
     python_docs,
     resolve_inputs,
 )
-from pipeline.data.remote import check_store
-from pipeline.data.shards import (
-    FORMAT_VERSION,
-    MANIFEST,
-    SPLITS,
-    TOKENIZER_DIR,
-    manifest_bytes,
-    token_dtype,
-)
-from pipeline.data.store import (
+from pipeline.prepare.store import (
     PrepareError,
     clear_own_files,
     existing_manifest,
@@ -86,14 +80,14 @@ from pipeline.data.store import (
     snapshot,
     write_file,
 )
-from pipeline.data.tokenizer import (
+from pipeline.prepare.tokenizer import (
     META_FILE,
     TOKENIZER_FILE,
     check_tokenizer_folder,
     tokenizer_files,
     tokenizer_folder,
 )
-from pipeline.output import disk_full, no_space
+from pipeline.storage import check_store, is_uri
 
 # Bump when the code changes what lands in the shards: old outputs stop being "up to date".
 PREPARE_VERSION = 2
@@ -104,7 +98,7 @@ MAX_REJECT_EXAMPLES = 5  # per reason, kept in the manifest so a reject can be f
 
 
 class NearDedupConfig(BaseModel):
-    """MinHash LSH near-dedup (pipeline/data/near_dedup.py); the defaults are FineWeb's.
+    """MinHash LSH near-dedup (pipeline/prepare/near_dedup.py); the defaults are FineWeb's.
     Two documents whose word ``ngram`` shingles have Jaccard similarity J share a band
     with probability 1 - (1 - J**rows)**bands (about 0.92 at J = 0.8, 0.05 at J = 0.5)."""
 
@@ -116,7 +110,7 @@ class NearDedupConfig(BaseModel):
     rows: int = Field(8, gt=0, le=64)  # MinHash values per band
 
     def spec(self):
-        from pipeline.data.near_dedup import NearDedupSpec
+        from pipeline.prepare.near_dedup import NearDedupSpec
 
         return NearDedupSpec(ngram=self.ngram, bands=self.bands, rows=self.rows)
 
@@ -137,7 +131,7 @@ class PrepareConfig(BaseModel):
     max_doc_bytes: int = Field(DEFAULT_MAX_DOC_BYTES, gt=0)  # larger ones: "too_long"
     text_field: str = "text"  # jsonl field / parquet column
     # ERNIE's entity-level masking: a UTF-8 file, one entity per line; every mention
-    # becomes a token span in spans.npy (see pipeline.data.segment.entity_pattern).
+    # becomes a token span in spans.npy (see pipeline.prepare.segment.entity_pattern).
     entities: LocalPath | None = None
     clean: CleanConfig = CleanConfig()
     # Language ID and quality filters (docs/data.md "Filters"): off by default. With
@@ -195,7 +189,7 @@ class PrepareConfig(BaseModel):
     @field_validator("languages")
     @classmethod
     def _known_codes(cls, value: list[str] | None) -> list[str] | None:
-        from pipeline.data.langid import known_languages
+        from pipeline.prepare.langid import known_languages
 
         unknown = sorted(set(value or ()) - set(known_languages()) - {ALL_LANGUAGES})
         if unknown:
@@ -448,10 +442,10 @@ def run_prepare(cfg: PrepareConfig) -> Path | str:
 
 def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, clocks):
     """``run_prepare`` once validated: the job, the shards' names and the manifest."""
-    from pipeline.data import near_dedup, records
-    from pipeline.data.dedup import n_partitions
-    from pipeline.data.job import init_ray, plan_units, run_job
-    from pipeline.data.worker import JobSpec
+    from pipeline.prepare import near_dedup, records
+    from pipeline.prepare.dedup import n_partitions
+    from pipeline.prepare.job import init_ray, plan_units, run_job
+    from pipeline.prepare.worker import JobSpec
 
     config_hash, entries, fp = fingerprints
     started, cpu_started = clocks

@@ -3,7 +3,7 @@
 The config names the data dirs and their weights; this module opens them, checks that
 they can be mixed (one tokenizer), and says what a run will take from each (for
 ``plm train --dry-run`` and the MLflow run). The mixing itself is the stream's
-(``pipeline.data.stream``: a deterministic interleave by weight, each source cycling
+(``pipeline.loader.stream``: a deterministic interleave by weight, each source cycling
 its own shuffled epochs).
 """
 
@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pipeline.config import ConfigError, DataSection
+from pipeline.config import DataSection
 from pipeline.data.remote import CacheConfig
 from pipeline.data.shards import DataDir, ShardError
-from pipeline.data.stream import MixSource, units_per_epoch
+from pipeline.errors import ConfigError
+from pipeline.loader.stream import MixSource, units_per_epoch
 from pipeline.objectives.base import Objective
 
 

@@ -33,11 +33,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-from pipeline.config import is_uri, redact_uri
-from pipeline.data.clean import CleanConfig, clean, reject_reason
-from pipeline.data.readers import InputError, Source, iter_raw_documents, resolve_inputs
-from pipeline.data.remote import check_store, write_atomic
-from pipeline.data.shards import atomic_write_bytes
+from pipeline.prepare.clean import CleanConfig, clean, reject_reason
+from pipeline.prepare.readers import InputError, Source, iter_raw_documents, resolve_inputs
+from pipeline.storage import atomic_write, check_store, is_uri, redact_uri
 
 TOKENIZER_FILE = "tokenizer.json"
 META_FILE = "tokenizer_meta.json"
@@ -362,13 +360,13 @@ def train_tokenizer(inputs: list[str], spec: TokenizerSpec, output: str | Path) 
         fs, root = store
         root = root.rstrip("/")
         fs.create_dir(root, recursive=True)
-        write_atomic(fs, f"{root}/{TOKENIZER_FILE}", json_bytes)
-        write_atomic(fs, f"{root}/{META_FILE}", meta_bytes)
+        atomic_write(f"{root}/{TOKENIZER_FILE}", json_bytes, fs)
+        atomic_write(f"{root}/{META_FILE}", meta_bytes, fs)
         return str(output)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(out / TOKENIZER_FILE, json_bytes)
-    atomic_write_bytes(out / META_FILE, meta_bytes)
+    atomic_write(out / TOKENIZER_FILE, json_bytes)
+    atomic_write(out / META_FILE, meta_bytes)
     return out
 
 

@@ -17,8 +17,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from pipeline.config import ConfigError, is_uri
-from pipeline.data.remote import check_store, write_atomic
 from pipeline.data.shards import (
     MANIFEST,
     SPLITS,
@@ -27,7 +25,9 @@ from pipeline.data.shards import (
     index_name,
     shard_name,
 )
-from pipeline.data.tokenizer import META_FILE, TOKENIZER_FILE
+from pipeline.errors import ConfigError
+from pipeline.prepare.tokenizer import META_FILE, TOKENIZER_FILE
+from pipeline.storage import atomic_write, check_store, is_uri, without_temp
 
 
 class PrepareError(ConfigError):
@@ -36,10 +36,10 @@ class PrepareError(ConfigError):
 
 RECORDS_DIR = "units"  # finished units' records while the job runs (data/records.py)
 JOB_FILE = "job.json"
-_OWN_TOP = {MANIFEST, MANIFEST + ".tmp", *SPLITS, TOKENIZER_DIR, RECORDS_DIR}
+_OWN_TOP = {MANIFEST, *SPLITS, TOKENIZER_DIR, RECORDS_DIR}  # names matched without_temp (a NAME.tmp matches too)
 _OWN_RECORD = re.compile(r"(unit-\d{6,}\.npz|job\.json)(\.tmp)?")
 _OWN_SHARD = re.compile(r"(shard-\d{6,}|(part|fix)-\d{6,}-\d{3,})(\.tar|\.idx\.npy)(\.tmp)?")
-_OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE, TOKENIZER_FILE + ".tmp", META_FILE + ".tmp"}
+_OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE}
 
 
 def output_fs(output: str, what: str = "--output"):
@@ -68,7 +68,7 @@ def foreign_files(fs, root: str) -> list[str]:
     found = []
     for entry in listing(fs, root):
         name = entry.base_name
-        if name not in _OWN_TOP:
+        if without_temp(name) not in _OWN_TOP:
             found.append(name)
         elif name in SPLITS or name in (TOKENIZER_DIR, RECORDS_DIR):
             if entry.type != pafs.FileType.Directory:
@@ -76,11 +76,8 @@ def foreign_files(fs, root: str) -> list[str]:
                 continue
             own = {TOKENIZER_DIR: None, RECORDS_DIR: _OWN_RECORD}.get(name, _OWN_SHARD)
             for sub in listing(fs, entry.path):
-                ok = (
-                    sub.base_name in _OWN_TOKENIZER
-                    if own is None
-                    else bool(own.fullmatch(sub.base_name))
-                )
+                base = without_temp(sub.base_name)
+                ok = base in _OWN_TOKENIZER if own is None else bool(own.fullmatch(base))
                 if not ok or sub.type != pafs.FileType.File:
                     found.append(f"{name}/{sub.base_name}")
     return found
@@ -91,15 +88,18 @@ def clear_own_files(fs, root: str, keep: frozenset[str] = frozenset()) -> None:
     ``keep`` (paths relative to ``root``: the parts of units a rerun does not redo)."""
     import pyarrow.fs as pafs
 
-    for name in (MANIFEST, MANIFEST + ".tmp"):
-        if fs.get_file_info(f"{root}/{name}").type == pafs.FileType.File:
-            fs.delete_file(f"{root}/{name}")
+    if fs.get_file_info(f"{root}/{MANIFEST}").type == pafs.FileType.File:
+        fs.delete_file(f"{root}/{MANIFEST}")
+    for f in listing(fs, root):  # a manifest's temporary left by a killed run
+        if f.base_name != MANIFEST and without_temp(f.base_name) == MANIFEST:
+            fs.delete_file(f.path)
     for sub in (*SPLITS, TOKENIZER_DIR):
         for f in listing(fs, f"{root}/{sub}"):
             if f"{sub}/{f.base_name}" in keep:
                 continue
             if f.type == pafs.FileType.File and (
-                _OWN_SHARD.fullmatch(f.base_name) or f.base_name in _OWN_TOKENIZER
+                _OWN_SHARD.fullmatch(without_temp(f.base_name))
+                or without_temp(f.base_name) in _OWN_TOKENIZER
             ):
                 fs.delete_file(f.path)
 
@@ -145,8 +145,7 @@ def _relative(root: str, path: str) -> str:
 
 
 def write_file(fs, path: str, data: bytes) -> None:
-    """Temp file, then a move: a reader never sees a half-written file."""
-    write_atomic(fs, path, data)
+    atomic_write(path, data, fs)
 
 
 def existing_manifest(fs, root: str) -> dict[str, Any] | None:

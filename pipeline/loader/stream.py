@@ -82,8 +82,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from pipeline.config import ConfigError
 from pipeline.data.shards import DataDir, Document, ShardError
+from pipeline.errors import ConfigError
 from pipeline.objectives.base import Layout, Objective, Unit
 
 # 2: groups laid out lazily (session 11): the same seed gives another order than 1.
