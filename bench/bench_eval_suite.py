@@ -151,7 +151,8 @@ RECIPES = {  # the demo's for bert-tiny; the same schedule for gpt2-tiny (CLM, b
 def pretrain(workdir: Path, steps: int, arch: str) -> Path:
     from pipeline.config import CONFIGS_DIR, load_config
     from pipeline.demo import BETAS, LR, MASK_PROBABILITY, VOCAB_SIZE
-    from pipeline.prepare.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.prepare import run_prepare
     from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
     from pipeline.train.trainer import train
 

@@ -31,8 +31,8 @@ def _cpu() -> float:
 
 def stages(repeat: int) -> None:
     from pipeline.prepare.clean import CleanConfig, clean_many
+    from pipeline.prepare.config import PrepareConfig
     from pipeline.prepare.langid import identify
-    from pipeline.prepare.prepare import PrepareConfig
     from pipeline.prepare.quality import run_filters
     from pipeline.prepare.readers import python_docs
 

@@ -93,7 +93,7 @@ _PREPARE_FLAGS = {
 
 
 def prepare_config_from_args(args: argparse.Namespace):
-    from pipeline.prepare.prepare import load_prepare_config
+    from pipeline.prepare.config import load_prepare_config
 
     overrides = {
         key: getattr(args, flag)

@@ -40,7 +40,8 @@ def _tokenizer(workdir: Path) -> Path:
 
 
 def _shards(workdir: Path, tokenizer: Path) -> Path:
-    from pipeline.prepare.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.prepare import run_prepare
 
     print("[demo] shards: `plm data prepare` as a local Ray job (skipped when up to date)")
     cfg = PrepareConfig(

@@ -63,7 +63,8 @@ def synthetic_corpus(n_docs: int = 240, seed: int = 7) -> str:
 
 def build_data_dir(root: Path, shard_docs: int = 40, kind: str = "wordpiece") -> Path:
     """Tokenizer (tiny vocab) + shards, through the real components."""
-    from pipeline.prepare.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.prepare import run_prepare
     from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     corpus = root / "corpus.txt"

@@ -25,7 +25,7 @@ from pipeline.prepare.tokenizer import (
 )
 
 if TYPE_CHECKING:
-    from pipeline.prepare.prepare import PrepareConfig
+    from pipeline.prepare.config import PrepareConfig
 
 
 def _sources_line(sources: list[Source]) -> str:

@@ -36,7 +36,12 @@ class PrepareError(ConfigError):
 
 RECORDS_DIR = "units"  # finished units' records while the job runs (data/records.py)
 JOB_FILE = "job.json"
-_OWN_TOP = {MANIFEST, *SPLITS, TOKENIZER_DIR, RECORDS_DIR}  # names matched without_temp (a NAME.tmp matches too)
+_OWN_TOP = {
+    MANIFEST,
+    *SPLITS,
+    TOKENIZER_DIR,
+    RECORDS_DIR,
+}  # names matched without_temp (a NAME.tmp matches too)
 _OWN_RECORD = re.compile(r"(unit-\d{6,}\.npz|job\.json)(\.tmp)?")
 _OWN_SHARD = re.compile(r"(shard-\d{6,}|(part|fix)-\d{6,}-\d{3,})(\.tar|\.idx\.npy)(\.tmp)?")
 _OWN_TOKENIZER = {TOKENIZER_FILE, META_FILE}

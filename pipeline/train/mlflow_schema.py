@@ -4,8 +4,8 @@ written by `python -m pipeline.train.mlflow_store`; see mlflow_store.py."""
 
 from pathlib import Path
 
-MLFLOW_VERSION = '3.17.2'
-ALEMBIC_HEAD = 'dc11669786a5'
+MLFLOW_VERSION = "3.17.2"
+ALEMBIC_HEAD = "dc11669786a5"
 SCHEMA_FILE = Path(__file__).with_name("mlflow_schema.sql")
 
 

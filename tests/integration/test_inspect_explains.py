@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 from pipeline.data.shards import DataDir
+from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.inspect import inspect_data
-from pipeline.prepare.prepare import PrepareConfig, run_prepare
+from pipeline.prepare.prepare import run_prepare
 from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = pytest.mark.slow

@@ -18,7 +18,8 @@ BERT = str(REPO / "configs/test/bert-tiny.yaml")
 @pytest.fixture(scope="module")
 def second_data(tiny_data, tmp_path_factory) -> Path:
     """Another corpus prepared with tiny_data's tokenizer (a mixture needs one tokenizer)."""
-    from pipeline.prepare.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.prepare import run_prepare
 
     root = tmp_path_factory.mktemp("second")
     corpus = root / "corpus.txt"

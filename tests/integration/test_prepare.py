@@ -17,8 +17,9 @@ from pipeline.data.shards import DataDir, ShardError, block_sample
 from pipeline.errors import ConfigError
 from pipeline.prepare import job
 from pipeline.prepare import prepare as prep
+from pipeline.prepare.config import PrepareConfig, load_prepare_config
 from pipeline.prepare.inspect import inspect_data
-from pipeline.prepare.prepare import PrepareConfig, PrepareError, foreign_files, run_prepare
+from pipeline.prepare.prepare import PrepareError, foreign_files, run_prepare
 from pipeline.prepare.readers import InputError
 from pipeline.prepare.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer
 
@@ -382,11 +383,11 @@ def test_config_errors_name_the_key(tmp_path):
     cfg = tmp_path / "data.yaml"
     cfg.write_text("inputs: [x]\ntokenizer: t\noutput: o\nshard_dcos: 5\n")
     with pytest.raises(ConfigError, match="shard_dcos"):
-        prep.load_prepare_config(cfg, {})
+        load_prepare_config(cfg, {})
     with pytest.raises(ConfigError, match="--output"):
-        prep.load_prepare_config(None, {"inputs": ["x"], "tokenizer": "t"})
+        load_prepare_config(None, {"inputs": ["x"], "tokenizer": "t"})
     with pytest.raises(ConfigError, match="clean.min_chars"):
-        prep.load_prepare_config(None, {"inputs": ["x"], "tokenizer": "t", "output": "o",
+        load_prepare_config(None, {"inputs": ["x"], "tokenizer": "t", "output": "o",
                                         "clean": {"min_chars": -1}})  # fmt: skip
 
 

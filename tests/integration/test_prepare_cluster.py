@@ -5,7 +5,8 @@ write from them), and the bytes equal a one-CPU run's."""
 import pytest
 
 from pipeline.data.shards import DataDir
-from pipeline.prepare.prepare import PrepareConfig, run_prepare
+from pipeline.prepare.config import PrepareConfig
+from pipeline.prepare.prepare import run_prepare
 from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = [pytest.mark.slow, pytest.mark.distributed]

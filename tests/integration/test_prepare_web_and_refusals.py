@@ -9,7 +9,8 @@ from conftest import GOOD_DOC as GOOD
 
 from pipeline.cli import main
 from pipeline.data.shards import DataDir
-from pipeline.prepare.prepare import load_prepare_config, run_prepare
+from pipeline.prepare.config import load_prepare_config
+from pipeline.prepare.prepare import run_prepare
 from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
 pytestmark = pytest.mark.slow

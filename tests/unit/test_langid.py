@@ -4,8 +4,8 @@ import pytest
 
 from pipeline.cli import main
 from pipeline.errors import ConfigError
+from pipeline.prepare.config import PrepareConfig, load_prepare_config
 from pipeline.prepare.langid import identify, known_languages, parse_languages
-from pipeline.prepare.prepare import PrepareConfig, load_prepare_config
 
 
 @pytest.mark.parametrize(

@@ -202,7 +202,7 @@ def test_planted_near_duplicates_recall_and_false_removals():
 def test_the_near_dedup_config_section_and_flag(tmp_path):
     from pipeline.cli import build_parser, prepare_config_from_args
     from pipeline.errors import ConfigError
-    from pipeline.prepare.prepare import load_prepare_config
+    from pipeline.prepare.config import load_prepare_config
 
     yaml = tmp_path / "data.yaml"
     yaml.write_text("inputs: [x]\ntokenizer: t\noutput: o\nnear_dedup:\n  bands: 20\n")

@@ -3,7 +3,7 @@ pass and must fail, at the papers' default thresholds."""
 
 import pytest
 
-from pipeline.prepare.prepare import PrepareConfig
+from pipeline.prepare.config import PrepareConfig
 from pipeline.prepare.quality import C4, FineWeb, GopherQuality, GopherRepetition, run_filters
 
 GOOD = (

@@ -17,7 +17,7 @@ from pipeline import cli
 from pipeline.config import ExperimentConfig, validate_dict
 from pipeline.errors import ConfigError
 from pipeline.finetune.config import FinetuneConfig, validate_finetune
-from pipeline.prepare.prepare import PrepareConfig
+from pipeline.prepare.config import PrepareConfig
 from pipeline.storage import local_path, redact_uri, store_path
 
 URI = "s3://b/x"
@@ -177,7 +177,7 @@ def _validate(which: str, raw: dict):
         return validate_dict(raw, "c.yaml")
     if which == "finetune":
         return validate_finetune(raw, "c.yaml")
-    from pipeline.prepare.prepare import load_prepare_config
+    from pipeline.prepare.config import load_prepare_config
 
     return load_prepare_config(None, raw)
 

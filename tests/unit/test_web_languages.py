@@ -4,7 +4,7 @@ overrides it (`all` keeps every language); a filter says which languages it skip
 
 import pytest
 
-from pipeline.prepare.prepare import load_prepare_config
+from pipeline.prepare.config import load_prepare_config
 from pipeline.prepare.quality import run_filters
 
 LOREM = (

@@ -63,7 +63,8 @@ def test_whole_word_masking_on_wordpiece_words(tiny_data):
 def zh_data(tmp_path_factory):
     """builtin:zh-sample through the real tokenizer trainer (WordPiece: one token per
     Chinese character) and the real `plm data prepare` (jieba words into words.npy)."""
-    from pipeline.prepare.prepare import PrepareConfig, run_prepare
+    from pipeline.prepare.config import PrepareConfig
+    from pipeline.prepare.prepare import run_prepare
     from pipeline.prepare.tokenizer import TokenizerSpec, train_tokenizer
 
     root = tmp_path_factory.mktemp("zh")
