@@ -177,6 +177,9 @@ def uri_name(uri: str) -> str:
     return rest.rsplit("/", 1)[-1] or "data"
 
 
+# One part of a name a data dir, a shard or a bundle holds: letters, digits, '.', '_', '-',
+# not starting with a dot (so never '.' or '..'). prepare, the writer and the bundle write
+# nothing else; a name from a file is checked against it before it becomes a path.
 _PLAIN_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
 

@@ -18,7 +18,7 @@
   others wait for it instead of fetching it again). The least recently used blocks
   (file mtime, touched on every use) are deleted after each write while the blocks hold
   more than ``cache_bytes``. A cached block is crc-checked again the first time a
-  process maps it (as a local shard's block is: about 1 ms per MiB), and a cached file
+  process maps it (as a local shard's block is), and a cached file
   that fails is deleted and fetched again;
 * the start of the training stream needs every document's token count: those come from
   range reads of the blocks' ``docs.npy`` only (4 bytes a document), kept per shard in

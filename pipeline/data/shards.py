@@ -91,7 +91,7 @@ _BLOCK_CACHE = 16  # decoded block tables kept per DataDir
 @functools.cache
 def _tariterators():
     """webdataset's tar iterators, imported on first use (``import webdataset`` imports
-    torch, about 1 s: the prepare workers never pay for it)."""
+    torch: the prepare workers never pay for it)."""
     from webdataset import tariterators
 
     return tariterators

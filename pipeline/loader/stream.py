@@ -86,7 +86,7 @@ from pipeline.data.shards import DataDir, Document, ShardError
 from pipeline.errors import ConfigError
 from pipeline.objectives.base import Layout, Objective, Unit
 
-# 2: groups laid out lazily (session 11): the same seed gives another order than 1.
+# 2: groups laid out lazily: the same seed gives another order than 1.
 STATE_VERSION = 2
 # Seed-sequence salts, so the different random streams never coincide.
 _ORDER, _UNITS, _EXAMPLE, _GROUP = 11, 12, 13, 14
