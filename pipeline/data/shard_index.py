@@ -17,4 +17,3 @@ INDEX_COLUMNS = 17
 
 class ShardError(RuntimeError):
     """A data directory, shard or index that does not match its manifest."""
-

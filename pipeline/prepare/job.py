@@ -29,13 +29,14 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from pipeline.errors import ConfigError
 from pipeline.prepare.readers import Slice, Source, plan_slices
-from pipeline.prepare.worker import JobSpec, UnitResult
+from pipeline.prepare.unit import JobSpec, UnitResult
 
 
 def plan_units(sources: list[Source], split_bytes: int) -> list[list[Slice]]:
@@ -258,47 +259,24 @@ def run_job(
     near_on = spec.near_dedup is not None
     n_near = max(1, n_near_partitions) if near_on else 0
     spec_ref = ray.put(spec)
-    # Reading and writing are the work: spread over the nodes. Without it Ray's locality
-    # preference puts tasks where their (small) inputs sit, which can be one node of the
-    # cluster (seen on a 2-node test cluster).
-    write = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_write_task)
-    dedup = ray.remote(num_cpus=1)(_dedup_task)
-    fix = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_fix_task)
-    index = list(range(len(units)))
-    written = [
-        write.options(num_returns=n_partitions + n_near + 2).remote(
-            spec_ref, i, unit, n_partitions, n_near
-        )
-        for i, unit in enumerate(units)
-    ]
+    written = _write_wave(spec_ref, units, n_partitions, n_near)
     groups = max(1, min(n_partitions, len(units)))  # a fix task reads 1/groups of them
-    reducers = [
-        dedup.options(num_returns=groups + 2).remote(
-            index, groups, *[refs[2 + p] for refs in written]
-        )
-        for p in range(n_partitions)
-    ]
-    candidates = []
-    if near_on:
-        near = ray.remote(num_cpus=1)(_candidates_task)
-        candidates = [
-            near.options(num_returns=3).remote(
-                index, *[refs[2 + n_partitions + q] for refs in written]
-            )
-            for q in range(n_near)
-        ]
+    reducers = _dedup_wave(written, len(units), n_partitions, groups)
+    candidates = _candidates_wave(written, len(units), n_partitions, n_near) if near_on else []
     units_ref = ray.put(units) if near_on else None
     traces_ref = ray.put([refs[1] for refs in written]) if near_on else None
     progress = _Progress(sum(p.size for unit in units for p in unit), len(units))
     results: list[UnitResult | None] = [None] * len(units)
-    pending = [refs[0] for refs in written]
+
+    def on_written(result: UnitResult) -> None:
+        results[result.unit] = result
+        progress.update(result)
+
+    def on_fixed(result: UnitResult) -> None:
+        results[result.unit] = result
+
     try:
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=5.0)
-            for ref in ready:
-                result = _get(ref)
-                results[result.unit] = result
-                progress.update(result)
+        _each_result([refs[0] for refs in written], on_written)
         # Units with a duplicate (per-unit lists, not the duplicates) get their parts fixed.
         with_dups = _get([refs[groups] for refs in reducers])
         clusters = None
@@ -310,36 +288,23 @@ def run_job(
             )
             with_dups.append(clusters["units"])
         affected = sorted({int(u) for units_of in with_dups for u in units_of})
-        fixes = [
-            fix.options(num_returns=2).remote(
-                spec_ref,
-                i,
-                units[i],
-                written[i][0],
-                written[i][1],
-                clusters["rows"][i % clusters["partitions"]] if clusters else None,
-                units_ref,
-                traces_ref,
-                *[refs[i % groups] for refs in reducers],
-            )  # fmt: skip
-            for i in affected
-        ]
+        fixes = _fix_wave(
+            spec_ref, units, affected, written, reducers, groups, clusters, units_ref, traces_ref
+        )
         del written  # the traces and key partitions can go once nothing needs them
-        pending = [result for result, _ in fixes]
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=5.0)
-            for ref in ready:
-                fixed = _get(ref)
-                results[fixed.unit] = fixed
+        _each_result([result for result, _ in fixes], on_fixed)
         fix_cpu = sum(_get([cpu for _, cpu in fixes]))
     finally:
         progress.close()
-        for ref in pending:
-            ray.cancel(ref, force=True)
     dedup_cpu = sum(_get([refs[groups + 1] for refs in reducers])) + fix_cpu
     near_reducer_cpu = (
         sum(_get([cpu for _, _, cpu in candidates])) + clusters["cpu_seconds"] if clusters else 0.0
     )
+    return _summary(results, dedup_cpu, near_reducer_cpu, clusters, len(affected))
+
+
+def _summary(results: list, dedup_cpu: float, near_reducer_cpu: float, clusters, n_fixed: int):
+    """What ``run_job`` returns: the results in unit order, CPU seconds and placement."""
     near_cpu = near_reducer_cpu + sum(r.near_dedup_cpu_seconds for r in results if r)
     return {
         "results": results,
@@ -350,11 +315,104 @@ def run_job(
         "near_dedup_cluster_partitions": clusters["partitions"] if clusters else 0,
         "near_dedup_cluster_rounds": clusters["rounds"] if clusters else 0,
         "write_cpu_seconds": sum(r.cpu_seconds for r in results if r and not r.reused),
-        "units_fixed": len(affected),
+        "units_fixed": n_fixed,
         "units_reused": sum(1 for r in results if r is not None and r.reused),
         "nodes": len({r.node for r in results if r is not None}),
         "hosts": sorted({r.host for r in results if r is not None}),
     }
+
+
+def _write_wave(spec_ref, units: list[list[Slice]], n_partitions: int, n_near: int) -> list:
+    """One write task per unit: each one's refs (result, trace, the ``n_partitions`` key
+    partitions, then the ``n_near`` band-key partitions)."""
+    import ray
+
+    # Reading and writing are the work: spread over the nodes. Without it Ray's locality
+    # preference puts tasks where their (small) inputs sit, which can be one node of the
+    # cluster (seen on a 2-node test cluster).
+    write = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_write_task)
+    return [
+        write.options(num_returns=n_partitions + n_near + 2).remote(
+            spec_ref, i, unit, n_partitions, n_near
+        )
+        for i, unit in enumerate(units)
+    ]
+
+
+def _dedup_wave(written: list, n_units: int, n_partitions: int, groups: int) -> list:
+    """One exact-dedup reducer per key partition: each one's refs (its duplicates in
+    ``groups`` groups by unit, the units that have one, its CPU seconds)."""
+    import ray
+
+    dedup = ray.remote(num_cpus=1)(_dedup_task)
+    index = list(range(n_units))
+    return [
+        dedup.options(num_returns=groups + 2).remote(
+            index, groups, *[refs[2 + p] for refs in written]
+        )
+        for p in range(n_partitions)
+    ]
+
+
+def _candidates_wave(written: list, n_units: int, n_partitions: int, n_near: int) -> list:
+    """One near-dedup candidates reducer per band-key partition: (edges, count, CPU) refs."""
+    import ray
+
+    near = ray.remote(num_cpus=1)(_candidates_task)
+    index = list(range(n_units))
+    return [
+        near.options(num_returns=3).remote(index, *[refs[2 + n_partitions + q] for refs in written])
+        for q in range(n_near)
+    ]
+
+
+def _fix_wave(
+    spec_ref,
+    units,
+    affected: list[int],
+    written,
+    reducers,
+    groups: int,
+    clusters,
+    units_ref,
+    traces_ref,
+) -> list:
+    """One fix task per unit in ``affected``: each one's (result, CPU seconds) refs. It
+    gets its unit's group from every exact-dedup reducer and, with near-dedup, its cluster
+    partition's rows (``_fix_task``)."""
+    import ray
+
+    fix = ray.remote(num_cpus=1, scheduling_strategy="SPREAD")(_fix_task)
+    return [
+        fix.options(num_returns=2).remote(
+            spec_ref,
+            i,
+            units[i],
+            written[i][0],
+            written[i][1],
+            clusters["rows"][i % clusters["partitions"]] if clusters else None,
+            units_ref,
+            traces_ref,
+            *[refs[i % groups] for refs in reducers],
+        )  # fmt: skip
+        for i in affected
+    ]
+
+
+def _each_result(refs: list, take: Callable[[Any], None]) -> None:
+    """``take`` the result of each task as it finishes; on an error (or an interrupt) the
+    tasks still running are cancelled."""
+    import ray
+
+    pending = refs
+    try:
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=5.0)
+            for ref in ready:
+                take(_get(ref))
+    finally:
+        for ref in pending:
+            ray.cancel(ref, force=True)
 
 
 def _get(refs):

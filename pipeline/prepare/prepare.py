@@ -24,6 +24,7 @@ import resource
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -192,8 +193,7 @@ def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, cloc
     """``run_prepare`` once validated: the job, the shards' names and the manifest."""
     from pipeline.prepare import near_dedup, records
     from pipeline.prepare.dedup import n_partitions
-    from pipeline.prepare.job import init_ray, plan_units, run_job
-    from pipeline.prepare.worker import JobSpec
+    from pipeline.prepare.job import plan_units
 
     config_hash, entries, fp = fingerprints
     started, cpu_started = clocks
@@ -207,24 +207,76 @@ def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, cloc
     near_partitions = (
         near_dedup.n_partitions(input_bytes, cfg.near_dedup.bands) if cfg.near_dedup.enabled else 0
     )
-    fs.create_dir(root, recursive=True)
     job_id = {
         "fingerprint": fp, "units": len(units), "partitions": [partitions, near_partitions],
     }  # fmt: skip
+    _start_output(fs, root, job_id, tok_files)
+
+    # 3. The Ray job; the workers write the shards.
+    spec = _job_spec(cfg, sources, fs, root, tok_files[0], meta, entities)
+    job, ray_ready, ray_start_cpu = _run_job(cfg, spec, units, partitions, near_partitions)
+    results = job["results"]
+    splits = name_shards(fs, root, results)
+
+    # 4. Counts, stats and the manifest, last and atomically.
+    tally = _Tally.of(results)
+    digests = _digests(results, len(entries))
+    for i, entry in enumerate(entries):
+        entry["n_docs_read"], entry["n_docs_kept"] = tally.read[i], tally.kept[i]
+        entry["digests"] = digests[i]
+    n_tokens = sum(info["n_tokens"] for info in splits.values())
+    wall = time.perf_counter() - started
+    driver_cpu = _cpu_seconds() - cpu_started
+    worker_cpu = (
+        job["dedup_cpu_seconds"] + job["write_cpu_seconds"] + job["near_dedup_reducer_cpu_seconds"]
+    )
+    stats = _stats(
+        cfg,
+        job,
+        wall=wall,
+        ray_start=ray_ready - started,
+        driver_cpu=driver_cpu,
+        ray_start_cpu=ray_start_cpu,
+        worker_cpu=worker_cpu,
+        input_bytes=input_bytes,
+        n_tokens=n_tokens,
+        n_units=len(units),
+        partitions=partitions,
+        near_partitions=near_partitions,
+    )
+    manifest = _manifest(cfg, fingerprints, meta, splits, tally, stats)
+    if manifest["totals"]["n_docs"] == 0:  # an unusable input: no data dir, exit 2
+        raise InputError(_nothing_usable(cfg, sources, manifest["totals"], tally.rejected))
+    write_file(fs, f"{root}/{MANIFEST}", manifest_bytes(manifest))
+    records.finish(fs, root)
+    _report(cfg, manifest, tally, wall, driver_cpu, worker_cpu)
+    return _result(cfg, root)
+
+
+def _start_output(fs, root: str, job_id: dict[str, Any], tok_files: tuple[bytes, bytes]) -> None:
+    """The output folder made ready for the job: what earlier runs wrote is removed,
+    except the finished units of an earlier run of this same job (``job_id``; records.py);
+    the split and tokenizer folders are made and the tokenizer's files written."""
+    from pipeline.prepare import records
+
+    fs.create_dir(root, recursive=True)
     kept = records.start(fs, root, job_id)
     clear_own_files(fs, root, keep=frozenset(n for names in kept.values() for n in names))
     if kept:
-        print(f"prepare: {len(kept)} of {len(units)} units were finished by an earlier run "
-              "of this job: kept, not redone", flush=True)  # fmt: skip
+        print(f"prepare: {len(kept)} of {job_id['units']} units were finished by an earlier "
+              "run of this job: kept, not redone", flush=True)  # fmt: skip
     for sub in (*SPLITS, TOKENIZER_DIR):
         fs.create_dir(f"{root}/{sub}", recursive=True)
     tokenizer_bytes, meta_bytes = tok_files
     write_file(fs, f"{root}/{TOKENIZER_DIR}/{TOKENIZER_FILE}", tokenizer_bytes)
     write_file(fs, f"{root}/{TOKENIZER_DIR}/{META_FILE}", meta_bytes)
-    dtype = token_dtype(meta["vocab_size"])
 
-    # 3. The Ray job; the workers write the shards.
-    spec = JobSpec(
+
+def _job_spec(cfg: PrepareConfig, sources, fs, root: str, tokenizer_bytes: bytes, meta, entities):
+    """What every task of the job needs (``unit.JobSpec``)."""
+    from pipeline.prepare.unit import JobSpec
+
+    return JobSpec(
         sources=sources,
         output=root,
         fs=fs,
@@ -245,6 +297,13 @@ def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, cloc
         filters=tuple(cfg.filters),
         near_dedup=cfg.near_dedup.spec() if cfg.near_dedup.enabled else None,
     )
+
+
+def _run_job(cfg: PrepareConfig, spec, units, partitions: int, near_partitions: int):
+    """The Ray job on the cluster joined (or the local Ray started, and shut down after):
+    (its results, when Ray was ready, the driver's CPU seconds to get it ready)."""
+    from pipeline.prepare.job import init_ray, run_job
+
     cpu_before_ray = _cpu_seconds()
     own_ray = init_ray(cfg.ray_address, cfg.num_cpus)
     ray_ready, ray_start_cpu = time.perf_counter(), _cpu_seconds() - cpu_before_ray
@@ -255,39 +314,29 @@ def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, cloc
             import ray
 
             ray.shutdown()
-    results = job["results"]
-    splits = name_shards(fs, root, results)
+    return job, ray_ready, ray_start_cpu
 
-    # 4. Counts, stats and the manifest, last and atomically.
-    tally_read, tally_kept = Counter(), Counter()
-    rejected, languages = Counter(), Counter()
-    filter_rules, lines_removed, language_skips = Counter(), Counter(), Counter()
-    examples: dict[str, list[dict[str, Any]]] = {}
-    for r in results:
-        tally_read.update(r.read)
-        tally_kept.update(r.kept)
-        rejected.update(r.rejected)
-        languages.update(r.languages)
-        filter_rules.update(r.filter_rules)
-        lines_removed.update(r.lines_removed)
-        language_skips.update(r.filter_language_skips)
-        for reason, found in r.examples.items():
-            kept = examples.setdefault(reason, [])
-            kept.extend(found[: MAX_REJECT_EXAMPLES - len(kept)])
-    digests = _digests(results, len(entries))
-    for i, entry in enumerate(entries):
-        entry["n_docs_read"], entry["n_docs_kept"] = tally_read[i], tally_kept[i]
-        entry["digests"] = digests[i]
-    all_shards = [s for info in splits.values() for s in info["shards"]]
-    n_tokens = sum(info["n_tokens"] for info in splits.values())
-    wall = time.perf_counter() - started
-    driver_cpu = _cpu_seconds() - cpu_started
-    worker_cpu = (
-        job["dedup_cpu_seconds"] + job["write_cpu_seconds"] + job["near_dedup_reducer_cpu_seconds"]
-    )
+
+def _stats(
+    cfg: PrepareConfig,
+    job: dict[str, Any],
+    *,
+    wall: float,
+    ray_start: float,
+    driver_cpu: float,
+    ray_start_cpu: float,
+    worker_cpu: float,
+    input_bytes: int,
+    n_tokens: int,
+    n_units: int,
+    partitions: int,
+    near_partitions: int,
+) -> dict[str, Any]:
+    """The manifest's ``stats``: seconds (wall, and CPU of the driver and the workers),
+    throughput, and how the job was cut (units, dedup and near-dedup partitions)."""
     stats = {
         "wall_seconds": round(wall, 3),
-        "ray_start_seconds": round(ray_ready - started, 3),
+        "ray_start_seconds": round(ray_start, 3),
         "input_bytes": input_bytes,
         "input_mb_per_s": round(input_bytes / 1e6 / wall, 3),
         "tokens_per_s": round(n_tokens / wall, 1),
@@ -298,7 +347,7 @@ def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, cloc
         "worker_cpu_seconds_dedup": round(job["dedup_cpu_seconds"], 3),
         "units_rewritten_for_duplicates": job["units_fixed"],
         "units_reused": job["units_reused"],  # finished by an earlier run of the same job
-        "units": len(units),
+        "units": n_units,
         "writer_nodes": job["nodes"],
         "writer_hosts": job["hosts"],  # the hostnames of the nodes that wrote parts
         "dedup_partitions": partitions,
@@ -309,7 +358,44 @@ def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, cloc
         stats["near_dedup_partitions"] = near_partitions
         stats["near_dedup_cluster_partitions"] = job["near_dedup_cluster_partitions"]
         stats["near_dedup_cluster_rounds"] = job["near_dedup_cluster_rounds"]
-    manifest = {
+    return stats
+
+
+@dataclass
+class _Tally:
+    """The units' counts summed, and the first reject examples of each reason."""
+
+    read: Counter = field(default_factory=Counter)  # source index -> documents
+    kept: Counter = field(default_factory=Counter)
+    rejected: Counter = field(default_factory=Counter)
+    languages: Counter = field(default_factory=Counter)
+    filter_rules: Counter = field(default_factory=Counter)
+    lines_removed: Counter = field(default_factory=Counter)
+    language_skips: Counter = field(default_factory=Counter)
+    examples: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, results) -> _Tally:
+        tally = cls()
+        for r in results:
+            tally.read.update(r.read)
+            tally.kept.update(r.kept)
+            tally.rejected.update(r.rejected)
+            tally.languages.update(r.languages)
+            tally.filter_rules.update(r.filter_rules)
+            tally.lines_removed.update(r.lines_removed)
+            tally.language_skips.update(r.filter_language_skips)
+            for reason, found in r.examples.items():
+                kept = tally.examples.setdefault(reason, [])
+                kept.extend(found[: MAX_REJECT_EXAMPLES - len(kept)])
+        return tally
+
+
+def _manifest(cfg: PrepareConfig, fingerprints, meta, splits, tally: _Tally, stats):
+    """manifest.json's content."""
+    config_hash, entries, fp = fingerprints
+    all_shards = [s for info in splits.values() for s in info["shards"]]
+    return {
         "format_version": FORMAT_VERSION,
         "prepare_version": PREPARE_VERSION,
         "fingerprint": fp,
@@ -321,45 +407,46 @@ def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, cloc
             "kind": meta["kind"],
             "vocab_size": meta["vocab_size"],
         },
-        "token_dtype": dtype.name,
+        "token_dtype": token_dtype(meta["vocab_size"]).name,
         "sources": entries,
         "splits": splits,
         "totals": {
             "n_docs": sum(info["n_docs"] for info in splits.values()),
-            "n_tokens": n_tokens,
+            "n_tokens": sum(info["n_tokens"] for info in splits.values()),
             "n_shards": len(all_shards),
             "bytes": sum(s["bytes"] for s in all_shards),
-            "documents_read": sum(tally_read.values()),
-            "documents_kept": sum(tally_kept.values()),
-            "languages": dict(sorted(languages.items())),
+            "documents_read": sum(tally.read.values()),
+            "documents_kept": sum(tally.kept.values()),
+            "languages": dict(sorted(tally.languages.items())),
         },
-        "rejected": dict(sorted(rejected.items())),
-        "reject_examples": dict(sorted(examples.items())),
+        "rejected": dict(sorted(tally.rejected.items())),
+        "reject_examples": dict(sorted(tally.examples.items())),
         # Quality filters: documents rejected per "filter.rule", lines removed per rule.
-        "filter_rules": dict(sorted(filter_rules.items())),
-        "lines_removed": dict(sorted(lines_removed.items())),
+        "filter_rules": dict(sorted(tally.filter_rules.items())),
+        "lines_removed": dict(sorted(tally.lines_removed.items())),
         # Per filter, per language: documents it did not judge (outside its `languages`).
-        "filter_language_skips": _nested(language_skips),
+        "filter_language_skips": _nested(tally.language_skips),
         "stats": stats,
     }
-    if manifest["totals"]["n_docs"] == 0:  # an unusable input: no data dir, exit 2
-        raise InputError(_nothing_usable(cfg, sources, manifest["totals"], rejected))
-    write_file(fs, f"{root}/{MANIFEST}", manifest_bytes(manifest))
-    records.finish(fs, root)
-    totals = manifest["totals"]
+
+
+def _report(cfg: PrepareConfig, manifest, tally: _Tally, wall, driver_cpu, worker_cpu) -> None:
+    """The run's summary line, and its warnings (on stderr)."""
+    totals, splits, stats = manifest["totals"], manifest["splits"], manifest["stats"]
+    rejected = tally.rejected
     per_split = ", ".join(f"{k} {v['n_docs']:,}" for k, v in splits.items())
     rejects = ", ".join(f"{k} {v:,}" for k, v in sorted(rejected.items()))
     print(
-        f"{cfg.output}: {totals['n_docs']:,} documents, {n_tokens:,} tokens in "
+        f"{cfg.output}: {totals['n_docs']:,} documents, {totals['n_tokens']:,} tokens in "
         f"{totals['n_shards']} shards ({per_split}); rejected {sum(rejected.values()):,} "
         f"({rejects or 'none'})\n"
         f"  {wall:.1f} s wall ({stats['ray_start_seconds']:.1f} s Ray start), "
         f"{stats['input_mb_per_s']:.2f} MB/s of input, {stats['tokens_per_s']:,.0f} tokens/s; "
         f"CPU: driver {driver_cpu:.1f} s, workers {worker_cpu:.1f} s "
-        f"({len(units)} units, {partitions} dedup partition(s))"
+        f"({stats['units']} units, {stats['dedup_partitions']} dedup partition(s))"
     )
     if rejected.get("truncated"):
-        cut = sorted({e["source"] for e in examples.get("truncated", [])})
+        cut = sorted({e["source"] for e in tally.examples.get("truncated", [])})
         more = rejected["truncated"] - len(cut)
         print(
             f"warning: {rejected['truncated']} compressed input(s) break off before their end: "
@@ -372,7 +459,6 @@ def _build(cfg, sources, meta, tok_files, entities, fs, root, fingerprints, cloc
             f"warning: no document fell into the valid split (valid_fraction={cfg.valid_fraction})",
             file=sys.stderr,
         )
-    return _result(cfg, root)
 
 
 def _nested(counts: Counter) -> dict[str, dict[str, int]]:

@@ -29,7 +29,7 @@ import numpy as np
 
 from pipeline.data.shards import SPLITS
 from pipeline.prepare.store import JOB_FILE, RECORDS_DIR, listing, write_file
-from pipeline.prepare.worker import UnitResult
+from pipeline.prepare.unit import UnitResult
 
 _RECORD = re.compile(r"unit-(\d{6,})\.npz")
 
