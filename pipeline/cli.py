@@ -72,39 +72,139 @@ def check_paths(args: argparse.Namespace) -> None:
                     store_path(value, shown)
 
 
-# `plm data prepare` flags -> PrepareConfig keys (a flag overrides the --config file's key).
-_PREPARE_FLAGS = {
-    "input": "inputs",
-    "tokenizer": "tokenizer",
-    "output": "output",
-    "valid_fraction": "valid_fraction",
-    "shard_docs": "shard_docs",
-    "shard_bytes": "shard_bytes",
-    "split_bytes": "split_bytes",
-    "block_tokens": "block_tokens",
-    "max_doc_tokens": "max_doc_tokens",
-    "text_field": "text_field",
-    "entities": "entities",
-    "ray_address": "ray_address",
-    "num_cpus": "num_cpus",
-    "languages": "languages",
-    "filters": "filters",
-}
+# --- `plm data prepare [CONFIG] key=value ...` ----------------------------------------------
+# The grammar of `plm train` and `plm finetune`, CONFIG optional. Each key of PrepareConfig
+# that takes one value has a flag too, made from the field (``_add_key_flags``), so a new
+# key gets its flag without an edit here; the exceptions are declared in
+# ``_add_prepare_parser``. CONFIG, then the flags, then key=value: a later one wins.
+
+# A dotted key followed by "=": never a path (a path has "/", a URI "://").
+OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
+
+
+class _DataConfig(argparse.Action):
+    """The data config, given once: as `--config FILE`, or as the first of the words
+    `[CONFIG] key=value ...` when it is no key=value (the others are the overrides)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        config = values
+        if option_string is None:  # the positional words
+            words = list(values)
+            config = words.pop(0) if words and not OVERRIDE.match(words[0]) else None
+            setattr(namespace, self.dest, words)
+        if config is None:
+            return
+        if namespace.config is not None:
+            parser.error("the data config is given twice: give CONFIG or --config FILE")
+        namespace.config = config
+        if option_string is None:  # check_paths names it as the user gave it
+            namespace.paths_ = {**namespace.paths_, "config": ("CONFIG", "local", "")}
+
+
+def _add_key_flags(parser: argparse.ArgumentParser, model, declared: set[str]) -> None:
+    """A flag for each key of ``model`` outside ``declared`` that takes one value:
+    `--shard-docs N` sets shard_docs (``flag_name``), a bool key's flag sets it true, a
+    path key's is checked as the key is (_local / _store); a key holding a list takes the
+    text as its validator does (`--languages en,zh`). A section's keys are key=value only."""
+    from pipeline.config import path_kind, value_type
+    from pipeline.prepare.config import SHARD_SIZE_KEYS, flag_name
+
+    one_size = parser.add_mutually_exclusive_group()  # one of them, as the config takes
+    keys = []
+    for key, field in model.model_fields.items():
+        kind, typ = path_kind(field), value_type(field)
+        if key in declared or typ not in (None, bool, int, float, str):  # a section's class
+            continue
+        text = field.description  # argparse reads "%" in a help as a format
+        kwargs: dict = {"dest": key, "help": text.replace("%", "%%") if text else None}
+        if typ is bool:
+            kwargs.update(action="store_const", const=True)
+        elif typ in (int, float):
+            kwargs["type"] = typ
+        target = one_size if key in SHARD_SIZE_KEYS else parser
+        if kind is None:
+            target.add_argument(flag_name(key), **kwargs)
+        else:
+            _path_arg(target, (flag_name(key),), kind, "", kwargs)
+        keys.append(key)
+    parser.set_defaults(key_flags_=tuple(keys))
+
+
+PREPARE_HELP = """\
+CONFIG, a YAML data config (configs/data/), is optional; `--config FILE` is the same. Each
+key=value sets one of its keys by its dotted path, the value read as YAML
+(near_dedup.enabled=true, clean.min_chars=20, inputs=[a.txt,b.txt]). Every key that takes
+one value has a flag too (--shard-docs N is shard_docs=N). Flags override the file and
+key=value overrides both; shard_docs or shard_bytes set here replaces the file's other."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """A parser that may add its arguments when it first parses (``later``): `plm data
+    prepare`'s come from PrepareConfig, an import every other command would pay for."""
+
+    later = None
+
+    def parse_known_args(self, args=None, namespace=None):
+        if self.later is not None:
+            add, self.later = self.later, None
+            add(self)
+        return super().parse_known_args(args, namespace)
+
+
+def _add_prepare_parser(data, lazy: bool) -> None:
+    """`plm data prepare`; ``lazy``: its arguments are added when it parses."""
+    prep = data.add_parser(
+        "prepare", help="Ray job: corpus -> WebDataset shards + manifest",
+        description=PREPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    prep.set_defaults(func=_data_prepare)
+    if lazy:
+        prep.later = _add_prepare_arguments
+    else:
+        _add_prepare_arguments(prep)
+
+
+def _add_prepare_arguments(prep: argparse.ArgumentParser) -> None:
+    """`plm data prepare`'s arguments (pipeline/prepare/config.py PrepareConfig: its keys)."""
+    from pipeline.prepare.config import FLAG_NAMES, PrepareConfig
+
+    prep.add_argument(
+        "overrides", nargs="*", action=_DataConfig, metavar="CONFIG key=value",
+        help="the data config, then dotted overrides of its keys",
+    )  # fmt: skip
+    _local(prep, "--config", action=_DataConfig, help="the data config (as CONFIG)")
+    # Named exceptions: inputs takes one or more values; near_dedup.enabled is on|off.
+    inputs = PrepareConfig.model_fields["inputs"].description
+    _store(prep, FLAG_NAMES["inputs"], dest="input", nargs="+", help=inputs)
+    _add_key_flags(prep, PrepareConfig, declared={"inputs"})
+    prep.add_argument(
+        FLAG_NAMES["near_dedup.enabled"], dest="near_dedup", choices=("on", "off"),
+        help="MinHash LSH near-duplicate removal (near_dedup.enabled; default off)",
+    )  # fmt: skip
+    prep.add_argument(
+        "--dry-run", action="store_true", help="validate inputs and config, print the plan, no Ray"
+    )
+
+
+def _names_a_key(word: str, model) -> bool:
+    return bool(OVERRIDE.match(word)) and word.split("=")[0].split(".")[0] in model.model_fields
 
 
 def prepare_config_from_args(args: argparse.Namespace):
-    from pipeline.prepare.config import load_prepare_config
+    """The PrepareConfig of `plm data prepare`'s command line (a ConfigError naming the key)."""
+    from pipeline.prepare.config import PrepareConfig, load_prepare_config
 
-    overrides = {
-        key: getattr(args, flag)
-        for flag, key in _PREPARE_FLAGS.items()
-        if getattr(args, flag, None) is not None
-    }
-    if getattr(args, "force", False):
-        overrides["force"] = True
-    if getattr(args, "near_dedup", None) is not None:  # the section's other keys: the YAML's
-        overrides["near_dedup"] = {"enabled": args.near_dedup == "on"}
-    return load_prepare_config(args.config, overrides)
+    flags = {k: getattr(args, k) for k in args.key_flags_ if getattr(args, k) is not None}
+    overrides = list(args.overrides)
+    if args.input is not None:  # `--input A B key=value`: argparse gives the item to --input
+        items = [word for word in args.input if _names_a_key(word, PrepareConfig)]
+        inputs = [word for word in args.input if word not in items]
+        if inputs:
+            flags["inputs"] = inputs
+        overrides = items + overrides
+    if args.near_dedup is not None:  # the section's other keys: the file's
+        flags["near_dedup"] = {"enabled": args.near_dedup == "on"}
+    return load_prepare_config(args.config, flags, overrides)
 
 
 def _data_prepare(args: argparse.Namespace) -> int:
@@ -227,9 +327,6 @@ def _finetune(args: argparse.Namespace) -> int:
 
     finetune(load_finetune_config(args.config, args.overrides))  # bad input: exit 2
     return 0
-
-
-OVERRIDE = re.compile(r"[A-Za-z_][\w.]*=")
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -381,7 +478,9 @@ the stages, in order:
 command's options; the repository's README.md and docs/ say the rest."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(lazy: bool = False) -> argparse.ArgumentParser:
+    """`plm`'s parser; ``lazy``: a command's arguments that cost an import to make are made
+    when it parses (`plm data prepare`'s), so the other commands start without it."""
     parser = argparse.ArgumentParser(
         prog="plm",
         description=DESCRIPTION,
@@ -400,9 +499,26 @@ def build_parser() -> argparse.ArgumentParser:
         "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_data_parsers(sub, lazy)
+    _add_train_parser(sub)
+    _add_export_parser(sub)
+    _add_generate_parser(sub)
+    _add_finetune_parser(sub)
+    _add_eval_parser(sub)
+    _add_predict_parser(sub)
+    _add_neighbors_parser(sub)
+    _add_setup_parser(sub)
+    _add_rig_parser(sub)
+    _add_tracking_parser(sub)
+    _add_demo_parser(sub)
+    _verbose_everywhere(parser)
+    return parser
 
+
+def _add_data_parsers(sub, lazy: bool) -> None:
+    """`plm data tokenizer|prepare|inspect`."""
     data = sub.add_parser("data", help="tokenizer training, sharding, inspection").add_subparsers(
-        dest="data_command", required=True
+        dest="data_command", required=True, parser_class=_Parser
     )
 
     tok = data.add_parser("tokenizer", help="train a HF tokenizer on a corpus")
@@ -427,46 +543,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tok.set_defaults(func=_data_tokenizer)
 
-    prep = data.add_parser("prepare", help="Ray job: corpus -> WebDataset shards + manifest")
-    _local(prep, "--config", help="YAML data config (configs/data/); flags override it")
-    _store(prep, "--input", nargs="+")
-    _store(prep, "--tokenizer", help="folder or URI with tokenizer.json + tokenizer_meta.json")
-    _store(prep, "--output", help="the data dir: a folder, or a URI (s3://bucket/prefix)")
-    prep.add_argument("--valid-fraction", type=float)
-    size = prep.add_mutually_exclusive_group()
-    size.add_argument("--shard-docs", type=int)
-    size.add_argument("--shard-bytes", type=int)
-    prep.add_argument(
-        "--split-bytes", type=int, help="input bytes per task (big files are cut on documents)"
-    )
-    prep.add_argument("--block-tokens", type=int, help="tokens per block sample of a shard")
-    prep.add_argument("--max-doc-tokens", type=int)
-    prep.add_argument("--text-field")
-    _local(prep, "--entities", help="entity list (one per line) -> spans.npy (ERNIE)")
-    prep.add_argument(
-        "--languages", help="keep only these ISO 639-1 codes, e.g. en,zh (turns language ID on)"
-    )
-    prep.add_argument(
-        "--filters", help="a quality filter preset (web); lists and thresholds: data config"
-    )
-    prep.add_argument(
-        "--near-dedup",
-        choices=("on", "off"),
-        help="MinHash LSH near-duplicate removal (data config near_dedup.*; default off)",
-    )
-    prep.add_argument("--ray-address", help="a running cluster (else RAY_ADDRESS, else local)")
-    prep.add_argument("--num-cpus", type=int, help="CPUs of the local Ray instance")
-    prep.add_argument("--force", action="store_true", help="rebuild even if up to date")
-    prep.add_argument(
-        "--dry-run", action="store_true", help="validate inputs and config, print the plan, no Ray"
-    )
-    prep.set_defaults(func=_data_prepare)
+    _add_prepare_parser(data, lazy)
 
     insp = data.add_parser("inspect", help="totals, splits, rejects; --verify re-hashes")
     _store(insp, "dir")
     insp.add_argument("--verify", action="store_true")
     insp.set_defaults(func=_data_inspect)
 
+
+def _add_train_parser(sub) -> None:
     train = sub.add_parser("train", help="pretrain (what `deepspeed` and Kubernetes run)")
     _local(train, "config")
     train.add_argument("overrides", nargs="*", metavar="key=value")
@@ -481,6 +566,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.set_defaults(func=_train)
 
+
+def _add_export_parser(sub) -> None:
     export = sub.add_parser(
         "export", help="write a model bundle (or a run's final one) as a transformers folder"
     )
@@ -495,6 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=_export)
 
+
+def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="continue a prompt with gpt / gpt2 / transformer-xl")
     _local(gen, "model", alternative=f"give {BUNDLE_OR_MLFLOW}", help=BUNDLE_OR_MLFLOW)
     gen.add_argument("--prompt", required=True)
@@ -507,14 +596,16 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--no-cache", action="store_true", help="recompute the past every step")
     gen.set_defaults(func=_generate)
 
+
+def _add_finetune_parser(sub) -> None:
     ft = sub.add_parser("finetune", help="fine-tune a pretrained model on a labelled task")
     _local(ft, "config", help="YAML fine-tuning config (configs/finetune/)")
     ft.add_argument("overrides", nargs="*", metavar="key=value")
     ft.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     ft.set_defaults(func=_finetune)
 
-    _add_eval_parser(sub)
 
+def _add_predict_parser(sub) -> None:
     pred = sub.add_parser("predict", help="batch inference with a fine-tuned model")
     _local(pred, "model", alternative=f"give {FINETUNED_OR_MLFLOW}", help=FINETUNED_OR_MLFLOW)
     _local(pred, "--input", required=True, help="csv / jsonl / parquet with the task's columns")
@@ -525,12 +616,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     pred.set_defaults(func=_predict)
 
+
+def _add_neighbors_parser(sub) -> None:
     nb = sub.add_parser("neighbors", help="nearest words by cosine (word2vec, ELMo layer 0)")
     _local(nb, "model", alternative=f"give {BUNDLE_OR_MLFLOW}", help=BUNDLE_OR_MLFLOW)
     nb.add_argument("word")
     nb.add_argument("--k", type=int, default=10)
     nb.set_defaults(func=_neighbors)
 
+
+def _add_setup_parser(sub) -> None:
     setup = sub.add_parser(
         "setup",
         help="build DeepSpeed's CPU ops into this venv now (install / image build time), "
@@ -544,43 +639,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     setup.set_defaults(func=_setup)
 
+
+RIG_COMMANDS = (
+    ("up", "create the hosts, their links, sshd and the S3 server"),
+    ("exec", "run a command on one host: plm rig exec node1 -- CMD"),
+    ("env", "the laptop's shell lines for the rig's S3 server"),
+    ("cp", "copy a file onto hosts (FILE node1:PATH ...) or back (node1:PATH FILE)"),
+    ("mem", "each host's memory cgroup: limit, usage, peak, failcnt, OOM kills"),
+    ("kill", "stop a host's processes by PID (not its sshd): a lost host"),
+    ("down", "stop what the rig started (by PID) and remove its namespaces"),
+)
+
+
+def _add_rig_parser(sub) -> None:
+    """`plm rig ...` (pipeline/rig.py): every command names the rig and its root."""
     rig = sub.add_parser(
         "rig", help="a rehearsal cluster on this machine: hosts as network namespaces"
     ).add_subparsers(dest="rig_command", required=True)
-    for name, text in (
-        ("up", "create the hosts, their links, sshd and the S3 server"),
-        ("exec", "run a command on one host: plm rig exec node1 -- CMD"),
-        ("env", "the laptop's shell lines for the rig's S3 server"),
-        ("cp", "copy a file onto hosts (FILE node1:PATH ...) or back (node1:PATH FILE)"),
-        ("mem", "each host's memory cgroup: limit, usage, peak, failcnt, OOM kills"),
-        ("kill", "stop a host's processes by PID (not its sshd): a lost host"),
-        ("down", "stop what the rig started (by PID) and remove its namespaces"),
-    ):
+    for name, text in RIG_COMMANDS:
         cmd = rig.add_parser(name, help=text)
         cmd.add_argument("--name", default="rig", help="the rig's name (several may be up)")
         _local(cmd, "--root", default="/var/tmp/plm-rig", help="where rigs keep their dirs")
         cmd.set_defaults(func=_rig)
         if name == "up":
-            cmd.add_argument("--hosts", type=int, default=3)
-            cmd.add_argument(
-                "--subnet",
-                default="198.18.0.0/24",
-                help="a part of 198.18.0.0/24 (the only range the rig uses)",
-            )
-            cmd.add_argument("--no-s3", action="store_true", help="no S3 server on node0")
-            cmd.add_argument("--no-ssh", action="store_true", help="no sshd on the hosts")
-            cmd.add_argument(
-                "--shared",
-                action="store_true",
-                help="a shared dir on every host, the machine's files writable (default: "
-                "nothing shared but the bucket)",
-            )
-            cmd.add_argument(
-                "--mem-per-host",
-                metavar="SIZE",
-                default=None,
-                help="each host's processes in a memory cgroup of SIZE (4.5G, 800M)",
-            )
+            _add_rig_up_arguments(cmd)
         if name == "exec":
             cmd.add_argument(
                 "--peak", action="store_true", help="print the host's peak memory after CMD"
@@ -596,8 +678,31 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("host")
             cmd.add_argument("--signal", default="KILL", help="KILL (a lost host) or TERM")
 
-    _add_tracking_parser(sub)
 
+def _add_rig_up_arguments(cmd) -> None:
+    cmd.add_argument("--hosts", type=int, default=3)
+    cmd.add_argument(
+        "--subnet",
+        default="198.18.0.0/24",
+        help="a part of 198.18.0.0/24 (the only range the rig uses)",
+    )
+    cmd.add_argument("--no-s3", action="store_true", help="no S3 server on node0")
+    cmd.add_argument("--no-ssh", action="store_true", help="no sshd on the hosts")
+    cmd.add_argument(
+        "--shared",
+        action="store_true",
+        help="a shared dir on every host, the machine's files writable (default: "
+        "nothing shared but the bucket)",
+    )
+    cmd.add_argument(
+        "--mem-per-host",
+        metavar="SIZE",
+        default=None,
+        help="each host's processes in a memory cgroup of SIZE (4.5G, 800M)",
+    )
+
+
+def _add_demo_parser(sub) -> None:
     demo = sub.add_parser("demo", help="the whole pipeline on the bundled default corpus")
     _local(demo, "--workdir", default="demo")
     demo.add_argument(
@@ -608,8 +713,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--seed", type=int, default=1234, help="pretraining seed")
     demo.set_defaults(func=_demo)
-    _verbose_everywhere(parser)
-    return parser
 
 
 def _rig(args: argparse.Namespace) -> int:
@@ -666,8 +769,8 @@ def exit_now(code: int) -> NoReturn:
     flushed and closed, MLflow's, multiprocessing's children joined, temporary folders
     removed), Python's and C's stdout and stderr are flushed; then ``os._exit``. What is
     skipped writes nothing: freeing every module and the native objects of torch,
-    DeepSpeed and gloo (their threads, the process group), which took 3-4 s of a 1-step
-    `plm train` (BENCHMARKS.md, start-up). Before its code is known, `plm train` has
+    DeepSpeed and gloo (their threads, the process group), a large part of a short
+    `plm train`'s time (BENCHMARKS.md, start-up). Before its code is known, `plm train` has
     ended its MLflow run and waited for its checkpoint's writes; a finished run has left
     the process group too (a failed one drops it, as a crash would). A Python without the
     two hooks this needs exits the ordinary way."""
@@ -694,6 +797,19 @@ def exit_now(code: int) -> NoReturn:
     os._exit(code)
 
 
+def parse_command_line(parser: argparse.ArgumentParser, argv: list[str] | None):
+    """``parser.parse_args``, but a command's ``key=value`` items may follow its flags too
+    (`plm data prepare CONFIG --output DIR key=value`): argparse hands a command's
+    positionals only the words before its first flag, and leaves the rest unrecognized."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = getattr(args, "overrides", None)  # train, finetune, eval, data prepare
+    if extra and (overrides is None or not all(OVERRIDE.match(word) for word in extra)):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        overrides.extend(extra)
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
     """`plm`. Without ``argv`` (the `plm` script, `python -m pipeline.cli`, what a launcher
     starts) the command line is this process's, and the commands of ``EXITS_NOW`` end the
@@ -712,7 +828,7 @@ def main(argv: list[str] | None = None) -> int:
     from pipeline.errors import ConfigError
     from pipeline.output import EXIT_DISK_FULL, DiskFull, disk_full, no_space
 
-    args = build_parser().parse_args(argv)
+    args = parse_command_line(build_parser(lazy=True), argv)
     from pipeline.output import configure
 
     configure(args.verbose)

@@ -7,8 +7,12 @@ full dotted path, before any process or engine starts.
 from __future__ import annotations
 
 import re
+import typing
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from types import UnionType
+from typing import Annotated, Any, Literal, TypeVar, Union
 
 import yaml
 from pydantic import (
@@ -20,6 +24,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 from pydantic_core import PydanticCustomError
 
 from pipeline.errors import ConfigError
@@ -67,6 +72,7 @@ def refuse_uri(alternative: str = ""):
             )
         return value
 
+    check.path_kind = "local"  # type: ignore[attr-defined]  # read by path_kind
     return AfterValidator(check)
 
 
@@ -75,6 +81,9 @@ def _refuse_secrets(value: Any) -> Any:
         ctx = {"value": redact_uri(value)}
         raise PydanticCustomError("store_uri", "{value} carries secrets", ctx)
     return value
+
+
+_refuse_secrets.path_kind = "store"  # type: ignore[attr-defined]  # read by path_kind
 
 
 def _refuse_tracking_secrets(value: Any) -> Any:
@@ -95,6 +104,34 @@ TrackingUri = Annotated[str, AfterValidator(_refuse_tracking_secrets)]  # no use
 def local_path_type(alternative: str) -> Any:
     """A LocalPath whose refusal says where a URI is taken instead."""
     return Annotated[str, refuse_uri(alternative)]
+
+
+def path_kind(field: FieldInfo) -> str | None:
+    """The kind of path a key takes: "local" (a LocalPath, or a list of them), "store" (a
+    StorePath), or None; a command-line flag setting the key checks it before any work."""
+    found, todo = list(field.metadata), [field.annotation]
+    while todo:
+        t = todo.pop()
+        found += getattr(t, "__metadata__", ())  # Annotated[str, AfterValidator(...)]
+        todo += typing.get_args(t)
+    kinds = {getattr(getattr(v, "func", None), "path_kind", None) for v in found}
+    return next((k for k in ("local", "store") if k in kinds), None)
+
+
+def value_type(field: FieldInfo) -> type | None:
+    """The scalar type a key takes (bool, int, float, str; a path is a str), None for a
+    list or a union of types, or the section class of a key that holds a section."""
+    t = field.annotation
+    if typing.get_origin(t) in (Union, UnionType):  # `int | None`: int
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if len(args) != 1:
+            return None
+        t = args[0]
+    if typing.get_origin(t) is Annotated:
+        t = typing.get_args(t)[0]
+    if t in (bool, int, float, str) or (isinstance(t, type) and issubclass(t, BaseModel)):
+        return t
+    return None
 
 
 URI_ERRORS = ("local_path", "store_uri", "tracking_uri")  # each said in one line
@@ -326,8 +363,8 @@ class TrainSection(Strict):
     # Encoders compute on real tokens only (their padding packed away; causal models with
     # block_cross_document_attention attend per document without a [B,T,T] mask). Same
     # examples and loss as the padded path; false keeps the padded path. None: on the CPU
-    # only (on an H200 the nested-jagged path measured 3.5x slower than padded at
-    # bert-base: BENCHMARKS.md, GPU bench).
+    # only (on a GPU the nested-jagged path is slower than the padded one: BENCHMARKS.md,
+    # GPU bench).
     unpad: bool | None = None
     # torch.compile of each repeated layer (regional: one graph reused by every layer)
     compile: bool = False
@@ -493,9 +530,19 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return key.split("."), yaml.safe_load(raw) if raw != "" else ""
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    for item in overrides:
-        path, value = parse_override(item)
+# A key the command line sets: its dotted path, its value, and what was typed (shown in an
+# error about it; None: a key the command line implies, never named as its).
+Key = tuple[list[str], Any, str | None]
+
+
+def override_keys(overrides: list[str]) -> list[Key]:
+    """The keys of dotted ``key=value`` items."""
+    return [(*parse_override(item), item) for item in overrides]
+
+
+def set_keys(raw: dict[str, Any], keys: list[Key]) -> dict[str, Any]:
+    """``raw`` with each key set in turn (a later one wins); a section is made where none is."""
+    for path, value, item in keys:
         node = raw
         for part in path[:-1]:
             child = node.setdefault(part, {})
@@ -506,11 +553,13 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     return raw
 
 
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    return set_keys(raw, override_keys(overrides))
+
+
 def _section_keys(root: type[BaseModel], path: tuple) -> list[str]:
     """The keys the section at ``path`` (a pydantic error's loc without its last part)
     takes, following the config models from ``root``; [] where the path leaves them."""
-    import typing
-
     cls: Any = root
     for part in path:
         field = cls.model_fields.get(str(part)) if isinstance(part, str) else None
@@ -525,7 +574,7 @@ def _section_keys(root: type[BaseModel], path: tuple) -> list[str]:
     return list(cls.model_fields)
 
 
-def _nearest_key(root: type[BaseModel] | None, loc: tuple) -> str:
+def _nearest_key(root: type[BaseModel] | None, loc: tuple, quote: str = "'") -> str:
     """ " did you mean 'train.max_steps'?" for a misspelled key, or ""."""
     import difflib
 
@@ -535,7 +584,7 @@ def _nearest_key(root: type[BaseModel] | None, loc: tuple) -> str:
     near = difflib.get_close_matches(str(loc[-1]), keys, n=1, cutoff=0.6)
     if not near:
         return ""
-    return " did you mean '" + ".".join([*(str(p) for p in loc[:-1]), near[0]]) + "'?"
+    return f" did you mean {quote}" + ".".join([*(str(p) for p in loc[:-1]), near[0]]) + f"{quote}?"
 
 
 def _given_as(loc: tuple, given: dict[tuple[str, ...], str]) -> str | None:
@@ -552,40 +601,67 @@ def _given_as(loc: tuple, given: dict[tuple[str, ...], str]) -> str | None:
     return f"{key}={redact_uri(value.strip())}"
 
 
+@dataclass(frozen=True)
+class ErrorStyle:
+    """What differs in how stages word a bad config; the rest of the text is shared.
+
+    The default is the experiment's (and fine-tuning's, evaluation's): a header line, then
+    one indented line per error, keys in 'quotes'. ``one_line``: each error is one line
+    that says where it was set (`plm data prepare`: one bad key, one `plm:` line).
+    ``missing``: a last line for the missing keys (their dotted names), e.g. the flags
+    that set them."""
+
+    quote: str = "'"
+    one_line: bool = False
+    missing: Callable[[list[str]], str] | None = None
+
+
+def _error_line(e: dict, item: str | None, root: type[BaseModel] | None, q: str) -> str:
+    key = ".".join(str(p) for p in e["loc"])
+    cli = f" in `{item}` on the command line" if item else ""
+    if e["type"] == "extra_forbidden":
+        hint = _nearest_key(root, tuple(e["loc"]), q) or " see configs/ for valid keys"
+        return f"unknown key {q}{key}{q}{cli} (check its spelling;{hint})"
+    if e["type"] == "missing":
+        return f"missing key {q}{key}{q}"
+    return f"key {q}{key}{q}{cli}: {e['msg']}"
+
+
 def _format_validation_error(
     err: ValidationError,
     source: str,
     root: type[BaseModel] | None = None,
     given: dict[tuple[str, ...], str] | None = None,
+    style: ErrorStyle | None = None,
 ) -> str:
     """``root``: the model validated, so a misspelled key gets the nearest valid one.
     ``given``: the keys the command line set (``key=value``), each with its item: an error
-    in one of those says it came from the command line, not from ``source``."""
+    in one of those says it came from the command line, not from ``source`` (the file;
+    "": none). ``style``: the stage's wording (ErrorStyle)."""
+    style = style or ErrorStyle()
     given = given or {}
     uri_line = uri_error_line(err)
     if uri_line is not None:  # a URI where a local path is taken: one line
         item = next((_given_as(e["loc"], given) for e in err.errors()
                      if e["type"] in URI_ERRORS), None)  # fmt: skip
-        return f"{uri_line} ({f'given on the command line: {item}' if item else source})"
+        where = f"given on the command line: {item}" if item else source
+        return f"{uri_line} ({where})" if where else uri_line
     errors = err.errors()
     items = [_given_as(e["loc"], given) for e in errors]
     if all(items):
-        lines = [f"invalid key=value on the command line (config {source}):"]
+        head = "invalid key=value on the command line" + (f" (config {source})" if source else "")
     else:
-        lines = [f"invalid config {source}:"]
+        head = f"invalid config {source}" if source else "invalid config"
+    lines = [] if style.one_line else [f"{head}:"]
     for e, item in zip(errors, items, strict=True):
-        key = ".".join(str(p) for p in e["loc"])
-        cli = f" in `{item}` on the command line" if item else ""
-        if e["type"] == "extra_forbidden":
-            hint = _nearest_key(root, tuple(e["loc"]))
-            lines.append(
-                f"  unknown key '{key}'{cli} (check its spelling;"
-                f"{hint or ' see configs/ for valid keys'})"
-            )
-        elif e["type"] == "missing":
-            lines.append(f"  missing key '{key}'")
-        else:
-            lines.append(f"  key '{key}'{cli}: {e['msg']}")
+        text = _error_line(e, item, root, style.quote)
+        if not style.one_line:
+            lines.append(f"  {text}")
+        else:  # a key the command line set says so itself; the file's names the file
+            lines.append(text if item or not source else f"invalid config {source}: {text}")
+    missing = [".".join(str(p) for p in e["loc"]) for e in errors if e["type"] == "missing"]
+    if missing and style.missing is not None:
+        lines.append(style.missing(missing))
     return "\n".join(lines)
 
 
@@ -595,41 +671,57 @@ def validate_as(
     source: str,
     error: type[ConfigError] = ConfigError,
     given: dict[tuple[str, ...], str] | None = None,
+    style: ErrorStyle | None = None,
 ) -> T:
     """``raw`` as the config ``cls``; ``error`` (one ``plm:`` message) names each bad key,
     and says which came from the command line (``given``: see ``load_as``). Every stage's
-    config goes through here: one grammar, one error text."""
+    config goes through here: one grammar, one error text (``style``: its wording)."""
     try:
         return cls.model_validate(raw)
     except ValidationError as err:
-        raise error(_format_validation_error(err, source, cls, given)) from None
+        raise error(_format_validation_error(err, source, cls, given, style)) from None
 
 
 def load_as(
-    cls: type[T], path: str | Path, overrides: list[str] | None, error: type[ConfigError]
+    cls: type[T],
+    path: str | Path | None,
+    overrides: list[str] | None,
+    error: type[ConfigError],
+    *,
+    keys: list[Key] | None = None,
+    what: str = "config file",
+    see: str = "",
+    style: ErrorStyle | None = None,
 ) -> T:
-    """A YAML file + dotted ``key=value`` overrides, validated as ``cls``; a bad key set
-    by an override is reported as the command line's, not the file's."""
-    overrides = list(overrides or [])
-    raw = apply_overrides(read_yaml(path), overrides)
-    given = {tuple(parse_override(item)[0]): item for item in overrides}
-    return validate_as(cls, raw, str(path), error, given)
+    """A YAML file (None: none) + the command line's keys, validated as ``cls``: first
+    ``keys`` (what its flags set), then the dotted ``key=value`` ``overrides``. A bad key
+    the command line set is reported as the command line's, not the file's. ``what`` and
+    ``see``: the file's name in a message (read_yaml); ``style``: see ErrorStyle."""
+    raw = read_yaml(path, what, see) if path else {}
+    keys = [*(keys or []), *override_keys(list(overrides or []))]
+    set_keys(raw, keys)
+    given = {tuple(k): item for k, _, item in keys if item is not None}
+    return validate_as(cls, raw, str(path or ""), error, given, style)
 
 
 def validate_dict(raw: dict[str, Any], source: str = "<dict>") -> ExperimentConfig:
     return validate_as(ExperimentConfig, raw, source)
 
 
-def read_yaml(path: str | Path) -> dict[str, Any]:
+def read_yaml(path: str | Path, what: str = "config file", see: str = "") -> dict[str, Any]:
+    """The mapping a YAML file holds; ``what``: the file in a message (a "data config"),
+    ``see``: where such files are (its missing file's hint)."""
     path = config_file(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist", machine_wide=True)
+        hint = f" (see {see})" if see else ""
+        raise ConfigError(f"{what} {path} does not exist{hint}", machine_wide=True)
     try:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        raise ConfigError(f"{what} {path} is not valid YAML: {err}") from None
+    raw = {} if raw is None else raw  # an empty file (or only comments) sets no key
     if not isinstance(raw, dict):
-        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+        raise ConfigError(f"{what} {path} must hold a mapping at the top level")
     return raw
 
 

@@ -1,5 +1,7 @@
 """`plm data prepare`'s config: every key of the data job, typed and validated before any
-work (configs/data/*.yaml, command-line flags and key=value overrides on top)."""
+work: `plm data prepare [CONFIG] key=value ...` (CONFIG: configs/data/*.yaml), each key
+that takes one value also a flag (`--shard-docs N`: shard_docs=N; pipeline/cli.py makes
+them from the fields, named by ``flag_name``)."""
 
 from __future__ import annotations
 
@@ -8,17 +10,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import yaml
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from pipeline.config import LocalPath, StorePath, config_file, uri_error_line
+from pipeline.config import ErrorStyle, Key, LocalPath, StorePath, load_as, override_keys
 from pipeline.errors import ConfigError
 from pipeline.prepare.clean import CleanConfig, clean
 from pipeline.prepare.langid import parse_languages
@@ -30,6 +24,7 @@ from pipeline.prepare.quality import (
 )
 from pipeline.prepare.readers import DEFAULT_MAX_DOC_BYTES, InputError
 from pipeline.prepare.tokenizer import tokenizer_folder
+from pipeline.storage import redact_uri
 
 # Bump when the code changes what lands in the shards: old outputs stop being "up to date".
 PREPARE_VERSION = 2
@@ -37,6 +32,18 @@ DEFAULT_SHARD_BYTES = 128 << 20
 DEFAULT_SPLIT_BYTES = 32 << 20
 DEFAULT_BLOCK_TOKENS = 1 << 19  # 1 MiB of uint16 tokens
 MAX_REJECT_EXAMPLES = 5  # per reason, kept in the manifest so a reject can be found
+# One of them sets the shard size; one the command line sets replaces the file's other.
+SHARD_SIZE_KEYS = ("shard_docs", "shard_bytes")
+# The flags not named `--` + the key: the others are (`--shard-docs` sets shard_docs).
+FLAG_NAMES = {"inputs": "--input", "near_dedup.enabled": "--near-dedup"}
+
+
+def flag_name(key: str) -> str | None:
+    """The `plm data prepare` flag of a dotted key, or None: a section's key has none (it
+    is set by key=value)."""
+    if key in FLAG_NAMES or "." in key:
+        return FLAG_NAMES.get(key)
+    return "--" + key.replace("_", "-")
 
 
 class NearDedupConfig(BaseModel):
@@ -62,19 +69,28 @@ class PrepareConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    inputs: list[StorePath] = Field(min_length=1)  # files, folders, globs, URIs, builtin:NAME
-    # folder (or URI) with tokenizer.json + tokenizer_meta.json; either file: its folder
-    tokenizer: StorePath
-    output: StorePath  # the data dir: a local folder or a URI
+    # A description is its flag's help (`plm data prepare --help`).
+    inputs: list[StorePath] = Field(
+        min_length=1, description="files, folders, globs, pyarrow URIs or builtin:NAME"
+    )
+    # either file of the tokenizer means its folder
+    tokenizer: StorePath = Field(
+        description="folder or URI with tokenizer.json + tokenizer_meta.json"
+    )
+    output: StorePath = Field(description="the data dir: a folder, or a URI (s3://bucket/prefix)")
     valid_fraction: float = Field(0.02, ge=0.0, lt=1.0)
-    shard_docs: int | None = Field(None, gt=0)  # samples per shard, or ...
-    shard_bytes: int | None = Field(None, gt=0)  # ... bytes per shard (default 128 MiB)
-    max_doc_tokens: int = Field(1024, gt=0)  # longer documents are split into pieces
-    max_doc_bytes: int = Field(DEFAULT_MAX_DOC_BYTES, gt=0)  # larger ones: "too_long"
-    text_field: str = "text"  # jsonl field / parquet column
+    shard_docs: int | None = Field(None, gt=0, description="samples per shard, or:")
+    shard_bytes: int | None = Field(None, gt=0, description="bytes per shard (default 128 MiB)")
+    max_doc_tokens: int = Field(1024, gt=0, description="longer documents are split in pieces")
+    max_doc_bytes: int = Field(
+        DEFAULT_MAX_DOC_BYTES, gt=0, description='larger documents are rejected ("too_long")'
+    )
+    text_field: str = Field("text", description="jsonl field / parquet column")
     # ERNIE's entity-level masking: a UTF-8 file, one entity per line; every mention
     # becomes a token span in spans.npy (see pipeline.prepare.segment.entity_pattern).
-    entities: LocalPath | None = None
+    entities: LocalPath | None = Field(
+        None, description="entity list (one per line) -> spans.npy (ERNIE)"
+    )
     clean: CleanConfig = CleanConfig()
     # Language ID and quality filters (docs/data.md "Filters"): off by default. With
     # language_id each document's ISO 639-1 code (py3langid) goes into the shards and the
@@ -83,20 +99,34 @@ class PrepareConfig(BaseModel):
     # `name` and threshold overrides), run in order after cleaning. A preset without
     # `languages` keeps the preset's (web: [en], quality.PRESET_LANGUAGES). Either of the
     # last two turns language_id on.
-    language_id: bool = False
-    languages: list[str] | None = Field(None, min_length=1)
-    filters: list[FilterConfig] = []
+    language_id: bool = Field(False, description="tag each document's language (py3langid)")
+    languages: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="keep only these ISO 639-1 codes, e.g. en,zh (turns language ID on)",
+    )
+    filters: list[FilterConfig] = Field(
+        [], description="a quality filter preset (web); lists and thresholds: data config"
+    )
     near_dedup: NearDedupConfig = NearDedupConfig()
     # Input bytes per unit of work (a task): big txt/jsonl files are cut into byte ranges
     # of this size on document boundaries, parquet into runs of row groups, small files
     # grouped. Each unit writes its own shards, so it decides shard boundaries.
-    split_bytes: int = Field(DEFAULT_SPLIT_BYTES, gt=0)
-    block_tokens: int = Field(DEFAULT_BLOCK_TOKENS, gt=0, lt=1 << 32)  # tokens per block
+    split_bytes: int = Field(
+        DEFAULT_SPLIT_BYTES,
+        gt=0,
+        description="input bytes per task (big files are cut on documents)",
+    )
+    block_tokens: int = Field(
+        DEFAULT_BLOCK_TOKENS, gt=0, lt=1 << 32, description="tokens per block sample of a shard"
+    )
     # Execution only (never changes the output bytes):
-    ray_address: str | None = None  # a running cluster; else RAY_ADDRESS; else a local Ray
-    num_cpus: int | None = Field(None, gt=0)  # CPUs of the local Ray instance
-    batch_docs: int = Field(256, gt=0)  # documents per encode_batch call
-    force: bool = False  # rebuild even if up to date / over another data dir
+    ray_address: str | None = Field(
+        None, description="a running cluster (else RAY_ADDRESS, else local)"
+    )
+    num_cpus: int | None = Field(None, gt=0, description="CPUs of the local Ray instance")
+    batch_docs: int = Field(256, gt=0, description="documents per encode_batch call")
+    force: bool = Field(False, description="rebuild even if up to date (or over another data dir)")
 
     @model_validator(mode="before")
     @classmethod
@@ -111,7 +141,7 @@ class PrepareConfig(BaseModel):
     @model_validator(mode="after")
     def _one_shard_size(self) -> PrepareConfig:
         if self.shard_docs is not None and self.shard_bytes is not None:
-            raise ValueError("set shard_docs or shard_bytes, not both")
+            raise ValueError(f"set {' or '.join(SHARD_SIZE_KEYS)}, not both")
         if self.filters or self.languages is not None:
             self.language_id = True  # the filters and `languages` judge by the ISO code
         return self
@@ -187,50 +217,54 @@ class PrepareConfig(BaseModel):
         return self.shard_bytes or DEFAULT_SHARD_BYTES
 
 
-def _errors_text(err: ValidationError, origin: str) -> str:
-    uri_line = uri_error_line(err)
-    if uri_line is not None:  # a URI where a local path is taken: one line
-        return f"{uri_line} ({origin})"
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(config)"
-        lines.append(f"{origin}: key `{key}`: {e['msg']}")
-    return "\n".join(lines)
+def _pass_the_flags(missing: list[str]) -> str:
+    flags = ", ".join(flag_name(k) or f"{k}=..." for k in missing)
+    return f"(pass {flags} or set the key in the CONFIG file)"
 
 
-def load_prepare_config(path: str | Path | None, overrides: dict[str, Any]) -> PrepareConfig:
-    """YAML file (optional) with the given keys overriding it; errors name the key."""
-    data: dict[str, Any] = {}
-    origin = "command line"
-    if path:
-        p = config_file(path)
-        if not p.is_file():
-            raise ConfigError(f"data config {p} does not exist (see configs/data/)")
-        try:
-            loaded = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"data config {p} is not valid YAML: {err}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"data config {p} must be a mapping of keys, got {type(loaded)}")
-        data = loaded
-        origin = f"data config {p} (+ flags)"
-    if "shard_docs" in overrides:  # the flags are exclusive; a flag replaces the file's choice
-        data.pop("shard_bytes", None)
-    if "shard_bytes" in overrides:
-        data.pop("shard_docs", None)
-    for key, value in overrides.items():  # a section's flag overrides that key only
-        if isinstance(value, dict) and isinstance(data.get(key), dict):
-            value = {**data[key], **value}
-        data[key] = value
-    try:
-        return PrepareConfig(**data)
-    except ValidationError as err:
-        hint = ""
-        missing = {str(e["loc"][0]) for e in err.errors() if e["type"] == "missing"}
-        if missing:
-            flags = ", ".join(f"--{k.replace('_', '-')}" for k in sorted(missing))
-            hint = f"\n(pass {flags} or set the key in a --config file)"
-        raise ConfigError(_errors_text(err, origin) + hint) from None
+# Each bad key one line, `quoted` (ErrorStyle): an error's one `plm:` line names its key.
+PREPARE_ERRORS = ErrorStyle(quote="`", one_line=True, missing=_pass_the_flags)
+
+
+def _flag_keys(flags: dict[str, Any]) -> list[Key]:
+    """The keys the flags set (a section's dict: only the keys it holds), each shown as
+    its flag (or key=value, a section's key) with the value typed, a URI's secrets masked."""
+    keys: list[Key] = []
+    todo = [([key], value) for key, value in flags.items()]
+    while todo:
+        path, value = todo.pop(0)
+        if isinstance(value, dict) and value:
+            todo += [([*path, k], v) for k, v in value.items()]
+            continue
+        values = value if isinstance(value, list) else [value]
+        typed = " ".join(redact_uri(v) if isinstance(v, str) else str(v) for v in values)
+        keys.append((path, value, f"{flag_name('.'.join(path)) or '.'.join(path)}={typed}"))
+    return keys
+
+
+def load_prepare_config(
+    path: str | Path | None,
+    flags: dict[str, Any] | None = None,
+    overrides: list[str] | None = None,
+) -> PrepareConfig:
+    """The data config: the YAML file ``path`` (optional), then the keys its command line's
+    flags set (``flags``: key -> value; a section's dict sets the keys it holds), then its
+    dotted ``key=value`` ``overrides``. Errors name the key, and where it was set."""
+    keys = [*_flag_keys(flags or {}), *override_keys(list(overrides or []))]
+    named = {k[0] for k, _, _ in keys}
+    for one, other in (SHARD_SIZE_KEYS, SHARD_SIZE_KEYS[::-1]):
+        if one in named and other not in named:  # the file's choice is replaced
+            keys.append(([other], None, None))
+    return load_as(
+        PrepareConfig,
+        path,
+        None,
+        ConfigError,
+        keys=keys,
+        what="data config",
+        see="configs/data/",
+        style=PREPARE_ERRORS,
+    )
 
 
 def load_entities(path: str | Path, clean_cfg: CleanConfig) -> list[str]:
