@@ -226,7 +226,7 @@ def rank_main(args) -> None:
         ckpt_mod.atomic_write, ckpt_mod._torch_bytes, ckpt_mod.dist = saved
         del trainer.engine.save_checkpoint, trainer.ckpt._prune  # back to the class's
         del trainer.engine.checkpoint_engine.save
-        # what Trainer.run does next with train.bundle_every: 1 (the default): a bundle
+        # what Checkpointer.step_done does next with train.bundle_every: 1 (the default)
         _sync()
         t0 = time.perf_counter()
         trainer.bundle(tag)

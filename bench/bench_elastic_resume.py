@@ -59,7 +59,7 @@ def _engine(args, world: int):
 
 
 def _weight_sum(engine) -> float:
-    from pipeline.train.trainer import consolidated_state_dict
+    from pipeline.train.full_weights import consolidated_state_dict
 
     sd = consolidated_state_dict(engine)
     return None if sd is None else float(sum(v.double().abs().sum() for v in sd.values()))

@@ -165,7 +165,7 @@ def rank_main(args) -> None:
         trainer.step += 1
         if record is not None:
             trainer.window.append(record)
-        if trainer.writes_done:  # as Trainer.run
+        if trainer.writes_done:  # as Checkpointer.step_done
             trainer.writes_done = False
             t1 = time.perf_counter()
             trainer.ckpt.finish(agreed=True)

@@ -312,10 +312,10 @@ class Ours:
         """Model FLOPs (forward + backward) of ``batch``, counted as the trainer counts them
         for its logged MFU: the real tokens x the model's ``flops_per_token`` at the mean
         attended length and the decoded share of the batch (trainer._log_window)."""
-        from pipeline.train.trainer import _n_tokens, _work_stats
+        from pipeline.train.batch_stats import n_tokens, work_stats
 
-        squares, decoded = _work_stats(batch)
-        n = _n_tokens(batch)
+        squares, decoded = work_stats(batch)
+        n = n_tokens(batch)
         return n * self.trainer.model_flops(squares / n, min(decoded / n, 1.0))
 
     def close(self) -> None:

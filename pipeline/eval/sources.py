@@ -94,7 +94,7 @@ def _data_facts(data_path: str | None) -> tuple[dict[str, str], Path | None]:
     if not data_path:
         return {}, None
     from pipeline.data.shards import DataDir
-    from pipeline.train.trainer import data_fingerprint
+    from pipeline.train.fingerprint import data_fingerprint
 
     try:
         data = DataDir(data_path)

@@ -68,6 +68,19 @@ class FinetuneResult:
 
 
 @dataclass
+class Progress:
+    """Where fine-tuning stands: optimizer steps, the best valid metrics and the
+    evaluations since they improved, every evaluation, the train losses since the last."""
+
+    step: int = 0
+    best: dict[str, float] | None = None
+    bad: int = 0
+    history: list[dict[str, float]] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    stop: bool = False
+
+
+@dataclass
 class TaskData:
     rows: dict[str, list[dict[str, Any]]]
     examples: dict[str, list]
@@ -101,7 +114,7 @@ def load_task_data(cfg: FinetuneConfig, encoder: Encoder) -> TaskData:
 
 
 def _device() -> torch.device:
-    from pipeline.train.trainer import device
+    from pipeline.train.runtime import device
 
     return device()
 
@@ -142,7 +155,7 @@ class Finetuner:
         cells, whose scores its own run holds (pipeline/eval)."""
         from pipeline.tracking_uri import check_access
         from pipeline.train import engine as ds_engine
-        from pipeline.train.trainer import seed_everything
+        from pipeline.train.runtime import seed_everything
 
         self.cfg = cfg
         self.track = track
@@ -279,12 +292,37 @@ class Finetuner:
         }
 
     def run(self) -> FinetuneResult:
+        """Train, keep the best weights on disk, save and (rank 0) test and register them."""
+        tracker = self.start_tracking()
+        t = self.cfg.train
+        self.log(
+            f"{self.arch} -> {self.cfg.task.type} ({t.mode}, init {self.cfg.model.init}): "
+            f"{len(self.data.examples['train'])} train examples, labels "
+            f"{self.data.labels or '-'}, world size {self.world}, {self.total_steps} steps"
+        )
+        # the best weights so far: on disk (rank 0), never a whole copy in memory
+        best_weights = BestWeights(self.run_dir / "best", self.bundle_cfg, self.source.path)
+        status = "FAILED"
+        t0 = time.perf_counter()
+        try:
+            p = self.train_epochs(tracker, best_weights)
+            model_dir, test, version = self.save_best(tracker, best_weights, p)
+            dist.barrier()
+            status = "FINISHED"
+        finally:
+            tracker.end(status)
+        self.log(f"done in {time.perf_counter() - t0:.1f}s")
+        return FinetuneResult(
+            self.run_dir, model_dir, p.step, p.best, test, p.history, tracker.run_id, version
+        )
+
+    def start_tracking(self):
+        """The MLflow run (when tracked): the task, the source model and its run."""
         from pipeline.train.tracking import Tracker, code_version
 
-        cfg, t = self.cfg, self.cfg.train
+        cfg, t, s = self.cfg, self.cfg.train, self.source
         tracker = Tracker(self.run_dir, enabled=self.rank == 0 and self.track,
                           upload_timeout_s=cfg.mlflow.upload_timeout_s)  # fmt: skip
-        s = self.source
         tags = {
             "stage": "finetune",
             "task": cfg.task.type,
@@ -307,114 +345,119 @@ class Finetuner:
                 tags=tags,
                 resume=False,
             )
-        train_ex = self.data.examples["train"]
-        has_valid = "valid" in self.data.examples
-        self.log(
-            f"{self.arch} -> {cfg.task.type} ({t.mode}, init {cfg.model.init}): "
-            f"{len(train_ex)} train examples, labels {self.data.labels or '-'}, world size "
-            f"{self.world}, {self.total_steps} steps"
-        )
-        step, best, bad = 0, None, 0
-        # the best weights so far: on disk (rank 0), never a whole copy in memory
-        best_weights = BestWeights(self.run_dir / "best", self.bundle_cfg, self.source.path)
-        history: list[dict[str, float]] = []
-        status = "FAILED"
-        model_dir = version = test = None
-        stop = False
-        t0 = time.perf_counter()
-        losses: list[float] = []
-        try:
-            self.engine.train()
-            for epoch in range(t.epochs):
-                order = shard_indices(
-                    len(train_ex), t.micro_batch_size, self.world, self.rank, t.seed, epoch
+        return tracker
+
+    def train_epochs(self, tracker, best_weights: BestWeights) -> Progress:
+        """Epochs of optimizer steps, evaluated after each epoch (or every
+        train.eval_every steps) and at the last step, until train.epochs, train.max_steps
+        or early stopping (train.patience)."""
+        t = self.cfg.train
+        p = Progress()
+        self.engine.train()
+        for epoch in range(t.epochs):
+            micro = self.epoch_batches(epoch)
+            for k, idx in enumerate(micro):
+                self.micro_step(idx, p)
+                if (k + 1) % t.grad_accum:
+                    continue
+                p.step += 1
+                last_of_epoch = k + 1 == len(micro)
+                do_eval = (t.eval_every and p.step % t.eval_every == 0) or (
+                    not t.eval_every and last_of_epoch
                 )
-                micro = [
-                    order[i : i + t.micro_batch_size]
-                    for i in range(0, len(order), t.micro_batch_size)
-                ]
-                micro = micro[: self.steps_per_epoch * t.grad_accum]
-                for k, idx in enumerate(micro):
-                    batch = collate([train_ex[i] for i in idx], self.roles["pad"], cfg.task.type)
-                    batch = {key: v.to(self.dev) for key, v in batch.items()}
-                    loss = self.engine(batch)["loss"]
-                    self.engine.backward(loss)
-                    self.engine.step()
-                    losses.append(float(loss.detach()))
-                    if (k + 1) % t.grad_accum:
-                        continue
-                    step += 1
-                    last_of_epoch = k + 1 == len(micro)
-                    do_eval = (t.eval_every and step % t.eval_every == 0) or (
-                        not t.eval_every and last_of_epoch
-                    )
-                    if do_eval or step == self.total_steps:
-                        m = {"train_loss": sum(losses) / len(losses), "epoch": epoch + 1}
-                        losses = []
-                        if has_valid:
-                            m |= {f"valid_{k2}": v for k2, v in self.evaluate("valid").items()}
-                        tracker.log_metrics(m, step)
-                        history.append({"step": step, **m})
-                        self.log(
-                            f"step {step}: "
-                            + " ".join(f"{k2} {for_people(v)}" for k2, v in m.items())
-                        )
-                        value = m.get(f"valid_{cfg.metric}")
-                        if value is None or self._better(value, best and best[cfg.metric]):
-                            best = {
-                                k2[6:]: v for k2, v in m.items() if k2.startswith("valid_")
-                            } or None
-                            best_weights.save(self.engine)  # collective
-                            bad = 0
-                        else:
-                            bad += 1
-                            if t.patience and bad >= t.patience:
-                                self.log(
-                                    f"early stop: no better valid {cfg.metric} for {bad} evaluations"
-                                )
-                                stop = True
-                    if stop or step >= self.total_steps:
-                        stop = True
-                        break
-                if stop:
+                if do_eval or p.step == self.total_steps:
+                    self.evaluate_and_keep(tracker, best_weights, p, epoch)
+                if p.stop or p.step >= self.total_steps:
+                    p.stop = True
                     break
-            if not best_weights.saved:  # the same on every rank
-                best_weights.save(self.engine)
-            if self.rank == 0:
-                model_dir = save_finetuned(
-                    self.run_dir / "model", best_weights.folder, self._meta(best, step)
-                )
-                value = for_people(best[cfg.metric]) if best else "-"
-                self.log(f"best model (valid {cfg.metric} {value}) saved to {model_dir}")
-                if "test" in self.data.examples:
-                    test = evaluate_saved(model_dir, self.data, cfg, self.dev)
-                    tracker.log_metrics({f"test_{k}": v for k, v in test.items()}, step)
-                    self.log("test: " + " ".join(f"{k} {for_people(v)}" for k, v in test.items()))
-                tracker.log_artifacts(model_dir, "model")
-                if cfg.mlflow.register_model and self.track:
-                    version = tracker.register(
-                        "model",
-                        cfg.name,
-                        cfg.mlflow.alias,
-                        {
-                            "task": cfg.task.type,
-                            "arch": self.arch,
-                            "mode": t.mode,
-                            "source_uri": s.uri,
-                            "pretraining_run_id": s.run_id or "",
-                            "source_model_version": s.model_version or "",
-                            f"valid_{cfg.metric}": str(best and best[cfg.metric]),
-                        },
-                        bundle_dir=model_dir,  # a LoggedModel whose pyfunc predicts rows
-                        log_model=log_finetuned_model,
-                    )
-            dist.barrier()
-            status = "FINISHED"
-        finally:
-            tracker.end(status)
-        self.log(f"done in {time.perf_counter() - t0:.1f}s")
-        return FinetuneResult(
-            self.run_dir, model_dir, step, best, test, history, tracker.run_id, version
+            if p.stop:
+                break
+        return p
+
+    def epoch_batches(self, epoch: int) -> list:
+        """This rank's micro-batches (example indices) of ``epoch``."""
+        t = self.cfg.train
+        n = len(self.data.examples["train"])
+        order = shard_indices(n, t.micro_batch_size, self.world, self.rank, t.seed, epoch)
+        micro = [
+            order[i : i + t.micro_batch_size] for i in range(0, len(order), t.micro_batch_size)
+        ]
+        return micro[: self.steps_per_epoch * t.grad_accum]
+
+    def micro_step(self, idx, p: Progress) -> None:
+        """Forward and backward of one micro-batch (DeepSpeed updates at its boundary)."""
+        train_ex = self.data.examples["train"]
+        batch = collate([train_ex[i] for i in idx], self.roles["pad"], self.cfg.task.type)
+        batch = {key: v.to(self.dev) for key, v in batch.items()}
+        loss = self.engine(batch)["loss"]
+        self.engine.backward(loss)
+        self.engine.step()
+        p.losses.append(float(loss.detach()))
+
+    def evaluate_and_keep(self, tracker, best_weights: BestWeights, p: Progress, epoch: int):
+        """Log the train loss since the last evaluation and the valid metrics; better ones
+        replace the best weights (collective), else count toward early stopping."""
+        cfg = self.cfg
+        m = {"train_loss": sum(p.losses) / len(p.losses), "epoch": epoch + 1}
+        p.losses = []
+        if "valid" in self.data.examples:
+            m |= {f"valid_{k}": v for k, v in self.evaluate("valid").items()}
+        tracker.log_metrics(m, p.step)
+        p.history.append({"step": p.step, **m})
+        self.log(f"step {p.step}: " + " ".join(f"{k} {for_people(v)}" for k, v in m.items()))
+        value = m.get(f"valid_{cfg.metric}")
+        if value is None or self._better(value, p.best and p.best[cfg.metric]):
+            p.best = {k[6:]: v for k, v in m.items() if k.startswith("valid_")} or None
+            best_weights.save(self.engine)  # collective
+            p.bad = 0
+            return
+        p.bad += 1
+        if cfg.train.patience and p.bad >= cfg.train.patience:
+            self.log(f"early stop: no better valid {cfg.metric} for {p.bad} evaluations")
+            p.stop = True
+
+    def save_best(self, tracker, best_weights: BestWeights, p: Progress):
+        """The best weights (the last ones if never evaluated) as the task model folder;
+        rank 0 tests the saved folder itself, logs it and registers it. Returns (folder,
+        test metrics, model version); None on the other ranks."""
+        cfg = self.cfg
+        if not best_weights.saved:  # the same on every rank
+            best_weights.save(self.engine)
+        model_dir = test = version = None
+        if self.rank != 0:
+            return model_dir, test, version
+        model_dir = save_finetuned(
+            self.run_dir / "model", best_weights.folder, self._meta(p.best, p.step)
+        )
+        value = for_people(p.best[cfg.metric]) if p.best else "-"
+        self.log(f"best model (valid {cfg.metric} {value}) saved to {model_dir}")
+        if "test" in self.data.examples:
+            test = evaluate_saved(model_dir, self.data, cfg, self.dev)
+            tracker.log_metrics({f"test_{k}": v for k, v in test.items()}, p.step)
+            self.log("test: " + " ".join(f"{k} {for_people(v)}" for k, v in test.items()))
+        tracker.log_artifacts(model_dir, "model")
+        if cfg.mlflow.register_model and self.track:
+            version = self.register(tracker, model_dir, p.best)
+        return model_dir, test, version
+
+    def register(self, tracker, model_dir: Path, best: dict[str, float] | None) -> str | None:
+        """Rank 0: the task model as a registered MLflow model; returns its version."""
+        cfg, s = self.cfg, self.source
+        return tracker.register(
+            "model",
+            cfg.name,
+            cfg.mlflow.alias,
+            {
+                "task": cfg.task.type,
+                "arch": self.arch,
+                "mode": cfg.train.mode,
+                "source_uri": s.uri,
+                "pretraining_run_id": s.run_id or "",
+                "source_model_version": s.model_version or "",
+                f"valid_{cfg.metric}": str(best and best[cfg.metric]),
+            },
+            bundle_dir=model_dir,  # a LoggedModel whose pyfunc predicts rows
+            log_model=log_finetuned_model,
         )
 
 

@@ -185,7 +185,7 @@ class BestWeights:
 
         from pipeline.models.bundle import BundleWriter, max_shard_bytes_of
         from pipeline.models.registry import ARCHITECTURES
-        from pipeline.train.trainer import full_tensors
+        from pipeline.train.full_weights import full_tensors
 
         writer, head = None, {}
         if dist.get_rank() == 0:

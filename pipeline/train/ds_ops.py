@@ -11,11 +11,11 @@ without the warning.
 JIT-compiles ``deepspeed_shm_comm`` with the system C++ compiler in
 ``deepspeed.init_distributed`` on the CPU accelerator, whenever
 ``deepspeed.ops.__compatible_ops__`` says the op can be built: without a word, the first
-time (49 s on this project's 2-core machine under load 3, 2-8 min reported on busier
-ones), with g++, ninja and the Python headers needed, and a long traceback without them. The op implements ``deepspeed.comm.inference_all_reduce`` only (AutoTP tensor-parallel
-layers, which plm does not use): ZeRO's gradient reductions and plm's own all-reduces go
-through ``torch.distributed`` (gloo) with or without it, and with it every rank also maps a
-69 MB ``/dev/shm`` buffer. So plm leaves it out unless ``train.cpu_shm_allreduce`` is true,
+time (a build of minutes), with g++, ninja and the Python headers needed, and a long
+traceback without them. The op implements ``deepspeed.comm.inference_all_reduce`` only
+(AutoTP tensor-parallel layers, which plm does not use): ZeRO's gradient reductions and
+plm's own all-reduces go through ``torch.distributed`` (gloo) with or without it, and with
+it every rank also maps a 69 MB ``/dev/shm`` buffer. So plm leaves it out unless ``train.cpu_shm_allreduce`` is true,
 and always at world size 1 (no peers). When it is asked for (several ranks, CPU):
 
 - it is built into a per-venv cache, ``TORCH_EXTENSIONS_DIR`` (default
@@ -29,7 +29,7 @@ and always at world size 1 (no peers). When it is asked for (several ranks, CPU)
 
 **CPU Adam.** With ``zero_optimization.offload_optimizer`` (configs/deepspeed/zero3-offload.json)
 DeepSpeed's optimizer is ``DeepSpeedCPUAdam``, whose op ``cpu_adam`` DeepSpeed JIT-compiles
-in ``deepspeed.initialize`` (2 min 11 s, 101 CPU s on this 2-core machine under load 2-4).
+in ``deepspeed.initialize`` (minutes of CPU).
 There is no fallback (ZeRO-Offload refuses other optimizers), so plm builds it itself just
 before: into the same per-venv cache, announced with one ``plm:`` line the first time; a
 missing compiler or Python headers, or a failed build, is a ConfigError (one ``plm:`` line
@@ -152,8 +152,8 @@ def import_deepspeed():
     """``import deepspeed``, without letting it import MLflow.
 
     DeepSpeed's autotuner (imported by ``deepspeed/__init__``) imports ``mlflow`` when it
-    can, for its own experiment logging, which plm never runs: 1.3-1.6 s of a run's start
-    (about 80% of DeepSpeed's import) spent before the first step. The tracker imports
+    can, for its own experiment logging, which plm never runs: most of DeepSpeed's import
+    time, spent before the first step. The tracker imports
     MLflow itself, in the background (``tracking.Tracker.prepare``). Only the autotuner's
     ``has_mlflow`` flag sees the difference."""
     if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:

@@ -108,8 +108,8 @@ def load_base_config(spec: str | dict[str, Any]) -> tuple[dict[str, Any], str]:
 
 # ``deepspeed: auto`` (the default): ZeRO-0 on one rank, ZeRO-2 on more. ZeRO 1-2 shard the
 # optimizer state and gradients over the ranks; on one rank there is nothing to shard and
-# they only add a second fp32 copy of the weights (+419 MiB of tensors at bert-base fp32,
-# `bench/bench_zero_memory.py --ranks 1 --stages 0,2`) and their buckets.
+# they only add a second fp32 copy of the weights and their buckets
+# (`bench/bench_zero_memory.py --ranks 1 --stages 0,2`).
 AUTO = "auto"
 
 
@@ -184,8 +184,8 @@ def build_ds_config(cfg: ExperimentConfig, world_size: int) -> dict[str, Any]:
         # ZeRO-0 keeps the whole model on every rank: fp32 weights under torch autocast,
         # as a plain PyTorch loop does, and torch's fused AdamW steps them directly.
         # DeepSpeed's bf16 wrapper (BF16_Optimizer) walks every parameter in Python on
-        # each step: on an H200 it took 32-45 ms of CPU a step for GPT-2 124M, as long as
-        # the whole step of the plain loop (BENCHMARKS.md, GPU bench).
+        # each step: CPU time as long as a small model's whole step (BENCHMARKS.md, GPU
+        # bench).
         ds["bf16"] = {"enabled": False}
         ds["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
     ds_ops.resolve_nvme_paths(ds, source)  # ${PLM_NVME_PATH} (configs/deepspeed/zero3-nvme.json)

@@ -1,8 +1,8 @@
 """A new sqlite MLflow store in one step, instead of MLflow's 68 migrations.
 
 MLflow makes a new sqlite store by creating its first schema and replaying every alembic
-migration since (``mlflow.store.db.utils._initialize_tables``): about 4 s here, on every
-new ``mlflow.db``. What those migrations leave for the pinned MLflow is recorded in
+migration since (``mlflow.store.db.utils._initialize_tables``), seconds on every new
+``mlflow.db``. What those migrations leave for the pinned MLflow is recorded in
 pipeline/train/mlflow_schema.sql (SQLite's own dump of a store MLflow made: tables,
 indexes, trigger, the ``alembic_version`` stamp and the default workspace row), and
 ``create_new_store`` writes that in one transaction. The result is the same database, so

@@ -276,9 +276,9 @@ class RemoteOut(OutStore):
             ) from None
         if isinstance(self.fs, pafs.S3FileSystem):
             # Each part uploaded by the thread writing the file (ours, _PARALLEL of them),
-            # not handed to pyarrow's background pool: about a third of the client CPU per
-            # byte on this VM (256 MiB to moto: 0.3 against 1.0 CPU s), CPU a training step
-            # shares (BENCHMARKS.md, object storage). The options from_uri resolved are kept.
+            # not handed to pyarrow's background pool, which costs several times the client
+            # CPU per byte, CPU a training step shares (BENCHMARKS.md, object storage). The
+            # options from_uri resolved are kept.
             rebuild, (options,) = self.fs.__reduce__()
             self.fs = rebuild({**options, "background_writes": False})
         self.base = base.rstrip("/")

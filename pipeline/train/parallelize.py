@@ -25,7 +25,7 @@ def apply(model: PretrainModel, train: TrainSection) -> None:
 
 def unpad_wanted(train: TrainSection) -> bool:
     """``train.unpad``, or where it is not set, whether the run is on the CPU: on a GPU
-    the unpadded (nested-jagged) encoder was 3.5x slower than the padded one (H200)."""
+    the unpadded (nested-jagged) encoder is slower than the padded one (BENCHMARKS.md)."""
     return train.unpad if train.unpad is not None else not torch.cuda.is_available()
 
 
@@ -69,9 +69,9 @@ def set_cpu_threads() -> int | None:
     """Half the machine's CPUs, shared among its ranks: torch threads = CPUs // (2 x local
     ranks), at least one, unless the user set OMP_NUM_THREADS. A rank's OpenMP threads
     meet at a barrier in every op, so when other work takes the cores one descheduled
-    thread stalls the others: one rank at torch's default (a thread per CPU) ran 39x
-    slower with 8 busy processes beside it on 2 CPUs, one thread 4x; idle, one thread
-    gave up a quarter (BENCHMARKS.md, "CPU threads"). On a machine with two hardware
+    thread stalls the others: one rank at torch's default (a thread per CPU) beside busy
+    processes runs many times slower than with few threads, which give up little when
+    the machine is idle (BENCHMARKS.md, "CPU threads"). On a machine with two hardware
     threads per core, half its CPUs is its cores, torch's own default there.
     Returns the thread count set, None when left as the user chose."""
     if os.environ.get("OMP_NUM_THREADS"):

@@ -5,6 +5,8 @@ valid split against the eval batch (as the run's start does), and the DeepSpeed 
 (with DeepSpeed's own ZeRO config model), then prints world size,
 global batch, steps, tokens, parameters and a per-rank memory estimate for the ZeRO stage;
 a local train.out_dir without the free space of one checkpoint is refused (exit 5).
+The run itself (world size, global batch, ZeRO stage, the checkpoint to resume) is
+resolved by ``run_plan.resolve_run``, as the trainer resolves it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from typing import Any
 
 import torch
 
-from pipeline.config import ExperimentConfig, with_global_batch
+from pipeline.config import ExperimentConfig
 from pipeline.data.shards import DataDir
 from pipeline.errors import ConfigError
 from pipeline.train import ds_ops, parallelize
 from pipeline.train import engine as ds_engine
+from pipeline.train.run_plan import RunPlan, resolve_run
 
 GiB = 1024**3
 
@@ -44,7 +47,7 @@ def model_state_bytes(
 
     fp32: 4 B weights, 4 B grads, 8 B Adam moments, plus under ZeRO 1-3 a 4 B fp32 master:
     DeepSpeed's ZeRO optimizers clone the weight partition even when it is fp32 (20 B in
-    all at ZeRO-3, as measured: docs/training.md). bf16/fp16 (mixed): 2 B weights, 2 B
+    all at ZeRO-3: docs/training.md). bf16/fp16 (mixed): 2 B weights, 2 B
     grads, 12 B fp32 master weights + moments; but bf16 at ZeRO-0 is fp32 weights under
     torch autocast (engine.build_ds_config), so it counts as fp32. Stage 1 partitions the optimizer states, 2
     also the grads, 3 also the weights; offload moves optimizer (and, for stage 3,
@@ -157,64 +160,6 @@ def check_positions(cfg: ExperimentConfig, model_cfg) -> None:
         )
 
 
-def resolve_deepspeed(cfg: ExperimentConfig, ckpt, world: int) -> ExperimentConfig:
-    """``deepspeed: auto`` made concrete for this run (``ds_engine.resolve_auto``): the
-    stage of the checkpoint ``train.resume: auto`` will load, else ZeRO-0 on one rank and
-    ZeRO-2 on more."""
-    saved = None
-    if cfg.deepspeed == ds_engine.AUTO and cfg.train.resume == "auto":
-        tag = ckpt.latest()
-        saved = ckpt.meta(tag).get("zero_stage") if tag is not None else None
-    return ds_engine.resolve_auto(cfg, world, saved)
-
-
-def check_resumable(cfg: ExperimentConfig, ckpt, tokenizer: dict[str, Any]) -> None:
-    """What resuming from train.out_dir's latest checkpoint refuses whatever the number of
-    ranks; nothing when there is no checkpoint or train.resume is never."""
-    if cfg.train.resume != "auto":
-        return
-    tag = ckpt.latest()
-    if tag is not None:
-        check_checkpoint(cfg, ckpt, tag, ckpt.meta(tag), tokenizer)
-
-
-def where_data(cfg: ExperimentConfig) -> str:
-    """``data.path=DIR`` or the mixture's dirs, as a user would write them."""
-    if cfg.data.sources is None:
-        return f"data.path={cfg.data.path}"
-    return "data.sources " + ", ".join(s.path for s in cfg.data.sources)
-
-
-def check_checkpoint(
-    cfg: ExperimentConfig, ckpt, tag: str, meta: dict[str, Any], tokenizer: dict[str, Any]
-) -> None:
-    """What no conversion can bridge, refused before anything is built (and by
-    ``--dry-run``): a checkpoint of another tokenizer (its embeddings have another shape
-    or meaning) or of another ZeRO stage. ConfigError naming the checkpoint and the
-    override that resumes it. ``tokenizer``: the data's (the manifest's "tokenizer")."""
-    where = ckpt.root / tag
-    fresh = "or pass a new train.out_dir to start a new run"
-    saved_tok = meta.get("tokenizer_fingerprint")
-    tok = tokenizer
-    if saved_tok and tok.get("fingerprint") and saved_tok != tok["fingerprint"]:
-        raise ConfigError(
-            f"train.resume=auto: checkpoint {where} was trained on data of another "
-            f"tokenizer (vocab {meta.get('vocab_size', '?')}, sha256 {saved_tok[:12]}) than "
-            f"{where_data(cfg)} (vocab {tok.get('vocab_size', '?')}, sha256 "
-            f"{tok['fingerprint'][:12]}): point data.path at data prepared with the "
-            f"checkpoint's tokenizer, {fresh}"
-        )
-    saved_stage = meta.get("zero_stage")
-    stage = ds_engine.zero_stage(ds_engine.load_base_config(cfg.deepspeed)[0])
-    if saved_stage is not None and int(saved_stage) != stage:
-        raise ConfigError(
-            f"train.resume=auto: checkpoint {where} was written under ZeRO-{saved_stage} "
-            f"and this run's deepspeed config is ZeRO-{stage}; a checkpoint resumes under "
-            f"its own stage (on any number of ranks): pass "
-            f"deepspeed=configs/deepspeed/zero{saved_stage}.json, {fresh}"
-        )
-
-
 def open_eval_streams(cfg: ExperimentConfig, make_stream, n_sources: int) -> dict[int, Any]:
     """The valid stream of each source (``make_stream(k)``), opened now: at the start of
     a run and by ``--dry-run``, not at the first evaluation after steps were trained. A
@@ -270,16 +215,24 @@ def check_eval_split(cfg: ExperimentConfig, sources, objective, world: int) -> N
         stream.close()
 
 
-def print_plan(cfg: ExperimentConfig) -> int:
-    from pipeline.loader.mixture import describe, open_sources, shares
-    from pipeline.models.registry import build_model
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the dry run learns of the model by building it on the meta device."""
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    cfg = with_global_batch(cfg, world)
+    model_cfg: Any
+    n_params: int
+    flops_per_token: float
+    objective: Any
+
+
+def open_data(cfg: ExperimentConfig) -> tuple[list, dict[str, Any]]:
+    """The data dirs (``open_sources``: tokenizers checked) and the tokenizer's meta; a
+    ConfigError for a missing meta file or a source without train or valid shards."""
+    from pipeline.loader.mixture import open_sources
+
     key = "data.path" if cfg.data.sources is None else "data.sources"
-    sources = open_sources(cfg.data)  # tokenizers checked
-    data = sources[0].path
-    meta_path = data.tokenizer_path.parent / "tokenizer_meta.json"
+    sources = open_sources(cfg.data)
+    meta_path = sources[0].path.tokenizer_path.parent / "tokenizer_meta.json"
     if not meta_path.is_file():
         raise ConfigError(f"{key}: {meta_path} is missing (re-run `plm data prepare`)")
     meta = json.loads(meta_path.read_text(encoding="utf-8"))
@@ -287,45 +240,55 @@ def print_plan(cfg: ExperimentConfig) -> int:
         for split in ("train", "valid"):
             if not source.path.manifest["splits"].get(split, {}).get("shards"):
                 raise ConfigError(f"{key}: {source.path.where()} has no {split} shards")
+    return sources, meta
+
+
+def check_model(cfg: ExperimentConfig, sources, meta: dict[str, Any], world: int) -> ModelFacts:
+    """The model, the objective and the evaluation as the run's start checks them, the
+    model built on the meta device (its parameters counted, none allocated)."""
+    from pipeline.models.registry import build_model
+    from pipeline.objectives import build_objective
+
     model_cfg = model_config_for(cfg, meta["vocab_size"])
     check_positions(cfg, model_cfg)
     parallelize.check_compile(cfg.train)
-    with torch.device("meta"):  # counts parameters without allocating them
+    with torch.device("meta"):
         model = build_model(cfg.model.arch, model_cfg)
     n_params = sum(p.numel() for p in model.parameters())
     flops_per_token = float(model.flops_per_token(cfg.data.seq_len))
-    from pipeline.objectives import build_objective
-
     specials = {int(i) for i in meta.get("special_tokens", {}).values()}
     objective = build_objective(
         cfg.objective, meta["roles"], meta["vocab_size"], cfg.data.seq_len, specials
     )
-    check_objective(cfg, objective, model, data, meta)
+    check_objective(cfg, objective, model, sources[0].path, meta)
     check_eval_split(cfg, sources, objective, world)
-    from pipeline.train.checkpoint import CheckpointManager
+    return ModelFacts(model_cfg, n_params, flops_per_token, objective)
 
-    ckpt = CheckpointManager(cfg.train.out_dir, 1, 0, world)
-    auto = cfg.deepspeed == ds_engine.AUTO
-    cfg = resolve_deepspeed(cfg, ckpt, world)
-    ds = ds_engine.build_ds_config(cfg, world)
-    check_resumable(cfg, ckpt, data.manifest.get("tokenizer", {}))
-    stage, offload = ds_engine.zero_stage(ds), ds_engine.offloads_optimizer(ds)
+
+def plan_lines(plan: RunPlan, meta: dict[str, Any], sources, model: ModelFacts) -> list[str]:
+    """The dry run's table of ``plan`` (a local train.out_dir too small for one
+    checkpoint raises DiskFull here)."""
+    from pipeline.loader.mixture import describe, shares
+
+    cfg, world, ds = plan.cfg, plan.world, plan.ds_config
+    stage, offload = plan.zero_stage, ds_engine.offloads_optimizer(ds)
     ops = ds_ops.plan_lines(
         offload, cfg.train.cpu_shm_allreduce, world, nvme=bool(ds_ops.nvme_sections(ds))
     )
     t = cfg.train
-    global_batch = t.micro_batch_size * t.grad_accum * world
+    global_batch = plan.global_batch
     tokens = global_batch * cfg.data.seq_len * t.max_steps
     data_tokens = sum(int(x.path.manifest["splits"]["train"]["n_tokens"]) for x in sources)
     if len(sources) == 1:
         data_line = f"{cfg.data.path}: {data_tokens:,} train tokens"
     else:
-        mix = describe(shares(sources, objective, global_batch * t.max_steps))
+        mix = describe(shares(sources, model.objective, global_batch * t.max_steps))
         data_line = "\n".join([f"mixture of {len(sources)} sources:", *mix])
+    n_params, flops_per_token = model.n_params, model.flops_per_token
     p, g, o = model_state_bytes(n_params, stage, world, t.precision, offload)
     space = check_out_dir_space(cfg, n_params, stage)
-    mem = MemoryEstimate(p, g, o, activation_bytes(cfg, model_cfg))
-    lines = [
+    mem = MemoryEstimate(p, g, o, activation_bytes(cfg, model.model_cfg))
+    return [
         f"experiment      {cfg.name}  ({cfg.model.arch}, objective {cfg.objective.kind})",
         f"tokenizer       {meta['kind']} vocab {meta['vocab_size']:,}",
         f"data            {data_line}",
@@ -338,7 +301,7 @@ def print_plan(cfg: ExperimentConfig) -> int:
         f"parameters      {n_params:,}  ({flops_per_token / 1e6:.1f} MFLOP per token, "
         f"{flops_per_token * tokens:.3g} FLOP in total)",
         f"deepspeed       ZeRO-{stage}{' + CPU offload' if offload else ''}"
-        f"{' (deepspeed: auto)' if auto else ''}, precision "
+        f"{' (deepspeed: auto)' if plan.deepspeed_auto else ''}, precision "
         f"{t.precision}, clip {t.grad_clip}, activation checkpointing "
         f"{t.activation_checkpointing}",
         f"memory / rank   {mem.total / GiB:.3f} GiB = params {mem.params / GiB:.3f} + grads "
@@ -348,6 +311,18 @@ def print_plan(cfg: ExperimentConfig) -> int:
         f"{space})",
         *(f"{'c++ ops' if i == 0 else '':<16}{x}" for i, x in enumerate(ops)),
     ]
-    print("\n".join(lines))
+
+
+def print_plan(cfg: ExperimentConfig) -> int:
+    """``plm train --dry-run``: what the run's start checks, checked; its plan printed
+    (``resolve_run``, on WORLD_SIZE ranks, the same resolution the trainer builds from)."""
+    from pipeline.train.checkpoint import CheckpointManager
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sources, meta = open_data(cfg)
+    ckpt = CheckpointManager(cfg.train.out_dir, 1, 0, world)
+    plan = resolve_run(cfg, world, ckpt, sources[0].path.manifest.get("tokenizer", {}))
+    model = check_model(plan.cfg, sources, meta, world)
+    print("\n".join(plan_lines(plan, meta, sources, model)))
     print("dry run: config valid, nothing started")
     return 0

@@ -230,9 +230,8 @@ def _short_http_timeouts() -> None:
 def upload_timeout(seconds: float):
     """MLflow's HTTP timeout at ``seconds`` meanwhile, unless the user set their own. A
     server that proxies artifacts stores the whole file (or completes a multipart upload
-    of it on its object store) before it answers: 10-12 s for the 120 parts of a 1.17 GiB
-    BERT-large bundle on moto, the rig's S3 server, where the 5 s of the other calls made
-    every such upload fail."""
+    of it on its object store) before it answers: for a large bundle, longer than the
+    short timeout of the other calls (docs/training.md, memory of the MLflow upload)."""
     if not (_timeout_is_ours and os.environ.get(TIMEOUT_VAR) == SHORT_TIMEOUT_S):
         yield
         return
@@ -247,9 +246,9 @@ def upload_timeout(seconds: float):
 def ipython_absent():
     """``import IPython`` fails meanwhile, unless IPython is loaded already. MLflow's
     ``start_run`` asks whether it runs in a notebook or a Databricks job by importing
-    IPython and calling ``get_ipython()``: 0.3-0.7 s of a 1-step `plm train`. With IPython
-    not loaded there is no IPython shell in this process, and the ImportError gives MLflow
-    the same answer (it treats it as "not in IPython")."""
+    IPython and calling ``get_ipython()``, a noticeable part of a short run's start. With
+    IPython not loaded there is no IPython shell in this process, and the ImportError
+    gives MLflow the same answer (it treats it as "not in IPython")."""
     if "IPython" in sys.modules:
         yield
         return
@@ -584,7 +583,7 @@ class Tracker:
         defer: bool = False,
     ) -> None:
         """The MLflow run: started now, or (``defer``) by the first metrics row or the
-        first call that needs the run, so that MLflow's import (about 1.5 s) comes after
+        first call that needs the run, so that MLflow's (slow) import comes after
         the first step, not before it. Before it, only a plain HTTP question to a tracking
         server (``check_server``: a refusal ends the run there)."""
         _short_http_timeouts()
@@ -617,7 +616,7 @@ class Tracker:
         id_file = self.run_dir / RUN_ID_FILE
         try:
             # A new sqlite store at its current schema in one step, not MLflow's 68
-            # migrations (about 4 s): pipeline/train/mlflow_store.py.
+            # migrations: pipeline/train/mlflow_store.py.
             create_new_store(uri)
             mlflow.set_tracking_uri(uri)
             previous = id_file.read_text().strip() if resume and id_file.is_file() else None

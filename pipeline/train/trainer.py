@@ -2,20 +2,21 @@
 
 One code path for a single process, the ``deepspeed`` launcher (any hostfile) and a
 torchrun-style environment (Kubernetes): the rank and world size come from the env.
+What the run is (global batch, ZeRO stage, the checkpoint it resumes) is resolved once,
+``run_plan.resolve_run``; when it checkpoints is the ``Checkpointer``'s.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
-import inspect
 import json
 import math
 import os
-import random
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pipeline.config import ExperimentConfig, with_global_batch
+from pipeline.config import ExperimentConfig
 from pipeline.data.shards import DataDir
 from pipeline.errors import ConfigError
 from pipeline.loader.mixture import open_sources
@@ -35,17 +36,27 @@ from pipeline.output import DiskFull, disk_full, no_space, rank_line, size_text
 from pipeline.tracking_uri import check_access
 from pipeline.train import engine as ds_engine
 from pipeline.train import faults, heartbeat, parallelize, stragglers
-from pipeline.train.checkpoint import CheckpointManager, tag_for, uploads_as_checkpoint_errors
+from pipeline.train.batch_stats import flops_model, n_positions
+
+# The step counts the loader's CPU batch through these names of this module, which
+# tests/unit/test_host_reads.py wraps to leave those (sync-free) reads out of its count.
+from pipeline.train.batch_stats import tokens_by_source as _tokens_by_source
+from pipeline.train.batch_stats import work_stats as _work_stats
+from pipeline.train.checkpoint import CheckpointManager, uploads_as_checkpoint_errors
+from pipeline.train.checkpointer import Checkpointer
+from pipeline.train.fingerprint import data_fingerprint, mixture_fingerprint
+from pipeline.train.full_weights import full_tensors
 from pipeline.train.metrics import device_peak_flops, throughput
+from pipeline.train.model_inputs import forward_keys, model_inputs
 from pipeline.train.out_store import OutStore
 from pipeline.train.plan import (
-    check_checkpoint,
     check_positions,
     checkpoint_bytes,
     model_config_for,
     open_eval_streams,
-    resolve_deepspeed,
 )
+from pipeline.train.run_plan import ElasticResume, RunPlan, resolve_run
+from pipeline.train.runtime import device, peak_resident_gib, seed_everything
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop, TrainingStopped
 from pipeline.train.tracking import RUN_ID_FILE, SYNCED_FILE, Tracker, code_version
@@ -53,13 +64,6 @@ from pipeline.train.tracking import RUN_ID_FILE, SYNCED_FILE, Tracker, code_vers
 
 class TrainingDiverged(RuntimeError):
     """Too many non-finite losses in a row; the last good state was checkpointed."""
-
-
-def peak_resident_gib() -> float:
-    """This process's resident high-water mark, GiB (the page cache not counted)."""
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
 @dataclass
@@ -92,12 +96,6 @@ class StepRecord:
     lr: float
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 def micro_batch_seed(seed: int, step: int, index: int) -> int:
     """The torch seed of micro-batch ``index`` (counted across ranks) of optimizer step
     ``step``: a function of the global position only, never of the rank layout."""
@@ -107,27 +105,6 @@ def micro_batch_seed(seed: int, step: int, index: int) -> int:
 def tokenizer_meta(data: DataDir) -> dict[str, Any]:
     path = data.tokenizer_path.parent / "tokenizer_meta.json"
     return json.loads(path.read_text(encoding="utf-8"))
-
-
-def data_fingerprint(manifest: dict[str, Any]) -> str:
-    """The manifest's fingerprint (sources + data config + tokenizer) when it has one."""
-    if manifest.get("fingerprint"):
-        return str(manifest["fingerprint"])
-    tok = manifest.get("tokenizer", {}).get("fingerprint", "?")
-    return f"tok:{tok}/data:{manifest.get('data_config_hash', '?')}"
-
-
-def mixture_fingerprint(sources) -> str:
-    """One source: its data fingerprint; a mixture: name:weight:fingerprint of each."""
-    if len(sources) == 1:
-        return data_fingerprint(sources[0].path.manifest)
-    return ",".join(f"{s.name}:{s.weight:g}:{data_fingerprint(s.path.manifest)}" for s in sources)
-
-
-def device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    return torch.device("cpu")
 
 
 def build_parts(
@@ -193,145 +170,6 @@ def _to_device(batch: dict[str, Any], dev: torch.device) -> dict[str, Any]:
     return {k: v.to(dev, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
 
 
-def forward_keys(model: torch.nn.Module) -> frozenset[str]:
-    """The batch keys this model's forward takes: the standard inputs plus any other
-    parameter it names (ELECTRA takes the MLM labels, XLNet its permutation masks)."""
-    from pipeline.objectives import MODEL_INPUT_KEYS
-
-    names = set(inspect.signature(model.forward).parameters)
-    return frozenset(names) | frozenset(k for k in MODEL_INPUT_KEYS if k in names)
-
-
-def flops_model(model, seq_len: int):
-    """FLOPs per token as a function of (attended length, decoded share), read from the
-    model's ``flops_per_token`` now, while its parameters are whole (ZeRO-3 partitions
-    them). The formulas are affine in both around ``seq_len`` (Transformer-XL's memory
-    term is not, but its rows are always full: it is evaluated at ``seq_len`` exactly)."""
-    T = float(seq_len)
-    full, none, half = (
-        float(model.flops_per_token(T, 1.0)),
-        float(model.flops_per_token(T, 0.0)),
-        float(model.flops_per_token(T / 2, 1.0)),
-    )
-    per_key = (full - half) / (T / 2)
-
-    def flops(attended: float, decoded: float) -> float:
-        return none + decoded * (full - none) + (attended - T) * per_key
-
-    return flops
-
-
-def _model_inputs(batch: dict[str, Any], keys: frozenset[str]) -> dict[str, Any]:
-    return {k: v for k, v in batch.items() if k in keys}
-
-
-def _n_tokens(batch: dict[str, Any]) -> int:
-    if "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    return int(batch["input_ids"].numel())
-
-
-def _n_positions(batch: dict[str, Any]) -> int:
-    """Positions of the batch, padding included (padding_fraction = 1 - tokens/positions)."""
-    return int(batch["input_ids"].numel())
-
-
-def _work_stats(batch: dict[str, Any]) -> tuple[float, float]:
-    """(sum over attention sequences of length^2, tokens the vocabulary decoder scores),
-    from the loader's CPU batch: what the FLOPs of the step depend on besides the token
-    count. A sequence is a row's real tokens, or one document with ``document_ids``."""
-    if "document_ids" in batch:
-        ids = batch["document_ids"]
-        rows = torch.arange(ids.shape[0])[:, None].expand_as(ids)
-        _, lengths = torch.unique_consecutive(
-            torch.stack([rows.flatten(), ids.flatten()]), dim=1, return_counts=True
-        )
-    elif "attention_mask" in batch:
-        lengths = batch["attention_mask"].sum(1)
-    else:
-        lengths = torch.full((len(batch["input_ids"]),), batch["input_ids"].shape[1])
-    squares = float((lengths.to(torch.float64) ** 2).sum())
-    if "mlm_labels" in batch:  # encoders decode the labelled positions only
-        return squares, float((batch["mlm_labels"] >= 0).sum())
-    return squares, float(lengths.sum())
-
-
-def _tokens_by_source(batch: dict[str, Any], n_sources: int) -> list[float]:
-    """Real tokens of the batch per mixture source (``source_ids``: each row's source)."""
-    if n_sources == 1:
-        return [float(_n_tokens(batch))]
-    rows = batch["source_ids"]
-    if "attention_mask" in batch:
-        per_row = batch["attention_mask"].sum(dim=1).to(torch.float64)
-    else:
-        per_row = torch.full(rows.shape, float(batch["input_ids"].shape[1]), dtype=torch.float64)
-    return (
-        torch.zeros(n_sources, dtype=torch.float64)
-        .index_add_(0, rows.cpu(), per_row.cpu())
-        .tolist()
-    )
-
-
-def _replicated_masters(engine) -> dict[int, torch.Tensor]:
-    """{id(16-bit param): its fp32 master} of DeepSpeed's ZeRO-0 mixed-precision optimizers
-    (FP16_UnfusedOptimizer: ``fp32_groups`` lists; FP16_Optimizer: ``fp32_groups_flat``);
-    empty for ZeRO 1-3 (their partitions are read with safe_get_full_fp32_param)."""
-    opt = engine.optimizer
-    lp_groups = getattr(opt, "fp16_groups", None)
-    if engine.zero_optimization() or not lp_groups:
-        return {}
-    out: dict[int, torch.Tensor] = {}
-    if getattr(opt, "fp32_groups", None):
-        for lp_group, hp_group in zip(lp_groups, opt.fp32_groups, strict=True):
-            out.update((id(lp), hp) for lp, hp in zip(lp_group, hp_group, strict=True))
-    elif getattr(opt, "fp32_groups_flat", None):
-        from torch._utils import _unflatten_dense_tensors
-
-        for lp_group, flat in zip(lp_groups, opt.fp32_groups_flat, strict=True):
-            hps = _unflatten_dense_tensors(flat, lp_group)
-            out.update((id(lp), hp) for lp, hp in zip(lp_group, hps, strict=True))
-    return out
-
-
-def full_tensors(engine) -> Iterator[tuple[str, torch.Tensor | None]]:
-    """(name, whole tensor on rank 0 / None elsewhere) for every state-dict entry, in the
-    module's state-dict order, one at a time. Collective under ZeRO 1-3 and bf16: every
-    rank must consume it to the end.
-
-    The fp32 *master* weights, never the 16-bit copies the forward pass uses: a bf16 run's
-    bundle holds what the optimizer holds (DeepSpeed's 16-bit consolidation would round
-    every weight to 8 bits of mantissa). Each parameter is assembled from the optimizer's
-    partitions (``safe_get_full_fp32_param``, an all-gather per parameter), so a rank holds
-    one whole parameter at a time, never the model; without a ZeRO or bf16 optimizer
-    (ZeRO-0 fp32) the module's weights are the master. Buffers are whole on every rank.
-    """
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    rank0 = dist.get_rank() == 0
-    replicated = _replicated_masters(engine)  # ZeRO-0 with bf16/fp16: every rank has it
-    for name, t in engine.module.state_dict(keep_vars=True).items():  # same order everywhere
-        value = t
-        if isinstance(t, torch.nn.Parameter):
-            hp = replicated.get(id(t))
-            if hp is None:
-                hp = safe_get_full_fp32_param(t)
-            if hp is None and hasattr(t, "ds_id"):  # a ZeRO-3 parameter the optimizer lacks
-                import deepspeed
-
-                with deepspeed.zero.GatheredParameters([t]):
-                    hp = t.detach().clone() if rank0 else None
-            value = hp if hp is not None else t
-        yield name, value.detach().to("cpu", torch.float32) if rank0 else None
-
-
-def consolidated_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """Full fp32 weights on rank 0 (None elsewhere), as one dict: for models small enough
-    to hold whole (fine-tuning's best weights); bundles stream ``full_tensors`` instead.
-    Collective under ZeRO 1-3 and bf16."""
-    sd = {name: t for name, t in full_tensors(engine) if t is not None}
-    return sd if dist.get_rank() == 0 else None
-
-
 def discard_gradients(engine) -> None:
     """Forget the gradients accumulated in an unfinished window, as DeepSpeed's own
     fp16-overflow path does: param grads, ZeRO-1/2 partition buffers, ZeRO-3 averaged
@@ -362,6 +200,36 @@ class Trainer:
             cfg.train.out_dir, cfg.train.local_dir, retry_s=cfg.train.upload_retry_s
         )
         self.out.check()
+        self.join_world(cfg)
+        self.start_records(cfg)
+        self.ckpt = CheckpointManager(
+            self.out, cfg.train.keep_last, self.rank, self.world, cfg.train.async_save,
+            bundles="bundles", save_buffer_mb=cfg.train.save_buffer_mb,
+        )  # fmt: skip
+        self.sources = open_sources(cfg.data)  # one for data.path; tokenizers checked
+        self.data = self.sources[0].path  # the tokenizer every source shares
+        # Before anything is built from the config: on another number of ranks the global
+        # batch is kept (grad_accum adjusted) and ZeRO 1-3 state converted (plan_run).
+        self.plan = self.plan_run(cfg)
+        self.cfg, self.elastic = self.plan.cfg, self.plan.elastic
+        self.ds_config = copy.deepcopy(self.plan.ds_config)  # this run's to change
+        self.build(self.cfg)
+        self.checkpointer = self.make_checkpointer()
+        self.tokens_by_source = [0] * len(self.sources)
+        self.step = 0
+        self.tokens_seen = 0
+        self.skipped = 0
+        self.resumed_from: str | None = None
+        self.stopper = GracefulStop(self.cfg.train.stop_grace_s, self._killed_by_timer)
+        self.stop_agreed = False  # every rank saw a stop signal's flag in the same all-reduce
+        self.membership: dict[str, Any] | None = None  # a change to log after the next step
+        self.writes_done = False  # every rank wrote the pending checkpoint (the all-reduce)
+        self.reset_metrics()
+
+    def join_world(self, cfg: ExperimentConfig) -> None:
+        """The process group, this rank's device, and what watches its peers: a silent
+        peer ends this rank in seconds, wherever it waits (train/heartbeat.py), and a
+        straggler is named."""
         if not torch.cuda.is_available():
             parallelize.set_cpu_threads()
         ds_engine.init_distributed(
@@ -371,7 +239,6 @@ class Trainer:
         faults.check_peers(cfg.train.max_clock_skew_s)
         self.dev = device()
         self.run_dir = self.out.local
-        # A silent peer ends this rank in seconds, wherever it waits (train/heartbeat.py).
         self.heartbeat = heartbeat.start_for_rank(
             self.rank, self.world, cfg.train.heartbeat_timeout_s, self._on_silent,
             cfg.train.stuck_timeout_s, self._checkpoint_writes_busy,
@@ -380,7 +247,11 @@ class Trainer:
             cfg.train.straggler_every, self.rank, self.world,
             self.heartbeat.address if self.heartbeat is not None else "",
         )  # fmt: skip
-        if self.rank == 0:  # metrics.jsonl and the MLflow run id travel with the checkpoints
+
+    def start_records(self, cfg: ExperimentConfig) -> None:
+        """metrics.jsonl and the MLflow run id (rank 0: they travel with the checkpoints,
+        restored from the store) and the tracker that writes them."""
+        if self.rank == 0:
             self.out.mirror(["metrics.jsonl", RUN_ID_FILE, SYNCED_FILE])
             self.out.restore_mirrored()
         self.tracker = Tracker(
@@ -390,20 +261,9 @@ class Trainer:
         )  # fmt: skip
         if self.rank == 0:
             self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.ckpt = CheckpointManager(
-            self.out, cfg.train.keep_last, self.rank, self.world, cfg.train.async_save,
-            bundles="bundles", save_buffer_mb=cfg.train.save_buffer_mb,
-        )  # fmt: skip
-        # Resuming on another number of ranks: the global batch is kept (grad_accum
-        # adjusted) and ZeRO 1-3 state is converted to a universal checkpoint, before
-        # anything is built from the config.
-        self.sources = open_sources(cfg.data)  # one for data.path; tokenizers checked
-        self.data = self.sources[0].path  # the tokenizer every source shares
-        cfg = with_global_batch(cfg, self.world)
-        cfg = resolve_deepspeed(cfg, self.ckpt, self.world)
-        cfg, self.elastic = self.plan_elastic_resume(cfg)
-        self.cfg = cfg
-        self.ds_config = ds_engine.build_ds_config(cfg, self.world)
+
+    def build(self, cfg: ExperimentConfig) -> None:
+        """Model, objective, DeepSpeed engine and the streams, from the resolved ``cfg``."""
         self.meta, self.model_cfg, model, self.objective, self.make_stream = build_parts(
             cfg, self.rank, self.world, self.sources, self.ds_config
         )
@@ -416,12 +276,13 @@ class Trainer:
         self.memory: Any = None
         self.eval_memory: Any = None
         self.n_params = sum(numel(p) for p in model.parameters())
-        # the checkpoint or bundle being written (``disk_full``'s path)
+        # the bundle being written (``disk_full``'s path; a checkpoint: the Checkpointer's)
         self.writing: Path | None = None
-        if self.elastic and self.elastic["universal"]:
+        universal = self.elastic is not None and self.elastic.universal
+        if universal:
             self.ds_config.setdefault("checkpoint", {})["load_universal"] = True
         self.engine = ds_engine.initialize(model, self.ds_config, scheduler_factory(cfg.train))
-        if self.elastic and self.elastic["universal"]:
+        if universal:
             # Only this run's first load reads the universal folder; later saves are ours.
             self.ds_config["checkpoint"].pop("load_universal")
             if not self.ds_config["checkpoint"]:
@@ -432,18 +293,18 @@ class Trainer:
         self.valid_streams: dict[int, Any] = open_eval_streams(
             cfg, lambda k: self.make_stream("valid", 0, k), len(self.sources)
         )
-        self.tokens_by_source = [0] * len(self.sources)
-        self.step = 0
-        self.tokens_seen = 0
-        self.skipped = 0
-        self.n_checkpoints = 0
-        self.save_call_s = 0.0  # this process's time in Trainer.save's checkpoint call
-        self.resumed_from: str | None = None
-        self.stopper = GracefulStop(cfg.train.stop_grace_s, self._killed_by_timer)
-        self.stop_agreed = False  # every rank saw a stop signal's flag in the same all-reduce
-        self.membership: dict[str, Any] | None = None  # a change to log after the next step
-        self.writes_done = False  # every rank wrote the pending checkpoint (the all-reduce)
-        self.reset_metrics()
+
+    def make_checkpointer(self) -> Checkpointer:
+        """What every checkpoint records besides the trainer's state: the config, the
+        DeepSpeed config and (in COMPLETE) the batch, the ZeRO stage and the tokenizer."""
+        batch_meta = {
+            **self.plan.batch_meta(),
+            "tokenizer_fingerprint": self.data.manifest.get("tokenizer", {}).get("fingerprint"),
+            "vocab_size": self.meta["vocab_size"],
+        }
+        files = (self.cfg.model_dump(mode="json"), self.ds_config, batch_meta)
+        return Checkpointer(self.ckpt, self.cfg.train, self.engine, self.checkpoint_state,
+                            self.bundle, files, self.log, self._long_phase)  # fmt: skip
 
     def reset_metrics(self) -> None:
         self.metric_names: list[str] | None = None  # the objective's, fixed at the first step
@@ -454,82 +315,55 @@ class Trainer:
         self.losses: dict[int, float] = {}  # step -> mean loss, this process's steps
 
     # --- setup ---------------------------------------------------------------------------
-    def plan_elastic_resume(self, cfg: ExperimentConfig) -> tuple[ExperimentConfig, dict | None]:
-        """When ``train.resume: auto`` finds a checkpoint of another world size: the config
-        with grad_accum set so the global batch stays the checkpoint's (or a ConfigError
-        giving the override to pass), and the ZeRO 1-3 state converted to a universal
-        checkpoint. Returns (config, None) when nothing changes."""
-        t = cfg.train
-        if t.resume != "auto":
-            return cfg, None
-        tag = self.ckpt.latest()
-        if tag is None:
-            return cfg, None
-        meta = self.ckpt.meta(tag)
-        check_checkpoint(cfg, self.ckpt, tag, meta, self.data.manifest.get("tokenizer", {}))
-        saved_world = int(meta["world_size"])
-        if saved_world == self.world:
-            return cfg, None
-        ga_saved = int(meta.get("grad_accum", t.grad_accum))
-        micro_saved = int(meta.get("micro_batch_size", t.micro_batch_size))
-        global_batch = int(meta.get("global_batch", micro_saved * ga_saved * saved_world))
-        where = self.ckpt.where(tag)
-        ga = t.grad_accum
-        if t.micro_batch_size * t.grad_accum * self.world != global_batch:
-            per_step = t.micro_batch_size * self.world
-            if global_batch % per_step == 0:
-                ga = global_batch // per_step
-            else:
-                if global_batch % self.world:
-                    hint = (f"a global batch of {global_batch} cannot be split over "
-                            f"{self.world} ranks: resume on a number of ranks that divides it")  # fmt: skip
-                else:
-                    per_rank = global_batch // self.world
-                    micro = next(m for m in (micro_saved, *range(t.micro_batch_size, 0, -1))
-                                 if per_rank % m == 0)  # fmt: skip
-                    hint = (f"pass train.micro_batch_size={micro} train.grad_accum="
-                            f"{per_rank // micro} (any micro_batch_size x grad_accum = "
-                            f"{per_rank} will do)")  # fmt: skip
-                raise ConfigError(
-                    f"train.resume=auto: checkpoint {where} was written by {saved_world} ranks "
-                    f"with a global batch of {global_batch} ({micro_saved} x {ga_saved} x "
-                    f"{saved_world}); with {self.world} ranks and train.micro_batch_size="
-                    f"{t.micro_batch_size} it cannot be kept by grad_accum alone: {hint}"
-                )
-        stage = ds_engine.zero_stage(ds_engine.load_base_config(cfg.deepspeed)[0])
-        plan = {
-            "tag": tag, "saved_world": saved_world, "universal": stage > 0,
-            "grad_accum": (ga_saved, ga), "convert_s": 0.0,  # the checkpoint's -> this run's
-        }  # fmt: skip
-        if ga != t.grad_accum:
+    def plan_run(self, cfg: ExperimentConfig) -> RunPlan:
+        """This run's plan (``resolve_run`` for this world and train.out_dir), its resume
+        on another world size prepared (``prepare_resume``)."""
+        plan = resolve_run(cfg, self.world, self.ckpt, self.data.manifest.get("tokenizer", {}))
+        return dataclasses.replace(plan, elastic=self.prepare_resume(plan.elastic))
+
+    def plan_elastic_resume(
+        self, cfg: ExperimentConfig
+    ) -> tuple[ExperimentConfig, ElasticResume | None]:
+        """(config, elastic resume) of ``plan_run``: the config with grad_accum set so the
+        global batch stays the checkpoint's, and the ZeRO 1-3 state converted."""
+        plan = self.plan_run(cfg)
+        return plan.cfg, plan.elastic
+
+    def prepare_resume(self, elastic: ElasticResume | None) -> ElasticResume | None:
+        """What a resume on another world size needs of the process group: the
+        checkpoint's ZeRO 1-3 state converted to a universal checkpoint (collective).
+        Says what changed; returns ``elastic`` with the conversion's seconds."""
+        if elastic is None:
+            return None
+        ga = elastic.grad_accum[1]
+        if ga != elastic.config_grad_accum:
             self.log(
-                f"checkpoint {where} was written by {saved_world} ranks: train.grad_accum "
-                f"{t.grad_accum} -> {ga} on {self.world} ranks keeps the global batch of "
-                f"{global_batch}"
+                f"checkpoint {elastic.where} was written by {elastic.saved_world} ranks: "
+                f"train.grad_accum {elastic.config_grad_accum} -> {ga} on {self.world} ranks "
+                f"keeps the global batch of {elastic.global_batch}"
             )
-            cfg = cfg.model_copy(update={"train": t.model_copy(update={"grad_accum": ga})})
-        if plan["universal"]:
-            plan["convert_s"] = self.ckpt.to_universal(tag)
-            peak = peak_resident_gib()  # before anything is built: the conversion's
-            by = f"by {self.world} ranks" if stage == 3 else "on rank 0"
-            done = (
-                f"in {plan['convert_s']:.1f} s {by}, rank 0's peak resident memory {peak:.2f} GiB"
-                if plan["convert_s"]
-                else "(converted before)"
-            )
-            self.log(
-                f"converted {where} (ZeRO-{stage}, {saved_world} ranks) to a universal "
-                f"checkpoint {done}"
-            )
-        return cfg, plan
+        if not elastic.universal:
+            return elastic
+        elastic = dataclasses.replace(elastic, convert_s=self.ckpt.to_universal(elastic.tag))
+        peak = peak_resident_gib()  # before anything is built: the conversion's
+        by = f"by {self.world} ranks" if elastic.stage == 3 else "on rank 0"
+        done = (
+            f"in {elastic.convert_s:.1f} s {by}, rank 0's peak resident memory {peak:.2f} GiB"
+            if elastic.convert_s
+            else "(converted before)"
+        )
+        self.log(
+            f"converted {elastic.where} (ZeRO-{elastic.stage}, {elastic.saved_world} ranks) "
+            f"to a universal checkpoint {done}"
+        )
+        return elastic
 
     def resume_if_asked(self) -> None:
-        if self.cfg.train.resume != "auto" or self.resumed_from is not None:
+        """Load the checkpoint the plan resumes (``train.resume: auto``), once."""
+        tag = self.plan.resume_tag
+        if tag is None or self.resumed_from is not None:
             return
-        tag = self.ckpt.latest()
-        if tag is None:
-            return
-        universal = bool(self.elastic and self.elastic["universal"] and self.elastic["tag"] == tag)
+        universal = self.elastic is not None and self.elastic.universal
         state = self.ckpt.load(self.engine, tag, universal=universal)  # raises if it cannot
         self.stream.load_state_dict(state["loader"])
         self.step = state["step"]
@@ -537,7 +371,7 @@ class Trainer:
         self.tokens_by_source = state.get("tokens_by_source", [self.tokens_seen])
         self.memory = state.get("memory")
         self.skipped = state["skipped"]
-        self.n_checkpoints = state["n_checkpoints"]
+        self.checkpointer.count = state["n_checkpoints"]
         self.resumed_from = tag
         names, nbytes = getattr(self.ckpt, "fetched", ([], 0))
         if names:  # a store: what this rank fetched, said by every rank
@@ -609,36 +443,14 @@ class Trainer:
         a stop signal or a non-finite loss? (Every rank must agree on skipping.)
         """
         ga = self.cfg.train.grad_accum
-        n_sources = len(self.sources)
         values: torch.Tensor | None = None  # [loss, *metrics] summed over micro-batches
         nonfinite = torch.zeros((), device=self.dev)
         # tokens per source, samples, positions, sum of squared lengths, decoded tokens
-        host = [0.0] * (n_sources + 4)
+        host = [0.0] * (len(self.sources) + 4)
         for micro in range(ga):
             batch = next(it)
-            # counted on the loader's CPU tensors: no device sync
-            for k, n in enumerate(_tokens_by_source(batch, n_sources)):
-                host[k] += n
-            host[n_sources] += len(batch["input_ids"])
-            host[n_sources + 1] += _n_positions(batch)
-            squares, decoded = _work_stats(batch)
-            host[n_sources + 2] += squares
-            host[n_sources + 3] += decoded
-            batch = self.device_batch(batch)
-            # Dropout (and any other torch randomness of the step) is drawn from a seed of
-            # the global micro-batch: the same samples get the same draws whatever the
-            # world size and grad_accum (rank r's micro-batch m holds the step's samples
-            # [(m * W + r) * B, ...)), so a resume on another world size continues the run.
-            torch.manual_seed(
-                micro_batch_seed(self.cfg.train.seed, self.step, micro * self.world + self.rank)
-            )
-            outputs = self.forward(batch, train=True)
-            loss, metrics = self.objective.loss(outputs, batch)
-            if self.metric_names is None:
-                self.metric_names = sorted(metrics)
-            row = torch.stack(
-                [loss.detach().float(), *(metrics[k].detach().float() for k in self.metric_names)]
-            )
+            self._count_on_host(batch, host)
+            loss, row = self._micro_batch_loss(batch, micro)
             values = row if values is None else values + row
             nonfinite = nonfinite + (~torch.isfinite(loss.detach())).float()
             last = micro == ga - 1
@@ -667,13 +479,7 @@ class Trainer:
             if last:  # the lr this update uses: engine.step() steps the scheduler after it
                 lr = float(self.engine.get_lr()[0])
             self.engine.step()
-        # recorded in every setup (engine.record_grad_norm); NaN, never a made-up 0, if not
-        norm = self.engine.get_global_grad_norm()
-        norm = (
-            norm.detach().float().reshape(())
-            if torch.is_tensor(norm)
-            else torch.tensor(float("nan") if norm is None else float(norm))
-        )
+        norm = self._grad_norm()
         assert values is not None
         return StepRecord(
             step=self.step + 1,
@@ -683,6 +489,47 @@ class Trainer:
             grad_norm=norm.to(self.dev, torch.float64),
             lr=lr,
         )
+
+    def _count_on_host(self, batch: dict[str, Any], host: list[float]) -> None:
+        """Add the loader's CPU batch to the step's counts (``host``: tokens per source,
+        samples, positions, sum of squared lengths, decoded tokens): no device sync."""
+        n_sources = len(self.sources)
+        for k, n in enumerate(_tokens_by_source(batch, n_sources)):
+            host[k] += n
+        host[n_sources] += len(batch["input_ids"])
+        host[n_sources + 1] += n_positions(batch)
+        squares, decoded = _work_stats(batch)
+        host[n_sources + 2] += squares
+        host[n_sources + 3] += decoded
+
+    def _micro_batch_loss(
+        self, batch: dict[str, Any], micro: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, [loss, *metrics] detached) of micro-batch ``micro`` of the step."""
+        batch = self.device_batch(batch)
+        # Dropout (and any other torch randomness of the step) is drawn from a seed of
+        # the global micro-batch: the same samples get the same draws whatever the
+        # world size and grad_accum (rank r's micro-batch m holds the step's samples
+        # [(m * W + r) * B, ...)), so a resume on another world size continues the run.
+        torch.manual_seed(
+            micro_batch_seed(self.cfg.train.seed, self.step, micro * self.world + self.rank)
+        )
+        outputs = self.forward(batch, train=True)
+        loss, metrics = self.objective.loss(outputs, batch)
+        if self.metric_names is None:
+            self.metric_names = sorted(metrics)
+        row = torch.stack(
+            [loss.detach().float(), *(metrics[k].detach().float() for k in self.metric_names)]
+        )
+        return loss, row
+
+    def _grad_norm(self) -> torch.Tensor:
+        """The update's global gradient norm, a 0-d tensor: recorded in every setup
+        (engine.record_grad_norm); NaN, never a made-up 0, if not."""
+        norm = self.engine.get_global_grad_norm()
+        if torch.is_tensor(norm):
+            return norm.detach().float().reshape(())
+        return torch.tensor(float("nan") if norm is None else float(norm))
 
     def _read_window(self) -> None:
         """Read the steps still on the device: one all-reduce over the ranks and one host
@@ -723,7 +570,7 @@ class Trainer:
         return batch
 
     def forward(self, batch: dict[str, Any], train: bool) -> dict[str, Any]:
-        inputs = _model_inputs(batch, self.input_keys)
+        inputs = model_inputs(batch, self.input_keys)
         if not self.uses_memory:
             return self.engine(**inputs)
         outputs = self.engine(**inputs, mems=self.memory if train else self.eval_memory)
@@ -781,56 +628,31 @@ class Trainer:
         return out
 
     # --- checkpoints and bundles ---------------------------------------------------------
-    def save(self) -> str:
+    def checkpoint_state(self, n: int) -> dict[str, Any]:
+        """This rank's trainer state for the run's ``n``-th checkpoint."""
         self._read_window()  # the token counts it stores must include every step
-        state = {
+        return {
             "loader": self.stream.state_dict(),
             "tokens_seen": self.tokens_seen,
             "tokens_by_source": self.tokens_by_source,
             "skipped": self.skipped,
-            "n_checkpoints": self.n_checkpoints + 1,
+            "n_checkpoints": n,
             "memory": self.memory,  # this rank's recurrent memory (None for most models)
         }
-        t = self.cfg.train
-        batch_meta = {
-            "micro_batch_size": t.micro_batch_size, "grad_accum": t.grad_accum,
-            "global_batch": t.micro_batch_size * t.grad_accum * self.world,
-            "zero_stage": ds_engine.zero_stage(self.ds_config),
-            "tokenizer_fingerprint": self.data.manifest.get("tokenizer", {}).get("fingerprint"),
-            "vocab_size": self.meta["vocab_size"],
-        }  # fmt: skip
-        t0 = time.perf_counter()
-        self.writing = self.ckpt.root / tag_for(self.step)  # what a full disk stops
-        tag = self.ckpt.save(
-            self.engine, self.step, state, self.cfg.model_dump(mode="json"), self.ds_config,
-            batch_meta,
-        )  # fmt: skip
-        self.writing = None
-        took = time.perf_counter() - t0
-        self.save_call_s += took
-        self.n_checkpoints += 1
-        writing = ", its files written in the background" if self.ckpt.pending else ""
-        self.log(f"checkpoint {self.ckpt.where(tag)} (the save took {took:.2f} s{writing})")
-        return tag
+
+    def save(self) -> str:
+        """Collective: checkpoint this step now (``Checkpointer.save``)."""
+        return self.checkpointer.save(self.step)
 
     def log_save_cost(self) -> None:
         """What this run's saves held training up on rank 0: the save calls, and the
         optimizer updates that waited for an asynchronous save's writes."""
-        writes = self.ckpt.writer.blocked_s if self.ckpt.writer else 0.0
-        self.log(
-            f"checkpoints held training {self.save_call_s + writes:.2f} s in all (save calls "
-            f"{self.save_call_s:.2f} s, updates waiting for writes {writes:.2f} s)"
-        )
+        self.log(self.checkpointer.cost_line())
 
     def save_complete(self) -> str:
         """Collective: a complete checkpoint of this step (what the end of a run, a stop
         and a divergence leave), a pending save's writes waited for first."""
-        self.ckpt.finish()
-        tag = self.ckpt.latest()
-        if tag != tag_for(self.step):
-            tag = self.save()
-            self.ckpt.finish()
-        return tag
+        return self.checkpointer.save_complete(self.step)
 
     def bundle(self, name: str, kept: bool = False) -> Path | None:
         """Write a model bundle (collective): every rank walks the weights one parameter at
@@ -870,154 +692,213 @@ class Trainer:
     def run(self, stop_after: int | None = None) -> RunResult:
         """Train to train.max_steps; ``stop_after``: checkpoint and return at that step
         instead (an interruption on purpose, used to test resuming)."""
-        cfg, t = self.cfg, self.cfg.train
-        self.stopper.install()  # before the loader forks its workers: they inherit it
-        self.resume_if_asked()
-        self.membership = self.membership_change()
-        self.silent_note = heartbeat.take_note(self.run_dir) if self.rank == 0 else None
-        self.start_tracking()
-        peak = device_peak_flops(t.precision)
-        self.log(
-            f"world size {self.world}, ZeRO {ds_engine.zero_stage(self.ds_config)}, "
-            f"{self.n_params / 1e6:.2f}M params, global batch "
-            f"{t.micro_batch_size * t.grad_accum * self.world}, steps {self.step}->{t.max_steps}"
-        )
-        bad_in_row = 0
-        t0 = time.perf_counter()
-        it = iter(self.stream)
+        it, t0 = self.start_run()
         status = "FAILED"
         bundle_dir = version = None
-        if self.stream.n_skipped_shards:
-            self.log(
-                f"skipped {self.stream.n_skipped_shards} bad shards: {self.stream.skipped_shards}"
-            )
-            self.tracker.log_metrics({"skipped_shards": self.stream.n_skipped_shards}, self.step)
         try:
-            while self.step < t.max_steps:
-                if stop_after is not None and self.step >= stop_after:
-                    break
-                if self.stop_agreed:  # a step boundary after SIGTERM / SIGINT
-                    self._long_phase()
-                    self._log_window(time.perf_counter() - t0, peak)
-                    self.stop_on_signal()
-                if self.heartbeat is not None:
-                    self.heartbeat.begin_step(self.step + 1)
-                self.stragglers.begin_step(self.step + 1)
-                out = self.train_step(it)
-                self.step += 1
-                self.stragglers.end_step()
-                if self.heartbeat is not None:
-                    self.heartbeat.end_step(self.step)
-                self.name_straggler()
-                if out is None:
-                    self.skipped += 1
-                    bad_in_row += 1
-                    self.log(
-                        f"step {self.step}: non-finite loss, update skipped ({bad_in_row} in a row)"
-                    )
-                    # Logged at once: a run that stops on a diverging tail has no later
-                    # logging window that would report these skips.
-                    self.tracker.log_metrics({"skipped_steps": self.skipped}, self.step)
-                    if bad_in_row >= t.max_nonfinite_in_row:
-                        tag = self.save_complete()
-                        raise TrainingDiverged(
-                            f"{bad_in_row} non-finite losses in a row at step {self.step} "
-                            f"(train.max_nonfinite_in_row={t.max_nonfinite_in_row}); weights of "
-                            f"the last good update saved in {self.ckpt.where(tag)}. Lower "
-                            "train.lr, raise train.warmup_steps or use precision fp32/bf16."
-                        )
-                    continue
-                bad_in_row = 0
-                self.window.append(out)
-                if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    if self.heartbeat is not None:  # rank 0's MLflow may be slow to answer
-                        self.heartbeat.long_phase()
-                    self._log_window(time.perf_counter() - t0, peak)
-                    t0 = time.perf_counter()
-                if self.membership is not None:
-                    self.log_membership_change()
-                if self.writes_done:  # every rank wrote its part: complete the checkpoint
-                    self.writes_done = False
-                    self.ckpt.finish(agreed=True)
-                self.save_and_evaluate_if_due()
+            self.train_loop(it, t0, stop_after)
             self._long_phase()  # the run's end: the last save, evaluation, bundle, MLflow
             self.save_complete()
-            if self.step < t.max_steps:  # stopped early on purpose
+            if self.step < self.cfg.train.max_steps:  # stopped early on purpose
                 status = "KILLED"
                 return self._result(None, None)
-            # The last step's evaluation, after its checkpoint is complete (above).
-            final_eval = self.evaluate() if t.eval_every else {}
-            if final_eval:
-                self.tracker.log_metrics(final_eval, self.step)
-                self.log(
-                    f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in final_eval.items())
-                )
-            bundle_dir = self.bundle("final")
-            self.log_save_cost()
-            self.log_host_memory()
-            if self.rank == 0:
-                self.tracker.await_server()  # after an outage: the model is logged if it can
-                self.tracker.log_artifacts(bundle_dir, "model")
-                if cfg.mlflow.register_model:
-                    from pipeline.models.pyfunc import log_bundle_model  # imports MLflow
-
-                    version = self.tracker.register(
-                        "model",
-                        cfg.name,
-                        cfg.mlflow.alias,
-                        {
-                            "arch": cfg.model.arch,
-                            "objective": cfg.objective.kind,
-                            "tokens_seen": str(self.tokens_seen),
-                            "data_fingerprint": mixture_fingerprint(self.sources),
-                        },
-                        bundle_dir=bundle_dir,
-                        # the LoggedModel at its step (the UI's "Step"; MLflow's default is 0)
-                        log_model=functools.partial(log_bundle_model, step=self.step),
-                    )
-            with uploads_as_checkpoint_errors():
-                self.out.wait()  # on a store: the final bundle and the checkpoints are there
+            bundle_dir, version = self.finish_run()
             status = "FINISHED"
         except BaseException as err:
-            full = no_space(err)
-            if full is not None:  # train.out_dir's filesystem: one line, exit 5, no traceback
-                self.tracker.set_tags(
-                    {"failure_reason": "disk_full", "failure_step": self.step,
-                     "failure_message": f"{type(full).__name__}: {full}"}
-                )  # fmt: skip
-                raise self.disk_full(full) from None
-            fault = faults.peer_fault(err, self.rank, self.step, t.collective_timeout_s)
-            if fault is not None and self.heartbeat is not None and self.heartbeat.settle():
-                time.sleep(60)  # a silent peer is named: the heartbeat thread ends us
-            if fault is not None:
-                self.tracker.set_tags({"elastic/last_fault": str(fault)})
-                # An elastic agent with restarts left starts the ranks again: the MLflow
-                # run goes on (stays RUNNING) rather than ending here.
-                status = "RUNNING" if elastic_restarts_left() else "FAILED"
-                raise fault from None
-            # The MLflow run says why it failed, not only that it did.
-            reason = "diverged" if isinstance(err, TrainingDiverged) else type(err).__name__
-            if isinstance(err, KeyboardInterrupt):
-                status, reason = "KILLED", "interrupted"
-            if isinstance(err, TrainingStopped):
-                status, reason = "KILLED", signal.Signals(err.signum).name
-            self.tracker.set_tags(
-                {"failure_reason": reason, "failure_step": self.step,
-                 "failure_message": f"{type(err).__name__}: {err}"}
-            )  # fmt: skip
+            status, instead = self.failed(err)
+            if instead is not None:
+                raise instead from None
             raise
         finally:
-            if self.heartbeat is not None:  # this rank ends on its own: not a silent peer
-                self.heartbeat.stop()
-            self.stopper.restore()
-            self.tracker.end(status)
-            self.stream.close()
-            self.close_out(status)
+            self.close_run(status)
         result = self._result(bundle_dir, version)
         result.tracking_left_behind = self.tracker.left_behind()
         # The last line of a finished run: where its model is (what export, finetune take)
         self.log(f"final bundle: {self.out.where('bundles/final')}")
         return result
+
+    def start_run(self) -> tuple[Any, float]:
+        """Before the first step: stop signals caught, the resume, the MLflow run, the
+        run's first line. Returns (the train stream's iterator, the logging window's start)."""
+        t = self.cfg.train
+        self.stopper.install()  # before the loader forks its workers: they inherit it
+        self.resume_if_asked()
+        self.membership = self.membership_change()
+        self.silent_note = heartbeat.take_note(self.run_dir) if self.rank == 0 else None
+        self.start_tracking()
+        self.peak_flops = device_peak_flops(t.precision)
+        self.log(
+            f"world size {self.world}, ZeRO {ds_engine.zero_stage(self.ds_config)}, "
+            f"{self.n_params / 1e6:.2f}M params, global batch "
+            f"{t.micro_batch_size * t.grad_accum * self.world}, steps {self.step}->{t.max_steps}"
+        )
+        t0 = time.perf_counter()
+        it = iter(self.stream)
+        if self.stream.n_skipped_shards:
+            self.log(
+                f"skipped {self.stream.n_skipped_shards} bad shards: {self.stream.skipped_shards}"
+            )
+            self.tracker.log_metrics({"skipped_shards": self.stream.n_skipped_shards}, self.step)
+        return it, t0
+
+    def train_loop(self, it, t0: float, stop_after: int | None) -> None:
+        """Steps to train.max_steps (or ``stop_after``). A stop signal checkpoints and
+        raises TrainingStopped at the next step boundary; too many non-finite losses in a
+        row, TrainingDiverged."""
+        t = self.cfg.train
+        bad_in_row = 0
+        while self.step < t.max_steps:
+            if stop_after is not None and self.step >= stop_after:
+                break
+            if self.stop_agreed:  # a step boundary after SIGTERM / SIGINT
+                self._long_phase()
+                self._log_window(time.perf_counter() - t0, self.peak_flops)
+                self.stop_on_signal()
+            out = self.watched_step(it)
+            if out is None:
+                bad_in_row += 1
+                self.skipped_step(bad_in_row)
+                continue
+            bad_in_row = 0
+            self.window.append(out)
+            if self.step % t.log_every == 0 or self.step == t.max_steps:
+                if self.heartbeat is not None:  # rank 0's MLflow may be slow to answer
+                    self.heartbeat.long_phase()
+                self._log_window(time.perf_counter() - t0, self.peak_flops)
+                t0 = time.perf_counter()
+            if self.membership is not None:
+                self.log_membership_change()
+            self.after_step()
+
+    def watched_step(self, it) -> StepRecord | None:
+        """``train_step``, seen by the heartbeat and the straggler watch."""
+        if self.heartbeat is not None:
+            self.heartbeat.begin_step(self.step + 1)
+        self.stragglers.begin_step(self.step + 1)
+        out = self.train_step(it)
+        self.step += 1
+        self.stragglers.end_step()
+        if self.heartbeat is not None:
+            self.heartbeat.end_step(self.step)
+        self.name_straggler()
+        return out
+
+    def skipped_step(self, bad_in_row: int) -> None:
+        """A step skipped on a non-finite loss: said and counted; the
+        train.max_nonfinite_in_row-th in a row checkpoints and raises TrainingDiverged."""
+        t = self.cfg.train
+        self.skipped += 1
+        self.log(f"step {self.step}: non-finite loss, update skipped ({bad_in_row} in a row)")
+        # Logged at once: a run that stops on a diverging tail has no later
+        # logging window that would report these skips.
+        self.tracker.log_metrics({"skipped_steps": self.skipped}, self.step)
+        if bad_in_row >= t.max_nonfinite_in_row:
+            tag = self.save_complete()
+            raise TrainingDiverged(
+                f"{bad_in_row} non-finite losses in a row at step {self.step} "
+                f"(train.max_nonfinite_in_row={t.max_nonfinite_in_row}); weights of "
+                f"the last good update saved in {self.ckpt.where(tag)}. Lower "
+                "train.lr, raise train.warmup_steps or use precision fp32/bf16."
+            )
+
+    def after_step(self) -> None:
+        """After a trained step: what the checkpointer does (a completion, the checkpoint
+        and bundle due), then the evaluation due. The checkpoint is written and completed
+        before the evaluation: an evaluation that fails loses no training
+        (docs/training.md). The run's last step has its own (``run``, ``finish_run``)."""
+        writes_done, self.writes_done = self.writes_done, False
+        saved = self.checkpointer.step_done(self.step, writes_done)
+        if saved.kept and saved.bundle is not None:  # MLflow gets the kept ones only
+            self.tracker.log_artifacts(saved.bundle, f"bundles/{saved.tag}")
+        t = self.cfg.train
+        if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+            self._long_phase()
+            self.ckpt.finish()  # a pending checkpoint (this step's): complete first
+            self.log_evaluation(self.evaluate())
+
+    def log_evaluation(self, ev: dict[str, float]) -> None:
+        self.tracker.log_metrics(ev, self.step)
+        self.log(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
+
+    def finish_run(self) -> tuple[Path | None, str | None]:
+        """A run at train.max_steps, its last checkpoint complete: the last evaluation,
+        the final bundle, what the run cost, and (rank 0) the model in MLflow. Returns
+        (the bundle on rank 0, the registered model version)."""
+        final_eval = self.evaluate() if self.cfg.train.eval_every else {}
+        if final_eval:
+            self.log_evaluation(final_eval)
+        bundle_dir = self.bundle("final")
+        self.log_save_cost()
+        self.log_host_memory()
+        version = None
+        if self.rank == 0:
+            self.tracker.await_server()  # after an outage: the model is logged if it can
+            self.tracker.log_artifacts(bundle_dir, "model")
+            if self.cfg.mlflow.register_model:
+                version = self.register_model(bundle_dir)
+        with uploads_as_checkpoint_errors():
+            self.out.wait()  # on a store: the final bundle and the checkpoints are there
+        return bundle_dir, version
+
+    def register_model(self, bundle_dir: Path | None) -> str | None:
+        """Rank 0: the final bundle as a registered MLflow model; returns its version."""
+        from pipeline.models.pyfunc import log_bundle_model  # imports MLflow
+
+        cfg = self.cfg
+        return self.tracker.register(
+            "model",
+            cfg.name,
+            cfg.mlflow.alias,
+            {
+                "arch": cfg.model.arch,
+                "objective": cfg.objective.kind,
+                "tokens_seen": str(self.tokens_seen),
+                "data_fingerprint": mixture_fingerprint(self.sources),
+            },
+            bundle_dir=bundle_dir,
+            # the LoggedModel at its step (the UI's "Step"; MLflow's default is 0)
+            log_model=functools.partial(log_bundle_model, step=self.step),
+        )
+
+    def failed(self, err: BaseException) -> tuple[str, BaseException | None]:
+        """The MLflow run told why ``err`` ended the run. Returns (the status it ends
+        with, what to raise instead of ``err``: a DiskFull or a peer's fault, or None)."""
+        full = no_space(err)
+        if full is not None:  # train.out_dir's filesystem: one line, exit 5, no traceback
+            self.tracker.set_tags(
+                {"failure_reason": "disk_full", "failure_step": self.step,
+                 "failure_message": f"{type(full).__name__}: {full}"}
+            )  # fmt: skip
+            return "FAILED", self.disk_full(full)
+        fault = faults.peer_fault(err, self.rank, self.step, self.cfg.train.collective_timeout_s)
+        if fault is not None and self.heartbeat is not None and self.heartbeat.settle():
+            time.sleep(60)  # a silent peer is named: the heartbeat thread ends us
+        if fault is not None:
+            self.tracker.set_tags({"elastic/last_fault": str(fault)})
+            # An elastic agent with restarts left starts the ranks again: the MLflow
+            # run goes on (stays RUNNING) rather than ending here.
+            return ("RUNNING" if elastic_restarts_left() else "FAILED"), fault
+        # The MLflow run says why it failed, not only that it did.
+        status = "FAILED"
+        reason = "diverged" if isinstance(err, TrainingDiverged) else type(err).__name__
+        if isinstance(err, KeyboardInterrupt):
+            status, reason = "KILLED", "interrupted"
+        if isinstance(err, TrainingStopped):
+            status, reason = "KILLED", signal.Signals(err.signum).name
+        self.tracker.set_tags(
+            {"failure_reason": reason, "failure_step": self.step,
+             "failure_message": f"{type(err).__name__}: {err}"}
+        )  # fmt: skip
+        return status, None
+
+    def close_run(self, status: str) -> None:
+        """However the run ended: the heartbeat, signals, MLflow run, loader, store."""
+        if self.heartbeat is not None:  # this rank ends on its own: not a silent peer
+            self.heartbeat.stop()
+        self.stopper.restore()
+        self.tracker.end(status)
+        self.stream.close()
+        self.close_out(status)
 
     def disk_full(self, err: OSError) -> DiskFull:
         """The ``DiskFull`` of a write under train.out_dir that found its filesystem full
@@ -1056,7 +937,8 @@ class Trainer:
                 f"its new path) and run the same command again: it resumes from "
                 f"{self.ckpt.where(latest)}, the last complete checkpoint"
             )
-        path = self.writing or (self.ckpt.where(pending[0]) if pending else out)
+        path = self.writing or self.checkpointer.writing
+        path = path or (self.ckpt.where(pending[0]) if pending else out)
         return disk_full(err, path, needs=needs, then=then)
 
     def close_out(self, status: str) -> None:
@@ -1106,27 +988,6 @@ class Trainer:
             "old_world": saved, "step": self.step, "last_step": last_step,
             "last_time": last_time, "changes": changes + 1, "grad_accum": ga,
         }  # fmt: skip
-
-    def save_and_evaluate_if_due(self) -> None:
-        """After a step: the checkpoint (and bundle) due at it, then the evaluation due.
-        The checkpoint is written and completed before the evaluation: an evaluation that
-        fails loses no training (docs/training.md). The run's last step has its own."""
-        t = self.cfg.train
-        if t.save_every and self.step % t.save_every == 0 and self.step < t.max_steps:
-            self._long_phase()
-            tag = self.save()
-            n = self.n_checkpoints
-            kept = bool(t.keep_bundle_every) and n % t.keep_bundle_every == 0
-            if kept or (t.bundle_every and n % t.bundle_every == 0):
-                b = self.bundle(tag, kept=kept)
-                if b is not None and kept:  # MLflow gets the kept ones only
-                    self.tracker.log_artifacts(b, f"bundles/{tag}")
-        if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
-            self._long_phase()
-            self.ckpt.finish()  # a pending checkpoint (this step's): complete first
-            ev = self.evaluate()
-            self.tracker.log_metrics(ev, self.step)
-            self.log(f"step {self.step}: " + " ".join(f"{k} {v:.4f}" for k, v in ev.items()))
 
     def name_straggler(self) -> None:
         """Every train.straggler_every steps (a collective): the slowest rank, if it holds
@@ -1290,13 +1151,13 @@ class Trainer:
         self.tracker.log_metrics(m, self.step)  # the first row starts the MLflow run
 
 
-def elastic_resume_tag(plan: dict[str, Any], world: int) -> str:
+def elastic_resume_tag(elastic: ElasticResume, world: int) -> str:
     """The ``elastic_resume`` tag of a run resumed on another world size: the checkpoint,
     the world sizes, grad_accum (the checkpoint's -> this run's) and the conversion."""
-    conversion = f"{plan['convert_s']:.1f} s" if plan["universal"] else "none (ZeRO-0)"
+    conversion = f"{elastic.convert_s:.1f} s" if elastic.universal else "none (ZeRO-0)"
     return (
-        f"{plan['tag']}: {plan['saved_world']} -> {world} ranks, grad_accum "
-        f"{plan['grad_accum'][0]} -> {plan['grad_accum'][1]}, universal conversion {conversion}"
+        f"{elastic.tag}: {elastic.saved_world} -> {world} ranks, grad_accum "
+        f"{elastic.grad_accum[0]} -> {elastic.grad_accum[1]}, universal conversion {conversion}"
     )
 
 

@@ -29,10 +29,11 @@ from pipeline.objectives import build_objective
 from pipeline.train import engine as ds_engine
 from pipeline.train import trainer as trainer_module
 from pipeline.train.checkpoint import CheckpointManager
+from pipeline.train.model_inputs import forward_keys
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop
 from pipeline.train.stragglers import StragglerWatch
-from pipeline.train.trainer import Trainer, forward_keys
+from pipeline.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 

@@ -5,8 +5,8 @@ import torch
 
 from pipeline.config import TrainSection
 from pipeline.train import engine as ds_engine
+from pipeline.train.full_weights import consolidated_state_dict
 from pipeline.train.schedule import scheduler_factory
-from pipeline.train.trainer import consolidated_state_dict
 
 pytestmark = pytest.mark.slow
 

@@ -7,10 +7,11 @@ from pipeline.config import validate_dict
 from pipeline.loader.stream import MixSource
 from pipeline.train import engine as ds_engine
 from pipeline.train.checkpoint import CheckpointManager
+from pipeline.train.model_inputs import forward_keys
 from pipeline.train.schedule import scheduler_factory
 from pipeline.train.stop import GracefulStop
 from pipeline.train.stragglers import StragglerWatch
-from pipeline.train.trainer import Trainer, forward_keys
+from pipeline.train.trainer import Trainer
 
 pytestmark = pytest.mark.slow
 
@@ -73,7 +74,7 @@ def make_trainer(grad_accum: int, stage: int = 2):
 
 def weights(engine):
     if engine.zero_optimization_partition_weights():
-        from pipeline.train.trainer import consolidated_state_dict
+        from pipeline.train.full_weights import consolidated_state_dict
 
         return list(consolidated_state_dict(engine).values())
     return [p.detach().clone() for p in engine.module.parameters()]

@@ -7,8 +7,9 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from pipeline.train.batch_stats import flops_model
+from pipeline.train.batch_stats import work_stats as _work_stats
 from pipeline.train.parallelize import local_world_size, set_cpu_threads
-from pipeline.train.trainer import _work_stats, flops_model
 
 
 def test_work_stats_count_real_sequences_and_decoded_positions():

@@ -10,7 +10,7 @@ from conftest import tiny_model
 from pipeline.models.blocks import Dense, Packed, true_positions
 from pipeline.objectives.mlm import labelled_targets, masked_lm_loss
 from pipeline.objectives.rtd import generator_loss, rtd_loss
-from pipeline.train.trainer import forward_keys
+from pipeline.train.model_inputs import forward_keys
 
 ENCODERS = ["bert", "ernie", "roberta", "albert", "electra", "distilbert"]
 NO_DROPOUT = {"dropout": 0.0, "attention_dropout": 0.0}
