@@ -30,20 +30,11 @@ import numpy as np
 
 from pipeline.data.shards import SPLITS, read_blocks, token_dtype
 from pipeline.prepare import steps
+from pipeline.prepare import unit as cols  # the trace's columns: cols.T_POSITION, ...
 from pipeline.prepare.clean import CleanConfig
 from pipeline.prepare.readers import Slice
 from pipeline.prepare.unit import (
     MAX_REJECT_EXAMPLES,
-    NO_TOKENS,
-    T_LANGUAGE,
-    T_LINE,
-    T_ORDINAL,
-    T_PIECES,
-    T_POSITION,
-    T_SLICE,
-    T_SPLIT,
-    T_TOKENS,
-    TRACE_COLUMNS,
     JobSpec,
     UnitResult,
     fix_part_name,
@@ -100,8 +91,8 @@ def write_unit(
     for split, writer in parts.items():
         writer.close()
         result.parts[split] = writer.entries
-    rows = np.concatenate(trace) if trace else np.zeros((0, TRACE_COLUMNS), dtype=np.int64)
-    partitions = partition(b"".join(keys), rows[:, T_POSITION], n_partitions)
+    rows = np.concatenate(trace) if trace else np.zeros((0, cols.TRACE_COLUMNS), dtype=np.int64)
+    partitions = partition(b"".join(keys), rows[:, cols.T_POSITION], n_partitions)
     if spec.near_dedup is not None:
         started = time.process_time()
         partitions += band_keys.partitions(spec.near_dedup.bands, n_near_partitions)
@@ -122,9 +113,11 @@ def _segmenter(spec: JobSpec) -> Callable:
 
 def trace_example(spec: JobSpec, unit: list[Slice], trace: np.ndarray, position: int):
     """The reject example of the document at ``position`` of a unit, from its trace."""
-    row = trace[np.searchsorted(trace[:, T_POSITION], position)].tolist()
-    part = unit[row[T_SLICE]]
-    return reject_example(part, spec.sources[part.source].uri, row[T_ORDINAL], row[T_LINE])
+    row = trace[np.searchsorted(trace[:, cols.T_POSITION], position)].tolist()
+    part = unit[row[cols.T_SLICE]]
+    return reject_example(
+        part, spec.sources[part.source].uri, row[cols.T_ORDINAL], row[cols.T_LINE]
+    )
 
 
 def fix_unit(
@@ -148,15 +141,15 @@ def fix_unit(
     near_duplicates = near_duplicates or {}
     if not duplicates and not near_duplicates:
         return result
-    dup = np.isin(trace[:, T_POSITION], np.fromiter(duplicates, dtype=np.int64))
-    near = np.isin(trace[:, T_POSITION], np.fromiter(near_duplicates, dtype=np.int64)) & ~dup
+    dup = np.isin(trace[:, cols.T_POSITION], np.fromiter(duplicates, dtype=np.int64))
+    near = np.isin(trace[:, cols.T_POSITION], np.fromiter(near_duplicates, dtype=np.int64)) & ~dup
     drop = dup | near
     _uncount(unit, result, trace, dup, drop)
     _fix_examples(spec, unit, result, trace, dup, near, near_duplicates, kept_example)
     for s, split in enumerate(SPLITS):
-        mine = trace[:, T_SPLIT] == s
+        mine = trace[:, cols.T_SPLIT] == s
         if (drop & mine).any():
-            pieces = np.repeat(drop[mine], trace[mine, T_PIECES])
+            pieces = np.repeat(drop[mine], trace[mine, cols.T_PIECES])
             result.parts[split] = _drop_pieces(spec, result, split, pieces)
     return result
 
@@ -165,13 +158,13 @@ def _uncount(unit: list[Slice], result: UnitResult, trace, dup, drop) -> None:
     """Move the dropped documents (``drop``, of them the duplicates ``dup``: trace row
     masks) from kept to rejected: a duplicate is never "no_tokens" (dedup comes first)."""
     for row, is_dup in zip(trace[drop].tolist(), dup[drop].tolist(), strict=True):
-        part = unit[row[T_SLICE]]
-        if row[T_SPLIT] == NO_TOKENS:
+        part = unit[row[cols.T_SLICE]]
+        if row[cols.T_SPLIT] == cols.NO_TOKENS:
             result.rejected["no_tokens"] -= 1
         else:
             result.kept[part.source] -= 1
-            result.languages[result.language_names[row[T_LANGUAGE]]] -= 1
-            result.n_tokens -= row[T_TOKENS]
+            result.languages[result.language_names[row[cols.T_LANGUAGE]]] -= 1
+            result.n_tokens -= row[cols.T_TOKENS]
         result.rejected["duplicate" if is_dup else "near_duplicate"] += 1
     for counter in (result.kept, result.languages, result.rejected):
         for key in [k for k, v in counter.items() if v == 0]:
@@ -182,9 +175,9 @@ def _examples(spec: JobSpec, unit: list[Slice], rows: np.ndarray) -> list[dict[s
     """The reject examples of the first trace ``rows``."""
     out = []
     for row in rows[:MAX_REJECT_EXAMPLES].tolist():
-        part = unit[row[T_SLICE]]
+        part = unit[row[cols.T_SLICE]]
         source = spec.sources[part.source].uri
-        out.append(reject_example(part, source, row[T_ORDINAL], row[T_LINE]))
+        out.append(reject_example(part, source, row[cols.T_ORDINAL], row[cols.T_LINE]))
     return out
 
 
@@ -194,7 +187,9 @@ def _fix_examples(spec, unit, result, trace, dup, near, near_duplicates, kept_ex
     source order, the first near-duplicates with their kept document's example, and the
     "no_tokens" ones without the dropped documents."""
     dup_examples = _examples(spec, unit, trace[dup])  # the first of the reducers' duplicates
-    found = [(int(row[T_POSITION]), e) for row, e in zip(trace[dup], dup_examples, strict=False)]
+    found = [
+        (int(row[cols.T_POSITION]), e) for row, e in zip(trace[dup], dup_examples, strict=False)
+    ]
     written = zip(result.duplicate_positions, result.examples.get("duplicate", []), strict=True)
     merged = sorted([*written, *found], key=lambda item: item[0])[:MAX_REJECT_EXAMPLES]
     if merged:
@@ -205,10 +200,10 @@ def _fix_examples(spec, unit, result, trace, dup, near, near_duplicates, kept_ex
         near_examples = _examples(spec, unit, near_rows)
         for row, example in zip(near_rows.tolist(), near_examples, strict=True):
             if kept_example is not None:
-                example["kept"] = kept_example(*near_duplicates[row[T_POSITION]])
+                example["kept"] = kept_example(*near_duplicates[row[cols.T_POSITION]])
         result.examples["near_duplicate"] = near_examples
     result.examples.pop("no_tokens", None)
-    no_tokens = (trace[:, T_SPLIT] == NO_TOKENS) & ~(dup | near)
+    no_tokens = (trace[:, cols.T_SPLIT] == cols.NO_TOKENS) & ~(dup | near)
     if no_tokens_examples := _examples(spec, unit, trace[no_tokens]):
         result.examples["no_tokens"] = no_tokens_examples
 
